@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# torch is installed only if it cannot be imported: a GPU user's CUDA torch is kept,
+# and a CPU-only machine never pulls multi-GB CUDA wheels (TORCH_SPEC is pinned).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+NPROC ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-gpu bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(PY) pyproject.toml
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/dptrain demo --nproc $(NPROC)
+
+test: setup
+	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf runs .pytest_cache

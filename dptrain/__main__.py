@@ -1,0 +1,3 @@
+from dptrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,441 @@
+"""Typed configuration: one TOML file -> frozen dataclasses, one per table.
+
+Precedence: ``--set section.key=value`` > TOML file > dataclass defaults. Every
+error is a :class:`ConfigError` whose message names the dotted key and the valid
+choices, so the CLI can print one line and exit 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message names the key and the fix."""
+
+
+def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key} must be {bound}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str = "lenet"
+    """Model zoo entry; see ``dptrain.models.MODELS`` for the choices."""
+    num_classes: int = 10
+    """Width of the classifier. Labels must lie in [0, num_classes)."""
+    width: int = 64
+    """Base channel count for the ``*_cifar`` nets (ResNet-18 uses 64). Smaller is faster."""
+    channels_last: bool = False
+    """Store activations NHWC. Faster convolutions on tensor cores; no effect on tiny CPU nets."""
+
+    def __post_init__(self) -> None:
+        from dptrain.models import MODELS
+
+        if self.name not in MODELS:
+            raise ConfigError(f"model.name must be one of {sorted(MODELS)}, got {self.name!r}")
+        _positive("model.num_classes", self.num_classes)
+        _positive("model.width", self.width)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: Literal["digits", "synthetic", "lmdb"] = "digits"
+    """Where samples come from: the built-in digits, a fixed synthetic set, or a Caffe LMDB."""
+    batch_size: int = 64
+    """Samples per solver per micro-batch. The global batch is batch_size x world_size x iter_size."""
+    test_batch_size: int = 100
+    """Samples per solver per test batch."""
+    path: str = ""
+    """Training LMDB directory (source = "lmdb")."""
+    test_path: str = ""
+    """Test LMDB directory (source = "lmdb"); empty means no test phase."""
+    shuffle: Literal["epoch", "none"] = "epoch"
+    """"epoch": a new seeded permutation each epoch; "none": record order."""
+    image_size: int = 224
+    """Side of the synthetic images, and of the network input when no crop is set."""
+    synthetic_samples: int = 1_281_167
+    """Size of one synthetic epoch (ImageNet-1k train by default)."""
+    parser_threads: int = 0
+    """LMDB reader threads per solver; 0 picks a value from the core count."""
+    transformer_threads: int = 0
+    """Decode/augment threads per solver; 0 picks a value from the core count."""
+    prefetch: int = 3
+    """Batches prepared ahead of the solver. More hides jitter; costs pinned memory."""
+    crop_size: int = 0
+    """Caffe crop: random in training, centre in test. 0 = no crop."""
+    resize: list[int] = field(default_factory=list)
+    """[H, W] resize before cropping; empty = keep the stored size."""
+    random_resized_crop: bool = False
+    """ImageNet-style random-resized-crop to crop_size in training (resize + centre crop in test)."""
+    rrc_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    """Area fraction range for random_resized_crop."""
+    rrc_ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    """Aspect ratio range for random_resized_crop."""
+    mirror: bool = False
+    """Random horizontal flip in training."""
+    mean_value: list[float] = field(default_factory=list)
+    """Per-channel mean in pixel units (0..255), subtracted on the device. Empty = 0."""
+    mean_file: str = ""
+    """Caffe binaryproto or .npy mean image; overrides mean_value."""
+    scale: float = 1.0
+    """Multiplier applied after mean subtraction (Caffe ``scale``), e.g. 1/255 or 0.017."""
+    max_bad_records: int = 0
+    """Bad records skipped (with a warning and a count) before the run fails. 0 = fail on the first."""
+
+    def __post_init__(self) -> None:
+        _positive("data.batch_size", self.batch_size)
+        _positive("data.test_batch_size", self.test_batch_size)
+        _positive("data.image_size", self.image_size)
+        _positive("data.synthetic_samples", self.synthetic_samples)
+        _positive("data.parser_threads", self.parser_threads, allow_zero=True)
+        _positive("data.transformer_threads", self.transformer_threads, allow_zero=True)
+        _positive("data.prefetch", self.prefetch)
+        _positive("data.crop_size", self.crop_size, allow_zero=True)
+        _positive("data.max_bad_records", self.max_bad_records, allow_zero=True)
+        if self.source == "lmdb" and not self.path:
+            raise ConfigError("data.path must name a training LMDB when data.source = \"lmdb\"")
+        if self.resize and (len(self.resize) != 2 or min(self.resize) <= 0):
+            raise ConfigError(f"data.resize must be [H, W] with positive sides, got {self.resize}")
+        if self.random_resized_crop and self.crop_size <= 0:
+            raise ConfigError("data.random_resized_crop needs data.crop_size > 0")
+        if len(self.rrc_scale) != 2 or not 0 < self.rrc_scale[0] <= self.rrc_scale[1] <= 1:
+            raise ConfigError(f"data.rrc_scale must be [lo, hi] with 0 < lo <= hi <= 1, got {self.rrc_scale}")
+        if len(self.rrc_ratio) != 2 or not 0 < self.rrc_ratio[0] <= self.rrc_ratio[1]:
+            raise ConfigError(f"data.rrc_ratio must be [lo, hi] with 0 < lo <= hi, got {self.rrc_ratio}")
+        if self.mean_value and len(self.mean_value) not in (1, 3):
+            raise ConfigError(f"data.mean_value needs 1 or 3 values, got {len(self.mean_value)}")
+
+
+LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverConfig:
+    base_lr: float = 0.01
+    """Learning rate before the policy and warmup are applied."""
+    momentum: float = 0.9
+    """SGD momentum (Caffe form: h = m*h + lr*g; w -= h)."""
+    weight_decay: float = 0.0005
+    """Decay coefficient. See decay_mode for where it enters."""
+    decay_mode: Literal["l2", "decoupled"] = "l2"
+    """"l2": Caffe, decay*w added to the gradient; "decoupled": w -= lr*decay*w beside the momentum step."""
+    lr_policy: Literal["fixed", "step", "multistep", "poly", "exp", "inv"] = "fixed"
+    """Caffe learning-rate policy."""
+    gamma: float = 0.1
+    """step/multistep/exp/inv: decay factor."""
+    power: float = 1.0
+    """poly/inv: exponent."""
+    stepsize: int = 100_000
+    """step: iterations between decays."""
+    stepvalue: list[int] = field(default_factory=list)
+    """multistep: iterations at which lr is multiplied by gamma."""
+    warmup_iter: int = 0
+    """Linear warmup from warmup_start * lr to lr over this many iterations (Goyal et al.)."""
+    warmup_start: float = 0.0
+    """Fraction of the policy lr at iteration 0 of the warmup."""
+    max_iter: int = 1000
+    """Training iterations (each is iter_size micro-batches)."""
+    iter_size: int = 1
+    """Micro-batches accumulated per iteration (Caffe iter_size); the allreduce runs on the last."""
+    display: int = 20
+    """Log and append to metrics.jsonl every this many iterations. 0 = never."""
+    test_interval: int = 0
+    """Run the test phase every this many iterations, and at the end. 0 = only at the end."""
+    test_iter: int = 0
+    """Test batches per test phase and solver. 0 = the whole test set."""
+    snapshot: int = 0
+    """Write a snapshot every this many iterations, and at the end. 0 = only at the end."""
+    clip_gradients: float = 0.0
+    """Clip the global L2 norm of the unscaled gradient to this value. 0 = off."""
+    larc: bool = False
+    """Layer-wise adaptive rate control (NVCaffe larc)."""
+    larc_policy: Literal["scale", "clip"] = "clip"
+    """LARC: "scale" uses lr*rate, "clip" uses min(lr, rate)."""
+    larc_eta: float = 0.001
+    """LARC trust coefficient."""
+
+    def __post_init__(self) -> None:
+        _positive("solver.base_lr", self.base_lr)
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"solver.momentum must be in [0, 1), got {self.momentum}")
+        _positive("solver.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("solver.gamma", self.gamma)
+        _positive("solver.stepsize", self.stepsize)
+        _positive("solver.max_iter", self.max_iter)
+        _positive("solver.iter_size", self.iter_size)
+        for key in ("warmup_iter", "display", "test_interval", "test_iter", "snapshot"):
+            _positive(f"solver.{key}", getattr(self, key), allow_zero=True)
+        _positive("solver.clip_gradients", self.clip_gradients, allow_zero=True)
+        _positive("solver.larc_eta", self.larc_eta)
+        if not 0 <= self.warmup_start <= 1:
+            raise ConfigError(f"solver.warmup_start must be in [0, 1], got {self.warmup_start}")
+        if self.stepvalue != sorted(self.stepvalue) or any(v <= 0 for v in self.stepvalue):
+            raise ConfigError(f"solver.stepvalue must be increasing positive iterations, got {self.stepvalue}")
+        if self.lr_policy == "multistep" and not self.stepvalue:
+            raise ConfigError("solver.stepvalue must list iterations when solver.lr_policy = \"multistep\"")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    mode: Literal["auto", "dynamic", "static", "none"] = "auto"
+    """"auto": dynamic for fp16 storage, none for bf16/fp32. "static" uses init_scale throughout."""
+    init_scale: float = 65536.0
+    """Starting scale (2^16 for dynamic); the fixed scale for static (NVCaffe recipes use 256-1000)."""
+    growth_interval: int = 2000
+    """Clean steps before the dynamic scale is multiplied by growth_factor."""
+    growth_factor: float = 2.0
+    """Dynamic scale multiplier after growth_interval clean steps."""
+    backoff_factor: float = 0.5
+    """Dynamic scale multiplier on overflow."""
+    hysteresis: int = 1
+    """Consecutive overflows before a backoff (DeepSpeed uses 2). Every overflowing step is skipped."""
+    min_scale: float = 1.0
+    """Training stops with an error when the dynamic scale would fall below this."""
+    max_scale: float = 2.0**24
+    """The dynamic scale never grows beyond this."""
+
+    def __post_init__(self) -> None:
+        for key in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            _positive(f"precision.loss_scale.{key}", getattr(self, key))
+        _positive("precision.loss_scale.growth_interval", self.growth_interval)
+        _positive("precision.loss_scale.hysteresis", self.hysteresis)
+        if self.growth_factor <= 1:
+            raise ConfigError(f"precision.loss_scale.growth_factor must be > 1, got {self.growth_factor}")
+        if self.backoff_factor >= 1:
+            raise ConfigError(f"precision.loss_scale.backoff_factor must be < 1, got {self.backoff_factor}")
+        if self.min_scale > self.max_scale:
+            raise ConfigError(
+                f"precision.loss_scale.min_scale ({self.min_scale}) exceeds max_scale ({self.max_scale})"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    storage: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """dtype of model weights, activations and gradients. The update always runs in fp32."""
+    master: Literal["fp32"] = "fp32"
+    """dtype of the master weights that take the update."""
+    momentum_dtype: Literal["fp32", "fp16"] = "fp32"
+    """Momentum history dtype (NVCaffe solver_data_type). fp16 uses the lr-factored form G = m*G + g; w -= lr*G."""
+    fp32_modules: list[str] = field(default_factory=lambda: ["BatchNorm*"])
+    """Module type names or qualified-name globs kept in fp32 (inputs cast in, outputs cast back)."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """[precision.loss_scale] table."""
+
+    def resolved_loss_scale_mode(self) -> str:
+        """The loss-scale mode after "auto" is resolved against the storage dtype."""
+        if self.loss_scale.mode != "auto":
+            return self.loss_scale.mode
+        return "dynamic" if self.storage == "fp16" else "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReducerConfig:
+    backend: Literal["torch", "cupy-nccl"] = "torch"
+    """"torch": torch.distributed (NCCL on CUDA, gloo on CPU). "cupy-nccl": cupy.cuda.nccl on a high-priority stream."""
+    bucket_mb: float = 25.0
+    """Bucket capacity in MiB. Bigger: fewer launches; smaller: the first allreduce starts earlier."""
+    first_bucket_mb: float = 1.0
+    """Capacity of the first bucket (the last layers), so communication starts early in backward."""
+    reduce_dtype: Literal["storage", "fp32"] = "storage"
+    """"fp32" upcasts each bucket for the allreduce: 2x bandwidth, no fp16 overflow at large world sizes."""
+    replan: bool = False
+    """After iteration 1, re-plan buckets from the observed gradient-ready order (rank 0 decides)."""
+    timeout_s: float = 300.0
+    """A collective that does not finish within this many seconds fails the run on every rank."""
+
+    def __post_init__(self) -> None:
+        _positive("reducer.bucket_mb", self.bucket_mb)
+        _positive("reducer.first_bucket_mb", self.first_bucket_mb)
+        _positive("reducer.timeout_s", self.timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSection:
+    seed: int = 1
+    """Seeds weights, sample order and augmentation."""
+    run_dir: str = "runs/default"
+    """Where config.toml, metrics.jsonl, snapshots and traces go."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """"auto": CUDA device LOCAL_RANK when available, else CPU."""
+    threads: int = 0
+    """torch intra-op threads per solver on CPU; 0 = cores / local world size."""
+
+    def __post_init__(self) -> None:
+        _positive("train.seed", self.seed, allow_zero=True)
+        _positive("train.threads", self.threads, allow_zero=True)
+        if not self.run_dir:
+            raise ConfigError("train.run_dir must not be empty")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    solver: SolverConfig = field(default_factory=SolverConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    reducer: ReducerConfig = field(default_factory=ReducerConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_value(key: str, tp: Any, value: Any) -> Any:
+    """Check ``value`` against the annotation ``tp`` exactly; return it (ints widened to float)."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices or isinstance(value, bool):
+            raise ConfigError(f"{key} must be one of {choices}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        raise AssertionError(f"config field {key} uses a union type; use a Literal or a plain type")
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of {_type_name(item_tp)}, got {value!r}")
+        return [_check_value(f"{key}[{i}]", item_tp, v) for i, v in enumerate(value)]
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported config type {tp!r} for {key}")
+
+
+def from_dict(cls: type, table: dict[str, Any], prefix: str) -> Any:
+    """Build dataclass ``cls`` from a TOML table, rejecting unknown keys and wrong types."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(table) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {[f'{prefix}{k}' for k in unknown]}; valid: {names}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, value in table.items():
+        tp = hints[name]
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} must be a table, got {value!r}")
+            kwargs[name] = from_dict(tp, value, f"{key}.")
+        else:
+            kwargs[name] = _check_value(key, tp, value)
+    return cls(**kwargs)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set expects section.key=value, got {item!r}")
+    dotted, raw = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"--set expects section.key=value, got {item!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is a string
+    return parts, value
+
+
+def apply_overrides(table: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a deep copy of ``table`` with each ``section.key=value`` applied."""
+    import copy
+
+    out = copy.deepcopy(table)
+    for item in overrides:
+        parts, value = _parse_override(item)
+        node = out
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part} is not a table")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a TOML file (or defaults when ``path`` is None), apply overrides, validate."""
+    table: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found; pass an existing TOML file to --config")
+        try:
+            table = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
+    table = apply_overrides(table, overrides or [])
+    return from_dict(TrainConfig, table, "")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def dump_toml(cfg: TrainConfig) -> str:
+    """Write the resolved config as TOML that :func:`load_config` reads back identically."""
+    lines: list[str] = []
+
+    def emit(table: dict[str, Any], name: str) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
+        lines.append("")
+        for k, v in table.items():
+            if isinstance(v, dict):
+                emit(v, f"{name}.{k}")
+
+    for section, table in config_to_dict(cfg).items():
+        emit(table, section)
+    return "\n".join(lines)
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    """Short stable hash of the resolved config, for benchmark records."""
+    import hashlib
+
+    return hashlib.sha256(dump_toml(cfg).encode()).hexdigest()[:12]

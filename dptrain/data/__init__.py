@@ -1,0 +1,19 @@
+"""Input pipelines. ``build_source`` turns the [data] section into a DataSource."""
+from __future__ import annotations
+
+import torch
+
+from dptrain.config import DataConfig
+from dptrain.data.base import DataSource
+from dptrain.data.builtin import digits_source, synthetic_source
+
+
+def build_source(cfg: DataConfig, *, num_classes: int, seed: int, device: torch.device) -> DataSource:
+    """The source named by ``data.source``."""
+    if cfg.source == "digits":
+        return digits_source(num_classes)
+    if cfg.source == "synthetic":
+        return synthetic_source(num_classes, cfg.image_size, cfg.synthetic_samples, seed, device)
+    from dptrain.data.lmdb_source import lmdb_source
+
+    return lmdb_source(cfg, num_classes=num_classes, seed=seed)

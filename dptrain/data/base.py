@@ -1,0 +1,143 @@
+"""The data-source seam: what the trainer asks of any input pipeline.
+
+A source yields :class:`HostBatch` objects, uint8 NHWC images and int64 labels, in
+the order fixed by :mod:`dptrain.data.sampling`. Normalisation, the cast to the
+storage dtype and the NHWC->NCHW change happen on the device in :class:`DeviceFeeder`,
+since doing them in numpy costs more than the JPEG decode itself.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from dptrain.data.sampling import ShardPlan
+
+
+@dataclass
+class HostBatch:
+    """One solver's batch as the pipeline produced it."""
+
+    images: torch.Tensor
+    """[B, H, W, C] uint8; pinned CPU memory where the pipeline can, or already on the device."""
+    labels: torch.Tensor
+    """[B] int64."""
+    release: Callable[[torch.cuda.Event | None], None] | None = None
+    """Called once the batch has been consumed, with the event that marks the end of its
+    device copy (None on CPU); a ring-buffer pipeline reuses the slot after that event."""
+    info: dict[str, int] = field(default_factory=dict)
+    """Per-batch counters the pipeline wants in metrics (e.g. bad_records)."""
+
+
+class BatchStream(Protocol):
+    def __iter__(self) -> Iterator[HostBatch]: ...
+    def __next__(self) -> HostBatch: ...
+    def close(self) -> None: ...
+
+
+class DataSource(Protocol):
+    """What the trainer needs from an input pipeline."""
+
+    num_train: int
+    num_test: int
+    sample_shape: tuple[int, int, int]
+    """(H, W, C) of the images the streams yield."""
+    mean: tuple[float, ...]
+    """Per-channel mean in pixel units, subtracted on the device."""
+    scale: float
+    """Multiplier after mean subtraction."""
+
+    def train_batches(self, plan: ShardPlan, start_step: int) -> BatchStream:
+        """Batches for global micro-batch ``start_step``, ``start_step + 1``, ... forever."""
+        ...
+
+    def test_batches(self, rank: int, world_size: int, batch_size: int) -> BatchStream:
+        """This rank's slice of the test set (see sampling.test_range), then StopIteration."""
+        ...
+
+
+class DeviceFeeder:
+    """Moves host batches to the device and normalises them there, one batch ahead.
+
+    On CUDA the copy runs on a side stream (non_blocking from pinned memory) and the
+    compute stream waits on an event, so no host sync happens. The normalisation
+    ``(x - mean) * scale``, the cast to ``dtype`` and the NHWC->NCHW view change run as
+    one elementwise pass; with ``channels_last`` the NHWC bytes keep their layout.
+    """
+
+    def __init__(
+        self,
+        stream: BatchStream,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        mean: tuple[float, ...],
+        scale: float,
+        channels_last: bool,
+    ) -> None:
+        self._stream = stream
+        self._device = device
+        self._dtype = dtype
+        self._channels_last = channels_last
+        self._mean = torch.tensor(mean or (0.0,), dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        self._scale = scale
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._next: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
+        self.last_info: dict[str, int] = {}
+
+    def _stage(self) -> None:
+        host = next(self._stream)
+        self.last_info = host.info
+        if self._copy_stream is None:
+            images, labels, event = host.images.to(self._device), host.labels.to(self._device), None
+        else:
+            with torch.cuda.stream(self._copy_stream):
+                images = host.images.to(self._device, non_blocking=True)
+                labels = host.labels.to(self._device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+        if host.release is not None:
+            host.release(event)
+        self._next = (images, labels, event)
+
+    def __iter__(self) -> DeviceFeeder:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (images [B, C, H, W] in ``dtype``, labels [B] int64) on the device."""
+        if self._next is None:
+            self._stage()
+        assert self._next is not None, "stage produced no batch"
+        images, labels, event = self._next
+        self._next = None
+        if event is not None:
+            # The compute stream must not read the batch before its copy lands; the
+            # copy stream's buffers are then used on the compute stream, so record it.
+            torch.cuda.current_stream(self._device).wait_event(event)
+            images.record_stream(torch.cuda.current_stream(self._device))
+            labels.record_stream(torch.cuda.current_stream(self._device))
+        x = normalize_batch(images, self._mean, self._scale, self._dtype, self._channels_last)
+        return x, labels
+
+    def prefetch(self) -> None:
+        """Start the next batch's copy now, so it overlaps this step's compute."""
+        if self._next is None:
+            try:
+                self._stage()
+            except StopIteration:
+                pass
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+def normalize_batch(
+    images: torch.Tensor, mean: torch.Tensor, scale: float, dtype: torch.dtype, channels_last: bool
+) -> torch.Tensor:
+    """uint8 [B, H, W, C] -> ``dtype`` [B, C, H, W] as ``(x - mean) * scale`` in fp32 math."""
+    x = images.permute(0, 3, 1, 2)  # NCHW view of NHWC bytes: already channels_last strides
+    if not channels_last:
+        x = x.contiguous()
+    return ((x.float() - mean) * scale).to(dtype)

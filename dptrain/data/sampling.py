@@ -1,0 +1,81 @@
+"""Sample order: a pure function of (seed, epoch, rank, world_size, batch_size).
+
+Global batch k of an epoch is ``perm[k*G:(k+1)*G]`` with ``G = batch_size * world_size``,
+and rank r takes ``[r*B:(r+1)*B]`` of it. So 2 solvers x B see exactly the samples of
+1 solver x 2B, and runs at different world sizes can be compared.
+
+Remainder policy (training): the last ``N mod G`` samples of each epoch's permutation are
+not used in that epoch. The permutation changes every epoch, so no sample is dropped
+for good, and no sample is ever repeated within an epoch to pad a batch.
+
+Test order: the test set in record order, split into ``world_size`` contiguous ranges
+whose sizes differ by at most one; every test sample is scored exactly once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which samples one solver takes; built once in train.py from the run's topology."""
+
+    rank: int
+    world_size: int
+    batch_size: int
+    seed: int
+    shuffle: bool = True
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+
+def epoch_permutation(seed: int, epoch: int, num_samples: int, shuffle: bool) -> np.ndarray:
+    """The epoch's order of sample indices: [num_samples] int64, reproducible from (seed, epoch)."""
+    if not shuffle:
+        return np.arange(num_samples, dtype=np.int64)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 0x5EED])))
+    return rng.permutation(num_samples).astype(np.int64)
+
+
+def batches_per_epoch(num_samples: int, global_batch: int) -> int:
+    """Full global batches in one epoch; raises if the dataset holds less than one."""
+    n = num_samples // global_batch
+    if n == 0:
+        raise ValueError(
+            f"dataset has {num_samples} samples, fewer than one global batch "
+            f"({global_batch}); lower data.batch_size or use fewer solvers"
+        )
+    return n
+
+
+def step_position(step: int, num_samples: int, plan: ShardPlan) -> tuple[int, int]:
+    """(epoch, batch index within the epoch) of global micro-batch ``step``."""
+    per_epoch = batches_per_epoch(num_samples, plan.global_batch)
+    return divmod(step, per_epoch)
+
+
+def rank_batch_indices(step: int, num_samples: int, plan: ShardPlan) -> np.ndarray:
+    """Sample indices of this rank's slice of global micro-batch ``step``: [batch_size] int64."""
+    epoch, k = step_position(step, num_samples, plan)
+    perm = epoch_permutation(plan.seed, epoch, num_samples, plan.shuffle)
+    start = k * plan.global_batch + plan.rank * plan.batch_size
+    return perm[start : start + plan.batch_size]
+
+
+def rank_epoch_shard(epoch: int, num_samples: int, plan: ShardPlan) -> np.ndarray:
+    """All indices this rank reads in ``epoch``, in the order it reads them."""
+    per_epoch = batches_per_epoch(num_samples, plan.global_batch)
+    perm = epoch_permutation(plan.seed, epoch, num_samples, plan.shuffle)
+    g = perm[: per_epoch * plan.global_batch].reshape(per_epoch, plan.world_size, plan.batch_size)
+    return g[:, plan.rank, :].reshape(-1)
+
+
+def test_range(num_samples: int, rank: int, world_size: int) -> range:
+    """This rank's contiguous slice of the test set; slices cover it exactly once."""
+    base, extra = divmod(num_samples, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))

@@ -1,0 +1,27 @@
+"""Model zoo: plain nn.Modules with no distributed, precision or config imports.
+
+Every builder takes ``num_classes``, ``width`` and ``channels_last`` keywords (``width``
+matters only for the ``*_cifar`` nets) and returns an ``nn.Module`` in fp32.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from dptrain.models.lenet import lenet
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "lenet": lenet,
+}
+
+
+def build_model(name: str, *, num_classes: int, width: int = 64, channels_last: bool = False) -> nn.Module:
+    """Instantiate zoo entry ``name``; raise ValueError listing the choices for an unknown name."""
+    if name not in MODELS:
+        raise ValueError(f"model.name must be one of {sorted(MODELS)}, got {name!r}")
+    model = MODELS[name](num_classes=num_classes, width=width)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
