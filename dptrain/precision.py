@@ -1,0 +1,158 @@
+"""Precision policy (storage dtype, FP32 islands) and the device-side dynamic loss scaler.
+
+Storage: the model's weights, activations and gradients are held in ``storage``
+(fp16/bf16/fp32). Modules matching ``fp32_modules`` (BatchNorm by default) keep their
+parameters and statistics in fp32; their inputs are cast to fp32 and outputs cast back,
+as NVCaffe's per-layer ``forward_math``. The loss is always computed in fp32.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+
+import torch
+from torch import nn
+
+from dptrain.config import LossScaleConfig, PrecisionConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _matches(name: str, module: nn.Module, patterns: list[str]) -> bool:
+    """A module matches by its class name (or a base class name) or its qualified name."""
+    type_names = [c.__name__ for c in type(module).__mro__]
+    return any(fnmatch.fnmatchcase(t, p) for p in patterns for t in type_names) or any(
+        fnmatch.fnmatchcase(name, p) for p in patterns
+    )
+
+
+def _cast_inputs_fp32(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+def _make_cast_back(dtype: torch.dtype):
+    def hook(module: nn.Module, args: tuple, out):
+        return out.to(dtype) if torch.is_tensor(out) and out.is_floating_point() else out
+
+    return hook
+
+
+def apply_precision(model: nn.Module, cfg: PrecisionConfig) -> list[str]:
+    """Cast ``model`` to the storage dtype in place, keeping FP32 islands; return their names.
+
+    An island's inputs are cast to fp32 before it runs and its output is cast back to the
+    storage dtype, so the rest of the network sees only storage-dtype activations.
+    """
+    dtype = DTYPES[cfg.storage]
+    model.to(dtype)
+    if dtype == torch.float32:
+        return []
+    islands: list[str] = []
+    for name, module in model.named_modules():
+        if name and _matches(name, module, cfg.fp32_modules):
+            if any(_matches(n, m, cfg.fp32_modules) for n, m in _ancestors(model, name)):
+                continue  # an enclosing island already handles the casts
+            module.float()
+            module.register_forward_pre_hook(_cast_inputs_fp32)
+            module.register_forward_hook(_make_cast_back(dtype))
+            islands.append(name)
+    return islands
+
+
+def _ancestors(model: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
+    parts = name.split(".")
+    out = []
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i])
+        out.append((prefix, model.get_submodule(prefix)))
+    return out
+
+
+class LossScaleError(RuntimeError):
+    """The dynamic loss scale hit its floor: gradients overflow at every scale."""
+
+
+class LossScaler:
+    """Loss scaling whose whole state machine runs on the device.
+
+    ``found_inf`` ([1] fp32) is written by the solver's norm pass and read by the update
+    kernel, which skips the step when it is set. :meth:`update` advances the scale with
+    device ops only. The host reads device state only in :meth:`stats` and
+    :meth:`check_floor`, which the trainer calls at display and snapshot boundaries.
+
+    Dynamic rule: an overflowing step is always skipped; after ``hysteresis`` consecutive
+    overflows the scale is multiplied by ``backoff_factor`` (and the streak restarts);
+    after ``growth_interval`` consecutive clean steps it is multiplied by
+    ``growth_factor``, capped at ``max_scale``. A backoff below ``min_scale`` leaves the
+    scale at ``min_scale`` and raises the floor flag.
+    """
+
+    def __init__(self, cfg: LossScaleConfig, mode: str, device: torch.device) -> None:
+        self.cfg, self.mode = cfg, mode
+        self.enabled = mode != "none"
+        init = cfg.init_scale if self.enabled else 1.0
+        self.scale = torch.full((1,), init, dtype=torch.float32, device=device)
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        self._growth = torch.zeros(1, dtype=torch.int32, device=device)
+        self._streak = torch.zeros(1, dtype=torch.int32, device=device)
+        self._skipped = torch.zeros(1, dtype=torch.int64, device=device)
+        self._floor_hit = torch.zeros(1, dtype=torch.bool, device=device)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * S`` in fp32 (the loss itself when scaling is off)."""
+        return loss * self.scale if self.enabled else loss
+
+    def inv_scale(self, world_size: int) -> torch.Tensor:
+        """``1 / (S * world_size)`` as a [1] fp32 device tensor: unscale and average in one factor."""
+        return (1.0 / world_size) / self.scale
+
+    def update(self) -> None:
+        """Advance the scale after a step; device ops only, no host sync."""
+        if not self.enabled:
+            return
+        overflow = self.found_inf > 0
+        self._skipped.add_(overflow.long())
+        if self.mode == "static":
+            return
+        c = self.cfg
+        streak = torch.where(overflow, self._streak + 1, torch.zeros_like(self._streak))
+        backoff = streak >= c.hysteresis
+        backed = self.scale * c.backoff_factor
+        self._floor_hit |= backoff & (backed < c.min_scale)
+        scale = torch.where(backoff, backed.clamp(min=c.min_scale), self.scale)
+        growth = torch.where(overflow, torch.zeros_like(self._growth), self._growth + 1)
+        grow = growth >= c.growth_interval
+        scale = torch.where(grow, (scale * c.growth_factor).clamp(max=c.max_scale), scale)
+        self.scale.copy_(scale)
+        self._growth.copy_(torch.where(grow, torch.zeros_like(growth), growth))
+        self._streak.copy_(torch.where(backoff, torch.zeros_like(streak), streak))
+
+    def stats(self) -> dict[str, float]:
+        """Host copy of the scale and the skipped-step count. A host sync: call when logging."""
+        return {"loss_scale": float(self.scale.item()), "skipped_steps": int(self._skipped.item())}
+
+    def check_floor(self) -> None:
+        """Raise :class:`LossScaleError` if the scale hit ``min_scale``. A host sync."""
+        if bool(self._floor_hit.item()):
+            raise LossScaleError(
+                f"loss scale fell to precision.loss_scale.min_scale = {self.cfg.min_scale}: gradients "
+                "overflow at every scale; lower solver.base_lr, add solver.clip_gradients, or use bf16 storage"
+            )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            "scale": self.scale.clone(),
+            "growth": self._growth.clone(),
+            "streak": self._streak.clone(),
+            "skipped": self._skipped.clone(),
+            "floor_hit": self._floor_hit.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.scale.copy_(state["scale"])
+        self._growth.copy_(state["growth"])
+        self._streak.copy_(state["streak"])
+        self._skipped.copy_(state["skipped"])
+        self._floor_hit.copy_(state["floor_hit"])

@@ -1,0 +1,101 @@
+"""Master-weight SGD: learning-rate policies and the fused unscale/skip/update step."""
+from __future__ import annotations
+
+
+import torch
+
+from dptrain import kernels
+from dptrain.config import SolverConfig
+from dptrain.flat import FlatParams
+from dptrain.precision import LossScaler
+
+CLIP_EPS = 1e-6
+"""Added to the gradient norm before dividing, as torch.nn.utils.clip_grad_norm_ does."""
+
+
+def learning_rate(cfg: SolverConfig, it: int) -> float:
+    """Caffe's lr policies at iteration ``it`` (0-based), times the linear warmup factor."""
+    base, p = cfg.base_lr, cfg.lr_policy
+    if p == "fixed":
+        lr = base
+    elif p == "step":
+        lr = base * cfg.gamma ** (it // cfg.stepsize)
+    elif p == "multistep":
+        lr = base * cfg.gamma ** sum(1 for v in cfg.stepvalue if it >= v)
+    elif p == "poly":
+        lr = base * max(0.0, 1.0 - it / cfg.max_iter) ** cfg.power
+    elif p == "exp":
+        lr = base * cfg.gamma**it
+    elif p == "inv":
+        lr = base * (1.0 + cfg.gamma * it) ** (-cfg.power)
+    else:  # config validation makes this unreachable
+        raise AssertionError(f"unknown lr_policy {p!r}")
+    if it < cfg.warmup_iter:
+        frac = it / cfg.warmup_iter
+        lr *= cfg.warmup_start + (1.0 - cfg.warmup_start) * frac
+    return lr
+
+
+class MasterSGD:
+    """SGD with momentum on flat FP32 masters; writes the storage-dtype weights back.
+
+    ``step`` runs, per flat group: one norm pass (overflow flag and clipping norm) and one
+    fused update (unscale by 1/(S*world_size), clip, decay, momentum, master update,
+    weight write-back, gradient zeroing). Nothing is read on the host.
+    """
+
+    def __init__(self, flat: FlatParams, cfg: SolverConfig, scaler: LossScaler, world_size: int) -> None:
+        self.flat, self.cfg, self.scaler, self.world_size = flat, cfg, scaler, world_size
+        self._need_norm = scaler.enabled or cfg.clip_gradients > 0
+        if cfg.larc:
+            self._larc_numels = [
+                torch.tensor([s.padded_numel for s in g.segments], device=g.grads.device) for g in flat.groups
+            ]
+
+    def step(self, it: int) -> float:
+        """Apply iteration ``it``'s update; return the learning rate used."""
+        lr = learning_rate(self.cfg, it)
+        coef = self.scaler.inv_scale(self.world_size)
+        if self._need_norm:
+            norms = torch.stack([kernels.grad_norm(g.grads) for g in self.flat.groups])
+            total = norms.square().sum().sqrt()  # norm of the loss-scaled, rank-summed gradient
+            if self.scaler.enabled:
+                self.scaler.found_inf.copy_((~torch.isfinite(total)).float().reshape(1))
+            if self.cfg.clip_gradients > 0:
+                unscaled = total * coef
+                coef = coef * (self.cfg.clip_gradients / (unscaled + CLIP_EPS)).clamp(max=1.0)
+        for i, g in enumerate(self.flat.groups):
+            lr_scale = self._larc_scale(i, lr, coef) if self.cfg.larc else None
+            kernels.sgd_update(
+                g.grads, g.master, g.params, g.momentum,
+                lr=lr, momentum_coef=self.cfg.momentum, weight_decay=self.cfg.weight_decay,
+                decoupled=self.cfg.decay_mode == "decoupled", grad_coef=coef,
+                found_inf=self.scaler.found_inf, lr_scale=lr_scale,
+            )
+        self.scaler.update()
+        return lr
+
+    def _larc_scale(self, i: int, lr: float, coef: torch.Tensor) -> torch.Tensor:
+        """Per-element lr multiplier from NVCaffe's LARC: rate = (1-m)*eta*|w|/|g|.
+
+        "scale" multiplies lr by rate; "clip" uses min(lr, rate). A parameter whose weight
+        or gradient norm is zero keeps the plain lr.
+        """
+        g = self.flat.groups[i]
+        w_norm = torch.stack(torch._foreach_norm([g.master[s.offset : s.offset + s.numel] for s in g.segments]))
+        g_views = [g.grads[s.offset : s.offset + s.numel] for s in g.segments]
+        g_norm = torch.stack([torch.linalg.vector_norm(v, dtype=torch.float32) for v in g_views]) * coef
+        rate = (1.0 - self.cfg.momentum) * self.cfg.larc_eta * w_norm / g_norm
+        valid = (w_norm > 0) & (g_norm > 0) & torch.isfinite(rate)
+        if self.cfg.larc_policy == "scale":
+            mult = torch.where(valid, rate, torch.ones_like(rate))
+        else:
+            mult = torch.where(valid, (rate / lr).clamp(max=1.0), torch.ones_like(rate))
+        return mult.repeat_interleave(self._larc_numels[i], output_size=g.numel)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"momentum": self.flat.momentum_state(), "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.flat.load_momentum_state(state["momentum"])  # type: ignore[arg-type]
+        self.scaler.load_state_dict(state["scaler"])  # type: ignore[arg-type]
