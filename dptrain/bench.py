@@ -1,0 +1,145 @@
+"""``dptrain bench``: training throughput with a per-phase breakdown, as one JSON line.
+
+Three stages: ``warmup`` untimed steps; ``steps`` timed steps with no phase syncs (a device
+sync closes each step, so step times are real and overlap is undisturbed); then
+``phase_steps`` steps timed phase by phase with device syncs at phase boundaries, which
+give data_wait, forward, backward, exposed_comm (waiting for allreduces after backward
+returned) and update. Throughput figures come from the undisturbed steps only.
+"""
+from __future__ import annotations
+
+import platform
+import resource
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dptrain.comm import Communicator
+from dptrain.config import TrainConfig, config_hash
+from dptrain.trace import NullTracer, Tracer
+from dptrain.train import Trainer, local_threads, pick_device
+
+PHASES = ("data_wait", "forward", "backward", "exposed_comm", "update")
+
+
+def versions() -> dict[str, str | None]:
+    """torch, CUDA, NCCL, CuPy and Python versions (None where absent)."""
+    out: dict[str, str | None] = {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": None,
+                                  "cupy": None, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        v = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    try:
+        import cupy
+
+        out["cupy"] = cupy.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def git_commit() -> str:
+    """The checkout's commit, or "unknown" outside a git tree."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def peak_mem_bytes(device: torch.device) -> int:
+    """Peak device memory allocated by torch on CUDA; peak resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, trace: str | None) -> dict[str, Any] | None:
+    """Run the benchmark on this rank; return the record on rank 0, None elsewhere."""
+    if steps <= 0 or warmup < 0 or phase_steps < 0:
+        raise ValueError(f"bench needs --steps > 0 and non-negative --warmup/--phase-steps, got "
+                         f"{steps}/{warmup}/{phase_steps}")
+    import os
+
+    device = pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cpu":
+        torch.set_num_threads(local_threads(cfg.train.threads))
+    comm = Communicator.from_env(cfg.reducer.timeout_s, device)
+    tracer = Tracer(comm.rank) if trace else NullTracer(comm.rank)
+    trainer = Trainer(cfg, comm, tracer=tracer)
+    try:
+        trainer.phases.active = False
+        for _ in range(warmup):
+            trainer.train_step()
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        step_ms = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            trainer.train_step()
+            _sync(device)
+            step_ms.append((time.perf_counter() - t0) * 1000.0)
+        tracer.events.clear()
+        trainer.phases.active = True
+        for _ in range(phase_steps):
+            trainer.train_step()
+        if trace:
+            tracer.save(trace)
+    finally:
+        trainer.close()
+    comm.close()
+    if comm.rank != 0:
+        return None
+    p = trainer.plan
+    total_s = sum(step_ms) / 1000.0
+    ips = p.global_batch * steps / total_s
+    rec: dict[str, Any] = {
+        "images_per_s": round(ips, 2),
+        "images_per_s_per_solver": round(ips / p.world_size, 2),
+        "step_ms_median": round(statistics.median(step_ms), 3),
+        "step_ms_p90": round(_percentile(step_ms, 0.9), 3),
+    }
+    n = max(phase_steps, 1)
+    for ph in PHASES:
+        rec[f"{ph}_ms"] = round(trainer.phases.totals_ms.get(ph, 0.0) / n, 3)
+    rec.update({
+        "peak_mem_bytes": peak_mem_bytes(device),
+        "bytes_per_param": trainer.flat.bytes_per_param(),
+        "num_params": trainer.flat.num_params,
+        "versions": versions(),
+        "device": device_name(device),
+        "world_size": p.world_size,
+        "batch_size": p.batch_size,
+        "global_batch": p.global_batch,
+        "iter_size": p.iter_size,
+        "model": cfg.model.name,
+        "precision": cfg.precision.storage,
+        "data": cfg.data.source,
+        "bucket_mb": cfg.reducer.bucket_mb,
+        "config_hash": config_hash(cfg),
+        "git_commit": git_commit(),
+        "steps": steps,
+        "warmup": warmup,
+    })
+    return rec

@@ -1,0 +1,192 @@
+"""Command line: ``dptrain {train,bench,demo,make-lmdb,data-bench}``.
+
+User errors (bad config, missing files, bad records) print one line naming the thing at
+fault and exit with code 2, without a traceback. A failure of another rank exits 1 with a
+message naming the rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dptrain.config import ConfigError, load_config
+
+log = logging.getLogger("dptrain")
+
+EXIT_USER_ERROR = 2
+
+
+def _rank_env() -> tuple[int, int, int]:
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")),
+            int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def setup_logging() -> None:
+    rank, _, world = _rank_env()
+    fmt = f"%(asctime)s {'rank%d ' % rank if world > 1 else ''}%(levelname).1s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format=fmt,
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="TOML recipe, e.g. launch/configs/digits.toml")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (TOML literal; bare words are strings); repeatable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="dptrain",
+        description="Data-parallel mixed-precision trainer: one solver process per GPU (launch with torchrun), "
+                    "FP16/BF16 weights with FP32 masters, bucketed allreduce overlapped with backprop.",
+        epilog="Examples:\n  dptrain train --config launch/configs/digits.toml\n"
+               "  torchrun --standalone --nproc-per-node=8 -m dptrain train --config launch/configs/resnet50_imagenet.toml\n"
+               "  dptrain bench --config launch/configs/resnet50_synthetic.toml --steps 50",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train a model (one process per GPU under torchrun)",
+                       description="Train from a TOML recipe. Writes config.toml, metrics.jsonl and "
+                                   "snapshot_iter_<N>.pt into train.run_dir. SIGTERM/SIGUSR1 snapshot and exit 0.")
+    _add_config_args(t)
+    t.add_argument("--resume", metavar="PATH|auto",
+                   help="continue bit-exactly from a snapshot; 'auto' picks the newest one in train.run_dir")
+    t.add_argument("--trace", metavar="PATH", help="write a Chrome trace per rank to PATH.rank<r>.json")
+
+    b = sub.add_parser("bench", help="measure training throughput; rank 0 prints one JSON line",
+                       description="Time training steps after a warm-up and print images/s, step time "
+                                   "percentiles and a per-phase breakdown as one JSON line.")
+    _add_config_args(b)
+    b.add_argument("--synthetic", action="store_true", help="use synthetic data (takes the input pipeline out)")
+    b.add_argument("--steps", type=int, default=30, help="timed steps (default 30)")
+    b.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (default 5)")
+    b.add_argument("--phase-steps", type=int, default=5,
+                   help="extra steps timed phase by phase with device syncs (default 5)")
+    b.add_argument("--trace", metavar="PATH", help="write a Chrome trace per rank of the phase-timed steps")
+
+    d = sub.add_parser("demo", help="train the digits recipe with N solver processes and print test top-1")
+    d.add_argument("--config", default="launch/configs/digits.toml", help="recipe (default: %(default)s)")
+    d.add_argument("--nproc", type=int, default=0, help="solver processes (default: GPUs, or 2 on CPU)")
+    d.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+
+    try:
+        from dptrain.data.make_lmdb import add_make_lmdb_args
+
+        add_make_lmdb_args(sub.add_parser("make-lmdb", help="convert images into a Caffe Datum LMDB"))
+    except ImportError:  # the LMDB tools are optional at import time only while developing
+        pass
+    try:
+        from dptrain.data.databench import add_data_bench_args
+
+        add_data_bench_args(sub.add_parser("data-bench", help="measure the input pipeline alone"))
+    except ImportError:
+        pass
+    return ap
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dptrain.comm import Communicator
+    from dptrain.snapshot import resolve_resume
+    from dptrain.trace import Tracer
+    from dptrain.train import Trainer, local_threads, pick_device
+
+    cfg = load_config(args.config, args.set)
+    _, local_rank, _ = _rank_env()
+    device = pick_device(cfg.train.device, local_rank)
+    if device.type == "cpu":
+        import torch
+
+        torch.set_num_threads(local_threads(cfg.train.threads))
+    comm = Communicator.from_env(cfg.reducer.timeout_s, device)
+    tracer = Tracer(comm.rank) if args.trace else None
+    trainer = Trainer(cfg, comm, tracer=tracer)
+    try:
+        if args.resume:
+            path = resolve_resume(args.resume, cfg.train.run_dir)
+            if path is not None:
+                trainer.resume(path)
+            else:
+                log.info("--resume auto: no snapshot in %s; starting fresh", cfg.train.run_dir)
+        result = trainer.fit()
+    finally:
+        trainer.close()
+        if tracer is not None:
+            log.info("trace written to %s", tracer.save(args.trace))
+    comm.close()
+    if comm.rank == 0 and "test_top1" in result:
+        log.info("final test top-1 %.4f top-5 %.4f", result["test_top1"], result["test_top5"])
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from dptrain.bench import run_bench
+
+    overrides = list(args.set)
+    if args.synthetic:
+        overrides.append('data.source="synthetic"')
+    cfg = load_config(args.config, overrides)
+    record = run_bench(cfg, steps=args.steps, warmup=args.warmup, phase_steps=args.phase_steps,
+                       trace=args.trace)
+    if record is not None:
+        print(json.dumps(record), flush=True)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the digits recipe under torchrun with ``nproc`` solvers; print wall time and top-1."""
+    import torch
+
+    from dptrain.metrics import read_metrics
+
+    cfg = load_config(args.config, args.set)
+    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    run_dir = Path(cfg.train.run_dir)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "dptrain", "train", "--config", args.config, *[f"--set={s}" for s in args.set]]
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        # N solvers share the cores; one intra-op thread each avoids oversubscription.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    log.info("running: %s", " ".join(cmd))
+    start = time.perf_counter()
+    rc = subprocess.call(cmd, env=env)
+    wall_s = time.perf_counter() - start
+    if rc != 0:
+        log.error("training exited with code %d", rc)
+        return rc
+    tests = [r for r in read_metrics(run_dir / "metrics.jsonl") if "test_top1" in r]
+    top1 = tests[-1]["test_top1"]
+    print(f"demo: {nproc} solver(s), {wall_s:.1f} s wall, final test top-1 {100 * top1:.2f}% "
+          f"on {tests[-1]['test_samples']} held-out digits")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    args = build_parser().parse_args(argv)
+    handlers = {"train": cmd_train, "bench": cmd_bench, "demo": cmd_demo}
+    try:
+        if args.command in handlers:
+            return handlers[args.command](args)
+        if args.command == "make-lmdb":
+            from dptrain.data.make_lmdb import run_make_lmdb
+
+            return run_make_lmdb(args)
+        from dptrain.data.databench import run_data_bench
+
+        return run_data_bench(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        rank, _, world = _rank_env()
+        where = f" (rank {rank})" if world > 1 else ""
+        print(f"dptrain: error{where}: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,401 @@
+"""Trainer: builds the parts from their config sections and runs the solver loop.
+
+One Trainer per solver process. The iteration is:
+
+    for each of iter_size micro-batches:   data -> forward -> scaled loss -> backward
+                                            (the reducer allreduces buckets during the last backward)
+    reducer.wait()                          the only point where compute waits on communication
+    solver.step()                           unscale, skip on overflow, update masters, write weights
+
+Nothing in the step reads a device value on the host; the host syncs only when it logs,
+tests, snapshots or polls for a stop request.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dptrain.comm import Communicator
+from dptrain.config import TrainConfig, config_to_dict, dump_toml
+from dptrain.data import build_source
+from dptrain.data.base import DeviceFeeder
+from dptrain.data.sampling import ShardPlan, batches_per_epoch
+from dptrain.flat import FlatParams
+from dptrain.metrics import MetricsWriter
+from dptrain.models import build_model
+from dptrain.precision import DTYPES, LossScaler, apply_precision
+from dptrain.reducer import Reducer
+from dptrain.snapshot import load_snapshot, save_snapshot, snapshot_path
+from dptrain.solver import MasterSGD
+from dptrain.trace import NullTracer, Tracer, now_us
+
+log = logging.getLogger(__name__)
+
+STOP_POLL_ITERS = 10
+"""With several solvers, a SIGTERM/SIGUSR1 is agreed on by a tiny allreduce every this many
+iterations (a host sync), so every rank snapshots and stops at the same iteration."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Values derived once from the config and the topology; logged at startup."""
+
+    rank: int
+    world_size: int
+    device: str
+    batch_size: int
+    iter_size: int
+    global_batch: int
+    micro_steps_per_epoch: int
+    storage: str
+    loss_scale: str
+
+    def describe(self) -> str:
+        return (
+            f"global batch {self.global_batch} = batch_size {self.batch_size} x world_size "
+            f"{self.world_size} x iter_size {self.iter_size}; {self.micro_steps_per_epoch // self.iter_size} "
+            f"iterations per epoch; storage {self.storage}, loss scale {self.loss_scale}, device {self.device}"
+        )
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    """CUDA device ``local_rank`` when asked for or available ("auto"), else the CPU."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("train.device = \"cuda\" but no CUDA device is visible; use \"auto\" or \"cpu\"")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"LOCAL_RANK {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
+            "start at most one process per GPU"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.device) -> tuple[nn.Module, FlatParams]:
+    """The model in its storage dtype with flat buffers, initialised identically on every rank.
+
+    Rank 0's fp32 weights are broadcast *before* the cast, so the fp32 masters start from
+    the exact initial weights rather than from their fp16 rounding.
+    """
+    torch.manual_seed(cfg.train.seed)
+    m = cfg.model
+    model = build_model(m.name, num_classes=m.num_classes, width=m.width, channels_last=m.channels_last).to(device)
+    comm.broadcast_module(model)
+    fp32_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    apply_precision(model, cfg.precision)
+    momentum_dtype = DTYPES[cfg.precision.momentum_dtype]
+    flat = FlatParams(model, momentum_dtype=momentum_dtype)
+    flat.load_master_state(fp32_weights)
+    return model, flat
+
+
+class PhaseTimer:
+    """Times phases of a step. Inactive (free) unless tracing or benchmarking; when active
+    it synchronises the device at phase boundaries so the times are device times."""
+
+    def __init__(self, device: torch.device, tracer: Tracer, active: bool) -> None:
+        self.device, self.tracer, self.active = device, tracer, active
+        self.totals_ms: dict[str, float] = defaultdict(float)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if not self.active:
+            yield
+            return
+        self._sync()
+        start = now_us()
+        yield
+        self._sync()
+        end = now_us()
+        self.totals_ms[name] += (end - start) / 1000.0
+        self.tracer.complete(name, start, end)
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGUSR1; the trainer snapshots at the next iteration boundary and exits 0."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signum = 0
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.requested, self.signum = True, signum
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is threading.main_thread():
+            old = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGUSR1)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+        else:
+            yield
+
+
+class Trainer:
+    """One solver: model, flat buffers, scaler, reducer, solver and data, from the config."""
+
+    def __init__(self, cfg: TrainConfig, comm: Communicator, *, tracer: Tracer | None = None,
+                 time_phases: bool = False) -> None:
+        self.cfg, self.comm = cfg, comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.device = comm.device
+        self.tracer = tracer or NullTracer(self.rank)
+        self.model, self.flat = build_model_and_params(cfg, comm, self.device)
+        ls_mode = cfg.precision.resolved_loss_scale_mode()
+        self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
+        self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer)
+        self.solver = MasterSGD(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor)
+        self.source = build_source(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed, device=self.device)
+        self.shard = ShardPlan(self.rank, self.world_size, cfg.data.batch_size, cfg.train.seed,
+                               cfg.data.shuffle == "epoch")
+        self.plan = RunPlan(
+            rank=self.rank, world_size=self.world_size, device=str(self.device),
+            batch_size=cfg.data.batch_size, iter_size=cfg.solver.iter_size,
+            global_batch=cfg.data.batch_size * self.world_size * cfg.solver.iter_size,
+            micro_steps_per_epoch=batches_per_epoch(self.source.num_train, self.shard.global_batch),
+            storage=cfg.precision.storage, loss_scale=ls_mode,
+        )
+        self.dtype = DTYPES[cfg.precision.storage]
+        self.iteration = 0
+        self.lr = 0.0
+        self.phases = PhaseTimer(self.device, self.tracer, time_phases or self.tracer.enabled)
+        self._feeder: DeviceFeeder | None = None
+        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.run_dir = Path(cfg.train.run_dir)
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if self.rank == 0 else None)
+
+    # ------------------------------------------------------------------ data
+
+    def _feeder_for(self, start_micro_step: int) -> DeviceFeeder:
+        stream = self.source.train_batches(self.shard, start_micro_step)
+        return DeviceFeeder(stream, device=self.device, dtype=self.dtype, mean=self.source.mean,
+                            scale=self.source.scale, channels_last=self.cfg.model.channels_last)
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._feeder is None:
+            self._feeder = self._feeder_for(self.iteration * self.plan.iter_size)
+        with self.phases("data_wait"):
+            return next(self._feeder)
+
+    # ------------------------------------------------------------------ step
+
+    def train_step(self) -> None:
+        """One iteration: iter_size micro-batches, the reduce, and the fused update."""
+        self.model.train()
+        n = self.plan.iter_size
+        for micro in range(n):
+            x, y = self._next_batch()
+            self.reducer.begin(sync=micro == n - 1)
+            with self.phases("forward"):
+                loss = F.cross_entropy(self.model(x).float(), y) / n
+            if micro == n - 1 and self._feeder is not None:
+                self._feeder.prefetch()  # next batch's H2D copy overlaps this backward
+            with self.phases("backward"):
+                self.scaler.scale_loss(loss).backward()
+            self._loss_sum += loss.detach()
+        with self.phases("exposed_comm"):
+            self.reducer.wait()
+        with self.phases("update"):
+            self.lr = self.solver.step(self.iteration)
+        self.iteration += 1
+
+    # ------------------------------------------------------------------ test
+
+    @torch.no_grad()
+    def test(self) -> dict[str, float]:
+        """Top-1/top-5 over the whole test set; every sample counts once across ranks."""
+        self.model.eval()
+        counts = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct1, correct5, n
+        stream = self.source.test_batches(self.rank, self.world_size, self.cfg.data.test_batch_size)
+        feeder = DeviceFeeder(stream, device=self.device, dtype=self.dtype, mean=self.source.mean,
+                              scale=self.source.scale, channels_last=self.cfg.model.channels_last)
+        try:
+            for i, (x, y) in enumerate(feeder):
+                if self.cfg.solver.test_iter and i >= self.cfg.solver.test_iter:
+                    break
+                top5 = self.model(x).float().topk(min(5, self.cfg.model.num_classes), dim=1).indices
+                hit = top5 == y[:, None]
+                counts += torch.stack([hit[:, 0].sum(), hit.any(dim=1).sum(), torch.tensor(len(y))]).to(counts)
+        finally:
+            feeder.close()
+        self.comm.allreduce_sum_(counts)
+        c1, c5, total = counts.tolist()
+        self.model.train()
+        return {"test_top1": c1 / max(total, 1), "test_top5": c5 / max(total, 1), "test_samples": int(total)}
+
+    # ------------------------------------------------------------------ snapshots
+
+    def state_dict(self) -> dict[str, Any]:
+        """Snapshot content; collective (every rank's RNG state is gathered)."""
+        model_state = {k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone()
+                       for k, v in self.model.state_dict().items()}
+        model_state.update(self.flat.master_state())
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "iteration": self.iteration,
+            "model": model_state,
+            "solver": self.solver.state_dict(),
+            "rng": self.comm.allgather_object(rng),
+            "data": {"micro_step": self.iteration * self.plan.iter_size, "world_size": self.world_size,
+                     "batch_size": self.plan.batch_size, "seed": self.cfg.train.seed},
+            "config": config_to_dict(self.cfg),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a snapshot: masters (weights re-derived), buffers, momentum, scaler, RNG, position."""
+        params = {n for n, _ in self.model.named_parameters()}
+        buffers = {k: v for k, v in state["model"].items() if k not in params}
+        missing = self.model.load_state_dict(buffers, strict=False)
+        if missing.unexpected_keys:
+            raise ValueError(f"snapshot has keys this model lacks: {missing.unexpected_keys[:5]}; "
+                             "was it written for another model.name?")
+        self.flat.load_master_state(state["model"])
+        self.solver.load_state_dict(state["solver"])
+        rng = state["rng"][self.rank] if self.rank < len(state["rng"]) else state["rng"][0]
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        self.iteration = int(state["iteration"])
+        self._feeder = None
+
+    def save(self) -> Path | None:
+        """Write snapshot_iter_<iteration>.pt (rank 0) after every rank contributed its RNG state."""
+        state = self.state_dict()
+        if self.rank != 0:
+            return None
+        path = save_snapshot(state, snapshot_path(self.run_dir, self.iteration))
+        log.info("snapshot %s", path)
+        return path
+
+    def resume(self, path: Path) -> None:
+        state = load_snapshot(path)
+        self.load_state_dict(state)
+        log.info("resumed from %s at iteration %d", path, self.iteration)
+
+    # ------------------------------------------------------------------ loop
+
+    def _display(self, t_last: float, it_last: int) -> dict[str, Any]:
+        loss = self._loss_sum.clone()
+        self.comm.allreduce_sum_(loss)
+        iters = max(self.iteration - it_last, 1)
+        elapsed = max(time.perf_counter() - t_last, 1e-9)
+        rec = {
+            "iter": self.iteration,
+            "epoch": round(self.iteration * self.plan.iter_size / self.plan.micro_steps_per_epoch, 4),
+            "loss": float(loss) / (iters * self.world_size),
+            "lr": self.lr,
+            "images_per_s": round(self.plan.global_batch * iters / elapsed, 2),
+            **self.scaler.stats(),
+        }
+        self._loss_sum.zero_()
+        self.scaler.check_floor()
+        return rec
+
+    def _stop_agreed(self, flag: _StopFlag) -> bool:
+        if self.world_size == 1:
+            return flag.requested
+        if self.iteration % STOP_POLL_ITERS:
+            return False
+        t = torch.tensor([1.0 if flag.requested else 0.0], device=self.device)
+        self.comm.allreduce_sum_(t)
+        return bool(t.item() > 0)
+
+    def fit(self) -> dict[str, Any]:
+        """Train to solver.max_iter (or until SIGTERM/SIGUSR1); return the last metrics."""
+        s = self.cfg.solver
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
+        log.info("%s", self.plan.describe())
+        log.info("bytes per parameter: %s (%d parameters)", self.flat.bytes_per_param(), self.flat.num_params)
+        flag, last, bar = _StopFlag(), {}, _progress(self.rank, s.max_iter, self.iteration)
+        t_last, it_last = time.perf_counter(), self.iteration
+        with flag.installed():
+            while self.iteration < s.max_iter:
+                self.train_step()
+                bar.update(1)
+                it = self.iteration
+                if s.display and it % s.display == 0:
+                    last = self._display(t_last, it_last)
+                    t_last, it_last = time.perf_counter(), it
+                    self.metrics.write(last)
+                    log.info("iter %d loss %.4f lr %.5g %.1f img/s scale %g skipped %d", it, last["loss"],
+                             last["lr"], last["images_per_s"], last["loss_scale"], last["skipped_steps"])
+                if s.test_interval and it % s.test_interval == 0 and it < s.max_iter:
+                    last = {**last, **self._test_and_log()}
+                if s.snapshot and it % s.snapshot == 0 and it < s.max_iter:
+                    self.scaler.check_floor()
+                    self.save()
+                if self._stop_agreed(flag):
+                    log.warning("rank %d: signal %d received; snapshot at iteration %d and stop",
+                                self.rank, flag.signum, it)
+                    self.save()
+                    return {**last, "stopped_by_signal": True}
+        bar.close()
+        self.scaler.check_floor()
+        last = {**last, **self._test_and_log()}
+        self.save()
+        return last
+
+    def _test_and_log(self) -> dict[str, Any]:
+        res = self.test()
+        self.metrics.write({"iter": self.iteration, **res})
+        log.info("iter %d test top-1 %.4f top-5 %.4f (%d samples)", self.iteration, res["test_top1"],
+                 res["test_top5"], res["test_samples"])
+        return res
+
+    def close(self) -> None:
+        if self._feeder is not None:
+            self._feeder.close()
+            self._feeder = None
+        self.metrics.close()
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(rank: int, total: int, start: int) -> Any:
+    """A tqdm bar on rank 0 when stderr is a terminal; plain log lines otherwise."""
+    if rank != 0 or not sys.stderr.isatty():
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, unit="it", dynamic_ncols=True)
+
+
+def local_threads(requested: int) -> int:
+    """torch threads per solver on CPU: requested, or the cores shared among local solvers."""
+    if requested:
+        return requested
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // local)

@@ -1,0 +1,106 @@
+"""Config loading: types, choices, ranges, overrides, round trip, and the shipped recipes."""
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import pytest
+
+from dptrain.config import ConfigError, TrainConfig, dump_toml, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "cfg.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_sections(tmp_path):
+    cfg = load_config(write(tmp_path, "[solver]\nbase_lr = 0.1\n"))
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.solver.base_lr == 0.1 and cfg.data.batch_size == 64 and cfg.reducer.bucket_mb == 25.0
+
+
+def test_int_accepted_for_float_but_bool_is_not_int(tmp_path):
+    assert load_config(write(tmp_path, "[solver]\nbase_lr = 1\n")).solver.base_lr == 1.0
+    with pytest.raises(ConfigError, match=r"data\.batch_size must be an integer, got True"):
+        load_config(write(tmp_path, "[data]\nbatch_size = true\n"))
+
+
+def test_unknown_key_lists_valid_keys(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['reducer\.bucket_mbs'\]; valid: .*'bucket_mb'"):
+        load_config(write(tmp_path, "[reducer]\nbucket_mbs = 5\n"))
+
+
+def test_unknown_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['solverr'\]"):
+        load_config(write(tmp_path, "[solverr]\nbase_lr = 5\n"))
+
+
+def test_wrong_type_names_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"solver\.base_lr must be a number, got 'fast'"):
+        load_config(write(tmp_path, "[solver]\nbase_lr = \"fast\"\n"))
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[solver]\nbase_lr = -0.1\n", r"solver\.base_lr must be > 0, got -0\.1"),
+        ("[data]\nbatch_size = 0\n", r"data\.batch_size must be > 0, got 0"),
+        ("[model]\nname = \"vgg99\"\n", r"model\.name must be one of \[.*'lenet'.*\], got 'vgg99'"),
+        ("[solver]\nlr_policy = \"cosine\"\n", r"solver\.lr_policy must be one of \('fixed', .*\), got 'cosine'"),
+        ("[precision]\nstorage = \"fp8\"\n", r"precision\.storage must be one of \('fp32', 'fp16', 'bf16'\)"),
+        ("[solver]\nmomentum = 1.5\n", r"solver\.momentum must be in \[0, 1\)"),
+        ("[precision.loss_scale]\nhysteresis = 0\n", r"precision\.loss_scale\.hysteresis must be > 0"),
+        ("[data]\nsource = \"lmdb\"\n", r"data\.path must name a training LMDB"),
+        ("[solver]\nlr_policy = \"multistep\"\n", r"solver\.stepvalue must list iterations"),
+    ],
+)
+def test_out_of_range_and_choices(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, text))
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file '.*nope\.toml' not found"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(write(tmp_path, "[solver\n"))
+
+
+def test_overrides_take_precedence_and_are_checked(tmp_path):
+    p = write(tmp_path, "[solver]\nbase_lr = 0.1\n")
+    cfg = load_config(p, ["solver.base_lr=0.5", "model.name=lenet", "data.resize=[40, 40]",
+                          "precision.loss_scale.mode=static"])
+    assert cfg.solver.base_lr == 0.5 and cfg.model.name == "lenet" and cfg.data.resize == [40, 40]
+    assert cfg.precision.loss_scale.mode == "static"
+    with pytest.raises(ConfigError, match=r"solver\.max_iter must be > 0"):
+        load_config(p, ["solver.max_iter=0"])
+    with pytest.raises(ConfigError, match="--set expects section.key=value"):
+        load_config(p, ["solver"])
+
+
+def test_configs_are_frozen():
+    cfg = load_config(None)
+    with pytest.raises(Exception, match="cannot assign"):
+        cfg.solver.base_lr = 3.0  # type: ignore[misc]
+
+
+def test_dump_round_trip(tmp_path):
+    cfg = load_config(None, ["data.mean_value=[1.0, 2.0, 3.0]", "precision.storage=bf16"])
+    p = tmp_path / "resolved.toml"
+    p.write_text(dump_toml(cfg))
+    assert load_config(p) == cfg
+
+
+def test_loss_scale_auto_resolves_by_storage():
+    assert load_config(None, ["precision.storage=fp16"]).precision.resolved_loss_scale_mode() == "dynamic"
+    assert load_config(None, ["precision.storage=bf16"]).precision.resolved_loss_scale_mode() == "none"
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(str(REPO / "launch" / "configs" / "*.toml"))))
+def test_shipped_recipes_load(path):
+    cfg = load_config(path)
+    assert cfg.model.num_classes > 0
