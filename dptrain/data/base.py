@@ -54,7 +54,7 @@ class DataSource(Protocol):
         ...
 
     def test_batches(self, rank: int, world_size: int, batch_size: int) -> BatchStream:
-        """This rank's slice of the test set (see sampling.test_range), then StopIteration."""
+        """This rank's slice of the test set (see sampling.eval_range), then StopIteration."""
         ...
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dptrain.data.base import HostBatch
-from dptrain.data.sampling import ShardPlan, rank_batch_indices, test_range
+from dptrain.data.sampling import ShardPlan, rank_batch_indices, eval_range
 
 DIGITS_TRAIN = 1500
 DIGITS_TEST = 297
@@ -57,7 +57,7 @@ def _train_indices(num: int, plan: ShardPlan, start_step: int) -> Iterator[np.nd
 
 
 def _test_indices(num: int, rank: int, world_size: int, batch_size: int) -> Iterator[np.ndarray]:
-    r = test_range(num, rank, world_size)
+    r = eval_range(num, rank, world_size)
     for start in range(r.start, r.stop, batch_size):
         yield np.arange(start, min(start + batch_size, r.stop), dtype=np.int64)
 

@@ -74,7 +74,7 @@ def rank_epoch_shard(epoch: int, num_samples: int, plan: ShardPlan) -> np.ndarra
     return g[:, plan.rank, :].reshape(-1)
 
 
-def test_range(num_samples: int, rank: int, world_size: int) -> range:
+def eval_range(num_samples: int, rank: int, world_size: int) -> range:
     """This rank's contiguous slice of the test set; slices cover it exactly once."""
     base, extra = divmod(num_samples, world_size)
     start = rank * base + min(rank, extra)

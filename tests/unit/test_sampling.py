@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dptrain.data.sampling import (
-    ShardPlan, batches_per_epoch, epoch_permutation, rank_batch_indices, rank_epoch_shard, test_range,
+    ShardPlan, batches_per_epoch, epoch_permutation, rank_batch_indices, rank_epoch_shard, eval_range,
 )
 
 
@@ -48,7 +48,7 @@ def test_too_small_dataset_raises():
 
 def test_test_ranges_cover_once():
     for world in (1, 2, 3, 4):
-        ranges = [test_range(297, r, world) for r in range(world)]
+        ranges = [eval_range(297, r, world) for r in range(world)]
         ids = [i for r in ranges for i in r]
         assert ids == list(range(297))
         assert max(len(r) for r in ranges) - min(len(r) for r in ranges) <= 1
