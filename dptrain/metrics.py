@@ -10,11 +10,17 @@ class MetricsWriter:
     """Appends JSON lines and flushes each one, so a crash loses at most the line in flight."""
 
     def __init__(self, path: Path | None) -> None:
-        self._file = open(path, "a", buffering=1) if path is not None else None
+        self._path = path
+        self._file = None
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=False) + "\n")
+        """Append one record (no-op on ranks other than 0); the file is created on first use."""
+        if self._path is None:
+            return
+        if self._file is None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self._path, "a", buffering=1)
+        self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         if self._file is not None:

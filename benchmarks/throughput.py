@@ -1,0 +1,152 @@
+"""dptrain against its peers (torch AMP, DDP + AMP), measured in the same run.
+
+Each case runs dptrain's ``bench`` and the peer (benchmarks/peer.py) alternately,
+``--repeats`` times, and reports the median images/s of each and their ratio. Results go
+to ``benchmarks/results/throughput_<hardware>_<yyyymmdd>.md`` with every raw JSON line.
+
+    python benchmarks/throughput.py                 # CPU cases (2 cores: a few minutes)
+    python benchmarks/throughput.py --suite gpu     # GPU cases (one GPU)
+    python benchmarks/throughput.py --dry-run       # print the commands only
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BASE_CONFIG = REPO / "launch" / "configs" / "resnet50_synthetic.toml"
+
+
+@dataclass
+class Case:
+    name: str
+    world_size: int
+    model: str
+    width: int
+    num_classes: int
+    image_size: int
+    batch_size: int
+    precision: str  # dptrain storage == peer autocast dtype
+    channels_last: bool
+    peer: bool = True
+    extra_sets: list[str] = field(default_factory=list)
+
+
+def cpu_cases(quick: bool) -> list[Case]:
+    w, b = (16, 16) if quick else (64, 32)
+    common = dict(model="resnet18_cifar", width=w, num_classes=10, image_size=32, batch_size=b, channels_last=False)
+    cases = [
+        Case("1 solver, bf16 storage vs autocast bf16", 1, precision="bf16", **common),
+        Case("2 solvers, bf16 storage vs DDP + autocast bf16", 2, precision="bf16", **common),
+        Case("2 solvers, fp32 vs DDP fp32", 2, precision="fp32", **common),
+    ]
+    for mb in (1, 5, 25, 100):
+        cases.append(Case(f"bucket sweep {mb} MB, 2 solvers bf16", 2, precision="bf16", peer=False,
+                          extra_sets=[f"reducer.bucket_mb={mb}", f"reducer.first_bucket_mb={min(mb, 1)}"], **common))
+    return cases
+
+
+def gpu_cases() -> list[Case]:
+    common = dict(model="resnet50", width=64, num_classes=1000, image_size=224, batch_size=256, channels_last=True)
+    return [Case("ResNet-50 fp16 vs torch AMP (autocast + GradScaler)", 1, precision="fp16", **common),
+            Case("ResNet-50 bf16 vs torch autocast bf16", 1, precision="bf16", **common)]
+
+
+def _launcher(world_size: int) -> list[str]:
+    if world_size == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+
+
+def dptrain_cmd(c: Case, steps: int, warmup: int) -> list[str]:
+    sets = [f"model.name={c.model}", f"model.width={c.width}", f"model.num_classes={c.num_classes}",
+            f"model.channels_last={'true' if c.channels_last else 'false'}", f"data.image_size={c.image_size}",
+            f"data.batch_size={c.batch_size}", f"precision.storage={c.precision}", *c.extra_sets]
+    return [*_launcher(c.world_size), "-m", "dptrain", "bench", "--config", str(BASE_CONFIG), "--synthetic",
+            f"--steps={steps}", f"--warmup={warmup}", "--phase-steps=3", *[f"--set={s}" for s in sets]]
+
+
+def peer_cmd(c: Case, steps: int, warmup: int) -> list[str]:
+    cmd = [*_launcher(c.world_size), str(REPO / "benchmarks" / "peer.py"), f"--model={c.model}",
+           f"--width={c.width}", f"--num-classes={c.num_classes}", f"--precision={c.precision}",
+           f"--batch-size={c.batch_size}", f"--image-size={c.image_size}", f"--steps={steps}", f"--warmup={warmup}"]
+    return cmd + (["--channels-last"] if c.channels_last else [])
+
+
+def run_json(cmd: list[str]) -> dict:
+    """Run a benchmark command; return the last JSON line it printed."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def render(rows: list[dict], machine: str, date: str, raw: list[dict]) -> str:
+    out = [f"# dptrain vs peers: throughput ({date})", "", f"Machine: {machine}", "",
+           "Median images/s over the repeats; both sides measured alternately in the same run, same model, "
+           "batch, data (synthetic, on the device) and process count.", "",
+           "| case | world | dptrain img/s | peer | peer img/s | ratio | dptrain exposed comm ms |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        peer = f"{r['peer_ips']:.1f}" if r["peer_ips"] else "-"
+        ratio = f"{r['dptrain_ips'] / r['peer_ips']:.3f}x" if r["peer_ips"] else "-"
+        out.append(f"| {r['case']} | {r['world_size']} | {r['dptrain_ips']:.1f} | {r['peer_name'] or '-'} | "
+                   f"{peer} | {ratio} | {r['exposed_comm_ms']:.1f} |")
+    out += ["", "Raw JSON lines:", "", "```"] + [json.dumps(x) for x in raw] + ["```", ""]
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="tiny widths (smoke run)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")
+    args = ap.parse_args()
+    cases = cpu_cases(args.quick) if args.suite == "cpu" else gpu_cases()
+    if args.dry_run:
+        for c in cases:
+            print(" ".join(dptrain_cmd(c, args.steps, args.warmup)))
+            if c.peer:
+                print(" ".join(peer_cmd(c, args.steps, args.warmup)))
+        return 0
+    rows, raw = [], []
+    for c in cases:
+        ours, theirs, last = [], [], {}
+        for _ in range(args.repeats):
+            last = run_json(dptrain_cmd(c, args.steps, args.warmup))
+            ours.append(last["images_per_s"])
+            raw.append({"case": c.name, "side": "dptrain", **last})
+            if c.peer:
+                p = run_json(peer_cmd(c, args.steps, args.warmup))
+                theirs.append(p["images_per_s"])
+                raw.append({"case": c.name, "side": "peer", **p})
+        row = {"case": c.name, "world_size": c.world_size, "dptrain_ips": statistics.median(ours),
+               "peer_ips": statistics.median(theirs) if theirs else None,
+               "peer_name": raw[-1].get("peer") if c.peer else None, "exposed_comm_ms": last["exposed_comm_ms"]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    device = raw[0]["device"]
+    hw = "cpu2" if args.suite == "cpu" else device.split()[-1].lower().replace("-", "")
+    machine = f"{device}; {platform.platform()}; torch {raw[0]['versions']['torch']}"
+    date = datetime.date.today().strftime("%Y%m%d")
+    path = Path(args.out) / f"throughput_{args.suite}_{hw}_{date}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(rows, machine, date, raw))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
