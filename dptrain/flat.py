@@ -57,24 +57,43 @@ class FlatGroup:
         assert named_params, "a flat group needs at least one parameter"
         self.dtype = named_params[0][1].dtype
         self.device = named_params[0][1].device
-        offset, segments = 0, []
         for name, p in named_params:
             assert p.dtype == self.dtype, f"{name} is {p.dtype}, group is {self.dtype}"
             assert _is_dense(p), f"{name} has overlapping or gapped strides {p.stride()}"
-            segments.append(Segment(name, p, offset, p.numel()))
-            offset += _align(p.numel())
-        self.segments: list[Segment] = segments
-        self.numel = offset
-        self.params = torch.zeros(offset, dtype=self.dtype, device=self.device)  # [numel] storage dtype
-        self.grads = torch.zeros(offset, dtype=self.dtype, device=self.device)  # [numel] storage dtype
-        for s in segments:
+        self.segments, self.numel = _layout(named_params)
+        self.params = torch.zeros(self.numel, dtype=self.dtype, device=self.device)  # [numel] storage dtype
+        self.grads = torch.zeros(self.numel, dtype=self.dtype, device=self.device)  # [numel] storage dtype
+        for s in self.segments:
             view = _view(self.params, s.param, s.offset)
             view.copy_(s.param.detach())
             s.param.data = view
             s.param.grad = _view(self.grads, s.param, s.offset)
         # FP32 storage needs no separate master: the model weights are the masters.
         self.master = self.params if self.dtype == torch.float32 else self.params.float()  # [numel] fp32
-        self.momentum = torch.zeros(offset, dtype=momentum_dtype, device=self.device)  # [numel]
+        self.momentum = torch.zeros(self.numel, dtype=momentum_dtype, device=self.device)  # [numel]
+
+    def relayout(self, names: list[str]) -> None:
+        """Re-order the flat buffers so parameters sit in the order ``names`` (every name of
+        this group, once); values of weights, grads, masters and momentum move with them."""
+        by_name = {s.name: s for s in self.segments}
+        if sorted(names) != sorted(by_name):
+            raise ValueError("relayout needs every parameter of the group exactly once")
+        old = by_name
+        segments, numel = _layout([(n, by_name[n].param) for n in names])
+        bufs = {}
+        for attr in ("params", "grads", "momentum") + (() if self.master is self.params else ("master",)):
+            src = getattr(self, attr)
+            dst = torch.zeros(numel, dtype=src.dtype, device=src.device)
+            for s in segments:
+                o = old[s.name]
+                dst[s.offset : s.offset + s.numel] = src[o.offset : o.offset + o.numel]
+            bufs[attr] = dst
+        self.segments, self.numel = segments, numel
+        self.params, self.grads, self.momentum = bufs["params"], bufs["grads"], bufs["momentum"]
+        self.master = bufs.get("master", self.params)
+        for s in segments:
+            s.param.data = _view(self.params, s.param, s.offset)
+            s.param.grad = _view(self.grads, s.param, s.offset)
 
     def grad_slice(self, start: int, stop: int) -> torch.Tensor:
         return self.grads[start:stop]
@@ -111,6 +130,15 @@ class FlatGroup:
             _view(self.momentum, s.param, s.offset).copy_(state[s.name])
 
 
+def _layout(named_params: list[tuple[str, nn.Parameter]]) -> tuple[list[Segment], int]:
+    """Segments at 64-element-aligned offsets in the given order; returns (segments, total)."""
+    offset, segments = 0, []
+    for name, p in named_params:
+        segments.append(Segment(name, p, offset, p.numel()))
+        offset += _align(p.numel())
+    return segments, offset
+
+
 def _is_dense(t: torch.Tensor) -> bool:
     """True when ``t`` covers exactly numel() elements with no overlap (any dim order)."""
     dims = sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz > 1)
@@ -130,6 +158,8 @@ class FlatParams:
         if not named:
             raise ValueError("the model has no trainable parameters")
         named.reverse()  # backward produces the last layers' gradients first
+        self.layout_order: list[str] = [n for n, _ in named]
+        """Parameter names in layout order across groups; the reducer's launch order."""
         by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
         for n, p in named:
             by_dtype.setdefault(p.dtype, []).append((n, p))

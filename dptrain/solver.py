@@ -47,10 +47,6 @@ class MasterSGD:
     def __init__(self, flat: FlatParams, cfg: SolverConfig, scaler: LossScaler, world_size: int) -> None:
         self.flat, self.cfg, self.scaler, self.world_size = flat, cfg, scaler, world_size
         self._need_norm = scaler.enabled or cfg.clip_gradients > 0
-        if cfg.larc:
-            self._larc_numels = [
-                torch.tensor([s.padded_numel for s in g.segments], device=g.grads.device) for g in flat.groups
-            ]
 
     def step(self, it: int) -> float:
         """Apply iteration ``it``'s update; return the learning rate used."""
@@ -91,7 +87,8 @@ class MasterSGD:
             mult = torch.where(valid, rate, torch.ones_like(rate))
         else:
             mult = torch.where(valid, (rate / lr).clamp(max=1.0), torch.ones_like(rate))
-        return mult.repeat_interleave(self._larc_numels[i], output_size=g.numel)
+        numels = torch.tensor([s.padded_numel for s in g.segments], device=mult.device)
+        return mult.repeat_interleave(numels, output_size=g.numel)
 
     def state_dict(self) -> dict[str, object]:
         return {"momentum": self.flat.momentum_state(), "scaler": self.scaler.state_dict()}

@@ -1,0 +1,127 @@
+"""Single-process trainer: learning, bit-exact resume, outputs, snapshots."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dptrain.comm import Communicator
+from dptrain.config import load_config
+from dptrain.snapshot import list_snapshots, load_snapshot, resolve_resume, save_snapshot
+from dptrain.train import Trainer
+
+SMALL = [
+    "model.name=lenet", "data.source=digits", "data.batch_size=32", "solver.base_lr=0.01",
+    "solver.lr_policy=fixed", "solver.display=5", "solver.weight_decay=0.0005",
+]
+
+
+def make_trainer(tmp_path: Path, *extra: str) -> Trainer:
+    cfg = load_config(None, [*SMALL, f"train.run_dir={json.dumps(str(tmp_path))}", *extra])
+    return Trainer(cfg, Communicator.from_env(cfg.reducer.timeout_s, torch.device("cpu")))
+
+
+def masters(t: Trainer) -> dict[str, torch.Tensor]:
+    return t.flat.master_state()
+
+
+def test_digits_learns_and_writes_outputs(tmp_path):
+    t = make_trainer(tmp_path, "solver.max_iter=60", "solver.test_interval=30", "solver.snapshot=30")
+    result = t.fit()
+    t.close()
+    assert result["test_top1"] > 0.85, result  # 60 iterations x 32 images: well past chance (0.10)
+    assert (tmp_path / "config.toml").is_file()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [r for r in lines if "loss" in r]
+    assert [r["iter"] for r in train_lines] == list(range(5, 61, 5))
+    for r in train_lines:
+        assert {"iter", "epoch", "loss", "lr", "images_per_s", "loss_scale", "skipped_steps"} <= set(r)
+    assert train_lines[-1]["loss"] < train_lines[0]["loss"]
+    tests = [r for r in lines if "test_top1" in r]
+    assert [r["iter"] for r in tests] == [30, 60] and all("test_top5" in r for r in tests)
+    assert [it for it, _ in list_snapshots(tmp_path)] == [60, 30]
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16"])
+def test_resume_is_bit_exact(tmp_path, storage):
+    extra = (f"precision.storage={storage}", "solver.lr_policy=step", "solver.stepsize=7", "solver.display=0")
+    straight = make_trainer(tmp_path / "a", "solver.max_iter=20", *extra)
+    for _ in range(20):
+        straight.train_step()
+
+    first = make_trainer(tmp_path / "b", "solver.max_iter=20", *extra)
+    for _ in range(10):
+        first.train_step()
+    path = first.save()
+    assert path is not None and path.name == "snapshot_iter_10.pt"
+    resumed = make_trainer(tmp_path / "c", "solver.max_iter=20", *extra)
+    resumed.resume(path)
+    assert resumed.iteration == 10
+    for _ in range(10):
+        resumed.train_step()
+    for name, w in masters(straight).items():
+        assert torch.equal(w, masters(resumed)[name]), name
+    for g_a, g_b in zip(straight.flat.groups, resumed.flat.groups):
+        assert torch.equal(g_a.momentum, g_b.momentum)
+        assert torch.equal(g_a.params, g_b.params)
+
+
+def test_snapshot_holds_fp32_masters_and_state(tmp_path):
+    t = make_trainer(tmp_path, "precision.storage=bf16", "solver.max_iter=2")
+    t.train_step()
+    state = load_snapshot(t.save())
+    assert state["iteration"] == 1
+    assert all(v.dtype == torch.float32 for k, v in state["model"].items() if v.is_floating_point())
+    assert set(state["solver"]) == {"momentum", "scaler"}
+    assert state["data"]["micro_step"] == 1 and state["config"]["precision"]["storage"] == "bf16"
+
+
+def test_torn_snapshot_never_replaces_good_one(tmp_path, monkeypatch):
+    good = save_snapshot({"iteration": 1, "model": {}, "solver": {}, "rng": [], "config": {}},
+                         tmp_path / "snapshot_iter_1.pt")
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_snapshot({"iteration": 2}, tmp_path / "snapshot_iter_1.pt")
+    assert load_snapshot(good)["iteration"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["snapshot_iter_1.pt"]  # no temp file left
+
+
+def test_resume_auto_skips_unreadable_newest(tmp_path):
+    save_snapshot({"iteration": 3, "model": {}, "solver": {}, "rng": [], "config": {}},
+                  tmp_path / "snapshot_iter_3.pt")
+    (tmp_path / "snapshot_iter_9.pt").write_bytes(b"torn")
+    assert resolve_resume("auto", tmp_path) == tmp_path / "snapshot_iter_3.pt"
+    assert resolve_resume("auto", tmp_path / "empty") is None
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_snapshot(tmp_path / "snapshot_iter_9.pt")
+
+
+
+def test_signal_writes_snapshot_and_resume_continues(tmp_path):
+    import os
+    import signal
+    import threading
+
+    t = make_trainer(tmp_path, "solver.max_iter=100000", "solver.display=0")
+    t.train_step()  # warm the first step so the signal lands mid-run
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    result = t.fit()
+    t.close()
+    assert result["stopped_by_signal"] is True
+    snaps = list_snapshots(tmp_path)
+    assert len(snaps) == 1 and 1 < snaps[0][0] < 100000
+    stopped_at = snaps[0][0]
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handler uninstalled after fit
+
+    again = make_trainer(tmp_path, f"solver.max_iter={stopped_at + 3}", "solver.display=0")
+    again.resume(resolve_resume("auto", tmp_path))
+    assert again.iteration == stopped_at
+    again.fit()
+    again.close()
+    assert list_snapshots(tmp_path)[0][0] == stopped_at + 3
