@@ -10,10 +10,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dptrain.models.alexnet import alexnet
+from dptrain.models.googlenet import googlenet
 from dptrain.models.lenet import lenet
+from dptrain.models.resnet import resnet18, resnet18_cifar, resnet34, resnet50, resnet101
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "lenet": lenet,
+    "resnet18_cifar": resnet18_cifar,
+    "resnet18": resnet18,
+    "resnet34": resnet34,
+    "resnet50": resnet50,
+    "resnet101": resnet101,
+    "alexnet": alexnet,
+    "googlenet": googlenet,
 }
 
 
