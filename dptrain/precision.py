@@ -44,6 +44,9 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig) -> list[str]:
 
     An island's inputs are cast to fp32 before it runs and its output is cast back to the
     storage dtype, so the rest of the network sees only storage-dtype activations.
+    BatchNorm is the exception: its CPU and cuDNN kernels take a storage-dtype input with
+    fp32 parameters and statistics and compute in fp32 natively, so it needs no casts
+    (which would cost two extra passes over every activation).
     """
     dtype = DTYPES[cfg.storage]
     model.to(dtype)
@@ -55,8 +58,9 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig) -> list[str]:
             if any(_matches(n, m, cfg.fp32_modules) for n, m in _ancestors(model, name)):
                 continue  # an enclosing island already handles the casts
             module.float()
-            module.register_forward_pre_hook(_cast_inputs_fp32)
-            module.register_forward_hook(_make_cast_back(dtype))
+            if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.register_forward_pre_hook(_cast_inputs_fp32)
+                module.register_forward_hook(_make_cast_back(dtype))
             islands.append(name)
     return islands
 
