@@ -1,0 +1,36 @@
+"""`dptrain bench` prints one JSON line with the documented schema."""
+from __future__ import annotations
+
+import json
+
+from dptrain.cli import main
+
+SCHEMA = {
+    "images_per_s": float, "images_per_s_per_solver": float, "step_ms_median": float, "step_ms_p90": float,
+    "data_wait_ms": float, "forward_ms": float, "backward_ms": float, "exposed_comm_ms": float,
+    "update_ms": float, "peak_mem_bytes": int, "bytes_per_param": dict, "versions": dict, "device": str,
+    "world_size": int, "batch_size": int, "global_batch": int, "iter_size": int, "model": str,
+    "precision": str, "config_hash": str, "git_commit": str, "steps": int, "warmup": int,
+}
+
+
+def test_bench_json_schema(tmp_path, capsys):
+    cfg = tmp_path / "b.toml"
+    cfg.write_text(f'[model]\nname = "lenet"\n[data]\nbatch_size = 8\nimage_size = 32\n'
+                   f'[precision]\nstorage = "bf16"\n[train]\nrun_dir = "{tmp_path}"\n')
+    trace = tmp_path / "trace"
+    assert main(["bench", "--config", str(cfg), "--synthetic", "--steps", "3", "--warmup", "1",
+                 "--phase-steps", "2", "--trace", str(trace)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    assert len(lines) == 1
+    rec = json.loads(lines[0])
+    for key, tp in SCHEMA.items():
+        assert isinstance(rec[key], tp), (key, rec[key])
+    assert rec["images_per_s"] > 0 and rec["step_ms_p90"] >= rec["step_ms_median"] > 0
+    assert rec["forward_ms"] > 0 and rec["backward_ms"] > 0 and rec["update_ms"] > 0
+    assert set(rec["bytes_per_param"]) == {"weights", "masters", "momentum", "grads"}
+    assert rec["bytes_per_param"]["weights"] < 2.1 and rec["bytes_per_param"]["masters"] >= 4.0  # bf16 + fp32
+    assert set(rec["versions"]) >= {"torch", "cuda", "nccl", "cupy"}
+    assert rec["world_size"] == 1 and rec["global_batch"] == 8 and rec["data"] == "synthetic"
+    events = json.loads((tmp_path / "trace.rank0.json").read_text())["traceEvents"]
+    assert {"forward", "backward", "update"} <= {e["name"] for e in events}
