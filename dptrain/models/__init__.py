@@ -1,11 +1,12 @@
 """Model zoo: plain nn.Modules with no distributed, precision or config imports.
 
-Every builder takes ``num_classes``, ``width`` and ``channels_last`` keywords (``width``
-matters only for the ``*_cifar`` nets) and returns an ``nn.Module`` in fp32.
+Every entry of ``MODELS`` is a builder called as ``builder(num_classes=..., width=...)`` that
+returns an fp32 ``nn.Module``; ``width`` matters only for the ``*_cifar`` nets. ``build_model``
+adds the channels_last conversion.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -15,7 +16,14 @@ from dptrain.models.googlenet import googlenet
 from dptrain.models.lenet import lenet
 from dptrain.models.resnet import resnet18, resnet18_cifar, resnet34, resnet50, resnet101
 
-MODELS: dict[str, Callable[..., nn.Module]] = {
+
+class ModelBuilder(Protocol):
+    """Signature shared by every zoo entry."""
+
+    def __call__(self, *, num_classes: int, width: int = 64) -> nn.Module: ...
+
+
+MODELS: dict[str, ModelBuilder] = {
     "lenet": lenet,
     "resnet18_cifar": resnet18_cifar,
     "resnet18": resnet18,
