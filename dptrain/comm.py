@@ -3,95 +3,273 @@
 The only module that calls torch.distributed collectives. Backend: NCCL on CUDA, gloo on
 CPU. With WORLD_SIZE unset or 1 there is no process group and every collective is the
 identity, so ``dptrain train`` runs the same code path in one process.
+
+Failure semantics: the process group is created with ``timeout = reducer.timeout_s``.
+On gloo a collective that does not complete within it raises, and a peer that dies
+closes its sockets so the others raise within seconds. On NCCL the process group's
+watchdog aborts a collective that exceeds the timeout and tears the process down
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default), so no rank hangs forever.
 """
 from __future__ import annotations
 
 import datetime
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.trace import now_us
+
 log = logging.getLogger(__name__)
+
+BROADCAST_CHUNK_BYTES = 64 * 1024 * 1024
+"""broadcast_module coalesces tensors into messages of at most this size: few collectives
+at startup without doubling the memory of a large model."""
+
+WATCH_POLL_S = 0.0002
+"""How often the completion watcher polls device events while a trace callback waits
+(200 us: finer than a typical bucket's allreduce, coarse enough to cost no measurable CPU)."""
+WATCH_IDLE_POLL_S = 0.02
+"""Poll interval when only timeouts are watched (cupy-nccl)."""
 
 
 class Work(Protocol):
-    def wait(self) -> Any: ...
+    """Handle of an async collective."""
+
+    def wait(self) -> None:
+        """Make the caller's stream (CUDA) or thread (CPU) wait for the result."""
+
+    def on_complete(self, fn: Callable[[float], None]) -> None:
+        """Call ``fn(end_us)`` once the collective has completed, from any thread."""
+
+
+class AsyncAllreduce(Protocol):
+    """What the Reducer needs from a communicator: a rank and an in-place async SUM."""
+
+    rank: int
+    world_size: int
+
+    def allreduce_async(self, tensor: torch.Tensor) -> Work: ...
 
 
 class _DoneWork:
     """A completed collective (single-process runs)."""
 
-    def wait(self) -> bool:
-        return True
+    def wait(self) -> None:
+        return None
+
+    def on_complete(self, fn: Callable[[float], None]) -> None:
+        fn(now_us())
+
+
+class CompletionWatcher:
+    """A daemon thread that polls ``is_done`` predicates (CUDA events), calls a callback when
+    one turns true, and ``on_timeout`` when a deadline passes first.
+
+    Used where completion is only observable by polling: NCCL collectives (for trace end
+    times; NCCL futures complete at enqueue, not on the device) and cupy-nccl (timeouts).
+    Polling never blocks the device or the training thread.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._items: list[tuple[Callable[[], bool], Callable[[float], None], float, Callable[[], None] | None]] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, is_done: Callable[[], bool], fn: Callable[[float], None], *,
+              deadline_s: float = float("inf"), on_timeout: Callable[[], None] | None = None) -> None:
+        """Watch one item; ``deadline_s`` is a ``time.monotonic()`` value."""
+        with self._cv:
+            self._items.append((is_done, fn, deadline_s, on_timeout))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._items and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                items = list(self._items)
+            fast = any(on_timeout is None for *_, on_timeout in items)
+            finished = set()
+            for item in items:
+                is_done, fn, deadline, on_timeout = item
+                try:
+                    if is_done():
+                        fn(now_us())
+                        finished.add(id(item))
+                    elif on_timeout is not None and time.monotonic() > deadline:
+                        finished.add(id(item))
+                        on_timeout()
+                except Exception:  # a failing callback must not stop the watching of the others
+                    log.exception("completion watcher callback failed")
+                    finished.add(id(item))
+            with self._cv:
+                self._items = [i for i in self._items if id(i) not in finished]
+            time.sleep(WATCH_POLL_S if fast else WATCH_IDLE_POLL_S)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=1.0)
+
+
+class _TorchWork:
+    """A torch.distributed async work.
+
+    gloo: ``wait()`` blocks this thread until the result is in the tensor (at most
+    ``timeout_s``); completion time comes from the work's future callback.
+    NCCL: ``wait()`` makes the *current CUDA stream* wait for NCCL's stream (no host
+    block); completion time comes from polling ``is_completed()`` (the NCCL end event).
+    """
+
+    def __init__(self, work: Any, timeout_s: float, watcher: Callable[[], CompletionWatcher] | None) -> None:
+        self._work, self._timeout_s, self._watcher = work, timeout_s, watcher
+
+    def wait(self) -> None:
+        if self._watcher is None:
+            self._work.wait(timeout=datetime.timedelta(seconds=self._timeout_s))
+        else:
+            # A timeout argument would make NCCL's wait block the host; the process group's
+            # watchdog enforces the timeout instead.
+            self._work.wait()
+
+    def on_complete(self, fn: Callable[[float], None]) -> None:
+        if self._watcher is None:
+            self._work.get_future().add_done_callback(lambda _fut: fn(now_us()))
+        else:
+            self._watcher().watch(self._work.is_completed, fn)
 
 
 class Communicator:
     """Rank, world size and the collectives dptrain needs, over one process group."""
 
     def __init__(self, *, rank: int, world_size: int, local_rank: int, device: torch.device,
-                 backend: str | None, owns_group: bool = False) -> None:
+                 backend: str | None, timeout_s: float = 300.0, owns_group: bool = False) -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
-        self.device, self.backend = device, backend
+        self.device, self.backend, self.timeout_s = device, backend, timeout_s
         self._owns_group = owns_group
+        self._watcher: CompletionWatcher | None = None
 
     @classmethod
     def from_env(cls, timeout_s: float, device: torch.device) -> Communicator:
         """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
 
-        A collective that does not complete within ``timeout_s`` raises on every rank that
+        A collective that does not complete within ``timeout_s`` fails on every rank that
         waits for it, so a dead or stuck rank never hangs the others forever.
         """
         world = int(os.environ.get("WORLD_SIZE", "1"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if world <= 1:
-            return cls(rank=0, world_size=1, local_rank=local_rank, device=device, backend=None)
+            return cls(rank=0, world_size=1, local_rank=local_rank, device=device, backend=None, timeout_s=timeout_s)
+        missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise ValueError(f"WORLD_SIZE={world} but {missing} are not set; start the solvers with torchrun")
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
         if backend == "nccl":
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
         comm = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                   device=device, backend=backend, owns_group=True)
-        log.info("process group: backend %s, world size %d", backend, comm.world_size)
+                   device=device, backend=backend, timeout_s=timeout_s, owns_group=True)
+        if comm.rank == 0:
+            log.info("process group: backend %s, world size %d, timeout %g s", backend, comm.world_size, timeout_s)
         return comm
 
     @classmethod
-    def from_initialized(cls, device: torch.device) -> Communicator:
-        """Wrap a process group that is already initialised (tests, embedding applications)."""
+    def from_initialized(cls, device: torch.device, timeout_s: float = 300.0) -> Communicator:
+        """Wrap a process group that is already initialised (tests, embedding applications).
+
+        ``timeout_s`` bounds gloo waits; the group's own timeout was fixed at its creation.
+        """
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
                    local_rank=int(os.environ.get("LOCAL_RANK", dist.get_rank())), device=device,
-                   backend=dist.get_backend())
+                   backend=dist.get_backend(), timeout_s=timeout_s)
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
     def broadcast_module(self, module: nn.Module) -> None:
-        """Copy rank 0's parameters and buffers into every rank's module, in place."""
+        """Copy rank 0's parameters and buffers into every rank's module, in place.
+
+        In-place copies keep parameter identity and any flat-buffer views; tensors are
+        coalesced per dtype into messages of at most ``BROADCAST_CHUNK_BYTES``.
+        """
         if not self.distributed:
             return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in [*module.parameters(), *module.buffers()]:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        mine = {str(dt): [t.numel() for t in ts] for dt, ts in by_dtype.items()}
+        for r, theirs in enumerate(self.allgather_object(mine)):
+            if theirs != mine:  # unequal messages would fail or hang inside the broadcast
+                raise RuntimeError(
+                    f"rank {self.rank}: model tensors differ from rank {r}'s "
+                    f"({_count(mine)} here, {_count(theirs)} there); check that every rank builds the same model"
+                )
         with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t.data, src=0)
+            for tensors in by_dtype.values():
+                chunk: list[torch.Tensor] = []
+                chunk_bytes = 0
+                for t in tensors:
+                    nbytes = t.numel() * t.element_size()
+                    if chunk and chunk_bytes + nbytes > BROADCAST_CHUNK_BYTES:
+                        self._broadcast_coalesced(chunk)
+                        chunk, chunk_bytes = [], 0
+                    chunk.append(t)
+                    chunk_bytes += nbytes
+                if chunk:
+                    self._broadcast_coalesced(chunk)
+
+    def _broadcast_coalesced(self, tensors: list[torch.Tensor]) -> None:
+        wire = torch.cat([t.detach().reshape(-1) for t in tensors])  # [sum numel], one dtype
+        if wire.dtype == torch.bool:  # not every backend reduces/broadcasts bool; bytes do
+            wire = wire.to(torch.uint8)
+        dist.broadcast(wire, src=0)
+        offset = 0
+        for t in tensors:
+            t.copy_(wire[offset : offset + t.numel()].view(t.shape))  # copy_ honours t's strides
+            offset += t.numel()
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over all ranks in place and wait for it."""
+        """Sum ``tensor`` over all ranks in place and wait for it (test scores, stop flags)."""
         if self.distributed:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
     def allreduce_async(self, tensor: torch.Tensor) -> Work:
-        """Start an in-place SUM allreduce; on NCCL it runs on NCCL's own stream and the
-        handle's ``wait()`` makes the current stream wait for it (no host sync)."""
+        """Start an in-place SUM allreduce and return its handle.
+
+        Stream semantics (CUDA, NCCL): the collective runs on NCCL's internal stream, which
+        first waits for the caller's current stream, so everything enqueued before this call
+        (the bucket's last gradient accumulation) is visible to it. ``wait()`` makes the
+        current stream wait for NCCL's stream; it does not block the host. NCCL keeps the
+        input alive until the work completes, so a temporary (an fp32 upcast) is safe.
+        """
         if not self.distributed:
             return _DoneWork()
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        return _TorchWork(work, self.timeout_s, self.watcher if tensor.is_cuda else None)
+
+    def watcher(self) -> CompletionWatcher:
+        """The completion watcher thread, started on first use."""
+        if self._watcher is None:
+            self._watcher = CompletionWatcher(f"dptrain-comm-watch-{self.rank}")
+        return self._watcher
 
     def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order."""
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
@@ -99,6 +277,7 @@ class Communicator:
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
         if not self.distributed:
             return obj
         box = [obj]
@@ -110,7 +289,14 @@ class Communicator:
             dist.barrier()
 
     def close(self) -> None:
-        """Leave the process group (only if this communicator created it)."""
+        """Stop the watcher and leave the process group (only if this communicator created it)."""
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+
+
+def _count(sig: dict[str, list[int]]) -> str:
+    return ", ".join(f"{len(v)} {k} tensors / {sum(v)} elements" for k, v in sig.items())

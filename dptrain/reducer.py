@@ -1,28 +1,47 @@
 """Reducer: bucketed gradient allreduce, launched during backward, waited for once.
 
 Each parameter has a post-accumulate-grad hook (public autograd API). In the last
-micro-batch of an iteration, when a bucket's last gradient has accumulated into the flat
-buffer, the bucket's async SUM allreduce is launched, strictly in plan order: a bucket
-that completes early waits until every earlier bucket has launched, so all ranks issue
-the same collectives in the same order. ``wait()`` after backward launches any bucket
-whose parameters got no gradient, then waits for all of them: the only point where
-compute waits on communication.
+micro-batch of an iteration (``begin(sync=True)``), when a bucket's last gradient has
+accumulated into the flat buffer, the bucket's async SUM allreduce is launched, strictly
+in plan order: a bucket that completes early waits until every earlier bucket has
+launched, so all ranks issue the same collectives in the same order. ``wait()`` after
+backward launches any bucket whose parameters got no gradient, then waits for all of
+them: the only point where compute waits on communication. Micro-batches armed with
+``begin(sync=False)`` launch nothing; their gradients just accumulate (Caffe iter_size).
 
-Loss scaling happens before the reduce: the buckets hold loss-scaled storage-dtype
-gradients, summed over ranks. The solver unscales by ``1 / (S * grad_divisor)`` in fp32.
-Every rank then holds the identical reduced gradient, so the overflow decision taken on
-it is identical everywhere without another collective.
+Loss scaling happens before the reduce: the buckets hold loss-scaled gradients, summed
+over ranks. The solver unscales by ``1 / (S * grad_divisor)`` in fp32:
+
+- ``reduce_dtype = "storage"``: the SUM runs in the storage dtype (fp16 on the wire);
+  ``grad_divisor = world_size``. An fp16 sum that overflows becomes inf on every rank
+  alike, and the step is skipped everywhere.
+- ``reduce_dtype = "fp32"``: each bucket is upcast, summed in fp32, divided by
+  world_size in fp32 and only then cast back, so the sum itself never overflows fp16;
+  ``grad_divisor = 1``.
+- world_size 1: no collectives, ``grad_divisor = 1``.
+
+Every rank then holds the bit-identical reduced gradient, so the overflow decision taken
+on it is identical everywhere without another collective.
+
+Streams (CUDA): hooks run on autograd's device thread; a launch enqueues the collective
+behind everything already on that thread's current stream (see ``Communicator.allreduce_async``
+and ``nccl_cupy``), and ``wait()`` makes the training thread's current stream wait for
+the communication stream. Neither blocks the host. The flat gradient buffers live as long
+as the model, so they need no ``record_stream``; fp32 upcasts are kept referenced until
+``wait()`` has ordered their copy-back after the collective.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from dptrain.buckets import Bucket, BucketPlan, GroupSpec, SegmentSpec, build_bucket_plan
-from dptrain.comm import Communicator, Work
+from dptrain.buckets import Bucket, BucketPlan, GroupSpec, SegmentSpec, build_bucket_plan, explain_difference, \
+    order_from_ready, plan_from_ready_order
+from dptrain.comm import AsyncAllreduce, Communicator, Work
 from dptrain.config import ReducerConfig
 from dptrain.flat import FlatParams
 from dptrain.trace import Tracer, now_us
@@ -30,13 +49,23 @@ from dptrain.trace import Tracer, now_us
 log = logging.getLogger(__name__)
 
 
-def plan_for(flat: FlatParams, cfg: ReducerConfig, order: list[str]) -> BucketPlan:
-    """The bucket plan of ``flat`` with parameters ranked by ``order`` (names)."""
-    rank_of = {n: i for i, n in enumerate(order)}
-    specs = [GroupSpec(str(g.dtype), g.grads.element_size(),
-                       tuple(SegmentSpec(s.name, s.offset, s.padded_numel, rank_of[s.name]) for s in g.segments))
-             for g in flat.groups]
-    return build_bucket_plan(specs, cfg.bucket_mb, cfg.first_bucket_mb)
+def group_specs(flat: FlatParams) -> list[GroupSpec]:
+    """The bucket planner's view of ``flat``: segments per group, ranked by layout order."""
+    rank_of = {n: i for i, n in enumerate(flat.layout_order)}
+    return [GroupSpec(str(g.dtype), g.grads.element_size(),
+                      tuple(SegmentSpec(s.name, s.offset, s.padded_numel, rank_of[s.name]) for s in g.segments))
+            for g in flat.groups]
+
+
+@dataclass
+class _Launched:
+    """One bucket's collective in flight."""
+
+    bucket: Bucket
+    work: Work
+    upcast: torch.Tensor | None  # [stop - start] fp32 copy when reduce_dtype = "fp32"
+    start_us: float
+    end_us: list[float] = field(default_factory=list)  # set by the completion callback
 
 
 class Reducer:
@@ -47,21 +76,38 @@ class Reducer:
         self.world_size = comm.world_size
         self.fp32_reduce = cfg.reduce_dtype == "fp32"
         self.grad_divisor = 1 if (self.fp32_reduce or self.world_size == 1) else self.world_size
-        """What the solver still divides the reduced gradient by: the SUM in the storage dtype
-        needs 1/world_size; the fp32 path averages before writing back (no fp16 overflow)."""
-        self._lock = threading.Lock()
-        self._set_plan(plan_for(flat, cfg, flat.layout_order))
-        self._check_plan_agreement()
-        self._active = False
-        self._replan_pending = cfg.replan and self.world_size > 1
-        self._ready_order: list[str] = []
+        """What the solver still divides the reduced gradient by (see the module docstring)."""
         self.launch_log: list[tuple[int, float]] = []
-        """(bucket index, time.perf_counter()) of each launch in the last synced iteration."""
+        """(bucket index, time.perf_counter()) of each launch in the last synced backward."""
+        self._lock = threading.Lock()  # hooks may run on autograd device threads
+        self._active = False
+        self._warned_unused = False
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._host_completion = flat.groups[0].grads.device.type == "cpu"
+        """gloo on CPU: a collective is complete when its wait() returns; CUDA: when its event fires."""
+        self._collective = self._build_collective()
+        self._set_plan(build_bucket_plan(group_specs(flat), cfg.bucket_mb, cfg.first_bucket_mb))
+        self._check_plan_agreement()
+        self._replan_pending = cfg.replan and self.world_size > 1
         if self.world_size > 1:
             for g in flat.groups:
                 for s in g.segments:
-                    s.param.register_post_accumulate_grad_hook(self._make_hook(s.name))
-        log.info("reducer: %s, reduce in %s", self.plan.describe(), cfg.reduce_dtype)
+                    self._handles.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s.name)))
+        if comm.rank == 0:
+            log.info("reducer: %s; reduce in %s via %s", self.plan.describe(), cfg.reduce_dtype, cfg.backend)
+
+    def _build_collective(self) -> AsyncAllreduce:
+        if self.cfg.backend == "torch":
+            return self.comm
+        if self.world_size == 1:
+            log.warning("rank %d: reducer.backend = \"cupy-nccl\" has no effect with one solver", self.comm.rank)
+            return self.comm
+        if self.comm.device.type != "cuda":
+            raise ValueError(f"rank {self.comm.rank}: reducer.backend = \"cupy-nccl\" needs CUDA devices, "
+                             f"this solver runs on {self.comm.device}; use reducer.backend = \"torch\"")
+        from dptrain.nccl_cupy import CupyNcclCommunicator  # imports cupy: GPU runs only
+
+        return CupyNcclCommunicator(self.comm, self.cfg.timeout_s)
 
     # ------------------------------------------------------------------ plan
 
@@ -71,15 +117,17 @@ class Reducer:
         self._sizes = [len(b.names) for b in plan.buckets]
 
     def _check_plan_agreement(self) -> None:
-        """Allgather every rank's plan digest; raise naming both ranks if any differs."""
-        mine = (self.plan.digest(), self.plan.describe())
-        everyone = self.comm.allgather_object(mine)
-        for r, (digest, desc) in enumerate(everyone):
-            if digest != everyone[0][0]:
-                raise RuntimeError(
-                    f"bucket plan differs across ranks (rank {r}: {desc}; rank 0: {everyone[0][1]}); "
-                    "check that every rank builds the same model and [reducer] config"
-                )
+        """Allgather every rank's plan digest; raise naming both ranks and what differs."""
+        digests = self.comm.allgather_object(self.plan.digest())
+        if all(d == digests[0] for d in digests):
+            return
+        plans = self.comm.allgather_object(self.plan)  # every rank saw the mismatch: all gather again
+        r = next(i for i, d in enumerate(digests) if d != digests[0])
+        raise RuntimeError(
+            f"bucket plan differs across ranks (rank {r}: {plans[r].describe()}; rank 0: {plans[0].describe()}; "
+            f"{explain_difference(plans[r], plans[0], r, 0)}); "
+            "check that every rank builds the same model and [reducer] config"
+        )
 
     # ------------------------------------------------------------------ per micro-batch
 
@@ -87,14 +135,15 @@ class Reducer:
         """Arm the hooks for the coming backward; ``sync=False`` only accumulates (iter_size)."""
         if self.world_size == 1:
             return
-        self._active = sync
-        if not sync:
-            return
-        self._pending = list(self._sizes)
-        self._next_launch = 0
-        self._works: list[tuple[Bucket, Work, torch.Tensor | None, float]] = []
-        self.launch_log = []
-        self._ready_order = []
+        with self._lock:
+            self._active = sync
+            if sync:
+                self._pending = list(self._sizes)
+                self._next_launch = 0
+                self._launched: list[_Launched] = []
+                self._ready: list[str] = []
+                self._seen: set[str] = set()
+                self.launch_log = []
 
     def _make_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
@@ -104,69 +153,118 @@ class Reducer:
         return hook
 
     def _on_ready(self, name: str) -> None:
-        with self._lock:  # hooks of one backward may run on several autograd threads
-            self._ready_order.append(name)
+        with self._lock:
+            if name in self._seen:
+                raise RuntimeError(
+                    f"rank {self.comm.rank}: gradient of {name} accumulated twice in one synced backward, "
+                    "possibly after its bucket's allreduce started; call Reducer.begin() before every backward"
+                )
+            self._seen.add(name)
+            self._ready.append(name)
             b = self._bucket_of[name]
             self._pending[b] -= 1
             if self._pending[b] == 0 and self.tracer.enabled:
                 self.tracer.instant("bucket_ready", bucket=b, bytes=self.plan.buckets[b].nbytes)
             while self._next_launch < len(self._pending) and self._pending[self._next_launch] == 0:
                 self._launch(self.plan.buckets[self._next_launch])
-                self._next_launch += 1
 
     def _launch(self, b: Bucket) -> None:
+        """Start bucket ``b``'s allreduce (caller holds the lock)."""
         view = self.flat.groups[b.group].grads[b.start : b.stop]
-        send = view.float() if self.fp32_reduce and view.dtype != torch.float32 else None
-        t = time.perf_counter()
-        work = self.comm.allreduce_async(send if send is not None else view)
+        upcast = view.float() if self.fp32_reduce and view.dtype != torch.float32 else None
+        t, start_us = time.perf_counter(), now_us()
+        try:
+            work = self._collective.allreduce_async(upcast if upcast is not None else view)
+        except Exception as e:  # backend error at enqueue: a peer already gone
+            raise self._failure(b, e) from e
+        self._next_launch += 1
         self.launch_log.append((b.index, t))
-        self._works.append((b, work, send, now_us()))
+        rec = _Launched(b, work, upcast, start_us)
+        if self.tracer.enabled:  # CPU: the event is written at wait(); CUDA: by the watcher, at completion
+            work.on_complete(rec.end_us.append if self._host_completion else
+                             lambda end_us, rec=rec: self._trace(rec, end_us))
+        self._launched.append(rec)
+
+    def _trace(self, rec: _Launched, end_us: float) -> None:
+        self.tracer.complete("allreduce", rec.start_us, end_us, tid="comm", bucket=rec.bucket.index,
+                             bytes=rec.bucket.nbytes)
+
+    def _failure(self, b: Bucket, e: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"rank {self.comm.rank}: allreduce of bucket {b.index} ({b.nbytes} B) failed or timed out "
+            f"(reducer.timeout_s = {self.cfg.timeout_s}): {e}; a peer rank probably died or hung, see its log"
+        )
 
     def wait(self) -> None:
         """Launch what backward did not (parameters without gradients), then wait for all.
 
         Raises RuntimeError naming this rank when a collective fails or times out (a peer
-        died): the caller exits instead of hanging.
+        died): the caller exits instead of hanging. On CUDA this does not block the host.
         """
-        if self.world_size == 1 or not self._active:
+        if self.world_size == 1:
             return
         with self._lock:
+            if not self._active:
+                raise RuntimeError(f"rank {self.comm.rank}: Reducer.wait() without begin(sync=True) before the "
+                                   "last backward; gradients would not be reduced")
+            self._active = False
+            if self._next_launch < len(self.plan.buckets):
+                self._warn_unused()
             while self._next_launch < len(self.plan.buckets):
                 self._launch(self.plan.buckets[self._next_launch])
-                self._next_launch += 1
-        for b, work, send, start_us in self._works:
+        for rec in self._launched:
             try:
-                work.wait()
+                rec.work.wait()
             except Exception as e:  # DistBackendError / timeout: a peer rank probably died
-                raise RuntimeError(
-                    f"rank {self.comm.rank}: allreduce of bucket {b.index} failed or timed out "
-                    f"(reducer.timeout_s = {self.cfg.timeout_s}): {e}; a peer rank probably died, see its log"
-                ) from e
-            view = self.flat.groups[b.group].grads[b.start : b.stop]
+                raise self._failure(rec.bucket, e) from e
             if self.fp32_reduce:
-                src = send if send is not None else view
-                view.copy_(src.div_(self.world_size))
-            if self.tracer.enabled:
-                self.tracer.complete("allreduce", start_us, now_us(), tid="comm", bucket=b.index, bytes=b.nbytes)
-        self._active = False
+                view = self.flat.groups[rec.bucket.group].grads[rec.bucket.start : rec.bucket.stop]
+                src = rec.upcast if rec.upcast is not None else view
+                view.copy_(src.div_(self.world_size))  # average in fp32, then round once
+            if self.tracer.enabled and self._host_completion:
+                self._trace(rec, rec.end_us[0] if rec.end_us else now_us())
+        self._launched = []
         if self._replan_pending:
             self._replan()
+
+    def _warn_unused(self) -> None:
+        if self._warned_unused:
+            return
+        self._warned_unused = True
+        missing = [s.name for g in self.flat.groups for s in g.segments if s.name not in self._seen]
+        log.warning("rank %d: %d parameter(s) got no gradient in backward (%s); buckets from %d on were "
+                    "reduced after backward instead of during it", self.comm.rank, len(missing), missing[:5],
+                    self._next_launch)
 
     # ------------------------------------------------------------------ replan
 
     def _replan(self) -> None:
-        """Re-plan from the observed gradient-ready order. Rank 0 decides and broadcasts it,
-        so every rank re-lays out its buffers identically."""
-        self._replan_pending = False
-        seen = set(self._ready_order)
-        observed = self._ready_order + [n for n in self.flat.layout_order if n not in seen]
-        order = self.comm.broadcast_object(observed, src=0)
-        for g in self.flat.groups:
-            names = {s.name for s in g.segments}
-            g.relayout([n for n in order if n in names])
-        self.flat.layout_order = list(order)
-        old = self.plan.describe()
-        self._set_plan(plan_for(self.flat, self.cfg, order))
-        self._check_plan_agreement()
-        log.info("reducer re-planned from the observed order: %s (was %s)", self.plan.describe(), old)
+        """Re-plan from the observed gradient-ready order (``reducer.replan``).
 
+        Rank 0's order is broadcast, so every rank re-lays out its flat buffers (weights,
+        grads, masters, momentum move with their parameters) and rebuilds the same plan.
+        """
+        self._replan_pending = False
+        order = self.comm.broadcast_object(list(self._ready), src=0)
+        per_group, predicted = plan_from_ready_order(group_specs(self.flat), order, self.cfg.bucket_mb,
+                                                     self.cfg.first_bucket_mb)
+        old = self.plan.describe()
+        for g, names in zip(self.flat.groups, per_group):
+            if [s.name for s in g.segments] != names:
+                g.relayout(names)
+        self.flat.layout_order = order_from_ready(self.flat.layout_order, order)
+        plan = build_bucket_plan(group_specs(self.flat), self.cfg.bucket_mb, self.cfg.first_bucket_mb)
+        assert plan.digest() == predicted.digest(), "relayout does not match the planned layout"
+        self._set_plan(plan)
+        self._check_plan_agreement()
+        if self.comm.rank == 0:
+            log.info("reducer re-planned from the observed gradient order: %s (was %s)", plan.describe(), old)
+
+    def close(self) -> None:
+        """Remove the gradient hooks (the model stays usable without a reducer) and release a
+        cupy-nccl communicator; the process group belongs to the Communicator."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._collective is not self.comm:
+            self._collective.close()  # type: ignore[attr-defined]

@@ -1,0 +1,125 @@
+"""cupy-nccl communicator (``reducer.backend = "cupy-nccl"``): NCCL through CuPy, on a
+dedicated high-priority stream, ordered against torch's streams with CUDA events.
+
+GPU-only and deliberately thin: it provides the one collective the Reducer launches
+(in-place SUM allreduce of a bucket); everything else (object gathers, test scores,
+the unique-id exchange) goes through the torch process group in ``comm.py``.
+
+Stream protocol, per bucket:
+  1. record event ``ready`` on the caller's current stream (where backward accumulated
+     the bucket's gradients) and make the comm stream wait on it;
+     race prevented: NCCL reading a bucket before its last gradient was written;
+  2. ncclAllReduce on the comm stream, then record event ``done`` there;
+  3. ``wait()`` makes the caller's current stream wait on ``done``;
+     race prevented: the solver reading the bucket before the sum has landed.
+Nothing blocks the host. A temporary input (fp32 upcast) gets ``record_stream`` so the
+caching allocator cannot hand its memory to another tensor while NCCL still reads it.
+
+Failure: NCCL via CuPy has no watchdog, so this module keeps one: a collective that has
+not completed ``timeout_s`` after launch aborts the NCCL communicator (which unblocks the
+device) and the next ``wait()`` or launch raises RuntimeError naming the rank.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from dptrain.comm import Communicator, CompletionWatcher
+
+log = logging.getLogger(__name__)
+
+HIGH_PRIORITY = -1
+"""torch.cuda.Stream priority for the comm stream: lower is higher; -1 is valid on every
+torch 2.x (values beyond the device's range are clamped), as NVCaffe's highest-priority stream."""
+
+
+@functools.cache
+def _nccl() -> ModuleType:
+    try:
+        from cupy.cuda import nccl
+    except ImportError as e:
+        raise ValueError(f"reducer.backend = \"cupy-nccl\" needs CuPy with NCCL ({e}); install cupy-cuda12x "
+                         "or use reducer.backend = \"torch\"") from e
+    return nccl
+
+
+def _nccl_dtype(dtype: torch.dtype) -> int:
+    nccl = _nccl()
+    table = {torch.float16: nccl.NCCL_FLOAT16, torch.float32: nccl.NCCL_FLOAT32}
+    if hasattr(nccl, "NCCL_BFLOAT16"):  # CuPy built against NCCL >= 2.10
+        table[torch.bfloat16] = nccl.NCCL_BFLOAT16
+    if dtype not in table:
+        raise ValueError(f"cupy-nccl cannot reduce {dtype} (this CuPy supports {sorted(map(str, table))}); "
+                         "use reducer.backend = \"torch\" or reducer.reduce_dtype = \"fp32\"")
+    return table[dtype]
+
+
+class CupyWork:
+    """One allreduce in flight on the comm stream."""
+
+    def __init__(self, owner: CupyNcclCommunicator, done: torch.cuda.Event) -> None:
+        self._owner, self.done = owner, done
+
+    def wait(self) -> None:
+        """Make the current stream wait for the allreduce; raises if the communicator failed."""
+        self._owner.raise_if_failed()
+        torch.cuda.current_stream(self._owner.device).wait_event(self.done)
+
+    def on_complete(self, fn: Callable[[float], None]) -> None:
+        self._owner.watcher.watch(self.done.query, fn)
+
+
+class CupyNcclCommunicator:
+    """An NCCL communicator over the ranks of ``comm``, created through CuPy."""
+
+    def __init__(self, comm: Communicator, timeout_s: float) -> None:
+        if comm.device.type != "cuda":
+            raise ValueError(f"rank {comm.rank}: cupy-nccl needs a CUDA device, got {comm.device}")
+        nccl = _nccl()
+        self.rank, self.world_size, self.device, self.timeout_s = comm.rank, comm.world_size, comm.device, timeout_s
+        uid = comm.broadcast_object(nccl.get_unique_id() if comm.rank == 0 else None, src=0)
+        with torch.cuda.device(self.device):  # NCCL binds the communicator to the current device
+            self._nccl = nccl.NcclCommunicator(self.world_size, tuple(uid), self.rank)
+        self.stream = torch.cuda.Stream(self.device, priority=HIGH_PRIORITY)
+        self.watcher = CompletionWatcher(f"dptrain-cupy-nccl-{self.rank}")
+        self._error: str | None = None
+        log.info("rank %d: cupy-nccl communicator (NCCL %s) on stream priority %d", self.rank,
+                 nccl.get_version(), self.stream.priority)
+
+    def allreduce_async(self, tensor: torch.Tensor) -> CupyWork:
+        """In-place SUM of ``tensor`` (contiguous, on this device) over all ranks."""
+        self.raise_if_failed()
+        assert tensor.is_contiguous() and tensor.device == self.device, "cupy-nccl needs a contiguous device tensor"
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(ready)
+        ptr = tensor.data_ptr()
+        self._nccl.allReduce(ptr, ptr, tensor.numel(), _nccl_dtype(tensor.dtype), _nccl().NCCL_SUM,
+                             self.stream.cuda_stream)
+        tensor.record_stream(self.stream)  # a no-op in effect for the long-lived flat buffers
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        self.watcher.watch(done.query, lambda _t: None, deadline_s=time.monotonic() + self.timeout_s,
+                           on_timeout=self._abort)
+        return CupyWork(self, done)
+
+    def _abort(self) -> None:
+        """Watchdog: a collective exceeded the timeout (a peer died or hung)."""
+        self._error = (f"rank {self.rank}: cupy-nccl allreduce did not complete within reducer.timeout_s = "
+                       f"{self.timeout_s} s; a peer rank probably died or hung, see its log")
+        log.error("%s; aborting the NCCL communicator", self._error)
+        self._nccl.abort()
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(self._error)
+
+    def close(self) -> None:
+        self.watcher.close()
+        if self._error is None:
+            self._nccl.destroy()

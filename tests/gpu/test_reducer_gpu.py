@@ -1,0 +1,149 @@
+"""Reducer on CUDA: NCCL (torch backend) and cupy-nccl, stream ordering, watchdog.
+
+One-GPU tests exercise the cupy-nccl communicator over a one-rank NCCL clique; the
+multi-rank tests need two GPUs (one NCCL rank per device).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from dist_harness import run_ranks
+from dptrain.comm import Communicator
+from dptrain.config import ReducerConfig
+from dptrain.flat import FlatParams
+from dptrain.reducer import Reducer
+from dptrain.trace import Tracer
+
+
+def requires_gpus(n: int) -> pytest.MarkDecorator:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(count < n, reason=f"needs {n} GPUs, found {count}")
+
+
+def requires_cupy_nccl() -> pytest.MarkDecorator:
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+        ok, why = True, ""
+    except ImportError as e:
+        ok, why = False, str(e)
+    return pytest.mark.skipif(not ok, reason=f"needs CuPy with NCCL: {why}")
+
+
+pytestmark = pytest.mark.gpu
+KIB = 1 / 1024
+SLEEP_CYCLES = 200_000_000
+"""torch.cuda._sleep spin length (~0.1 s on a 1.5-2 GHz GPU): long enough that a missing
+stream dependency would let NCCL read the buffer before the write queued behind it."""
+
+
+def _one_rank_cupy():
+    from dptrain.nccl_cupy import CupyNcclCommunicator
+
+    comm = Communicator(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
+    return CupyNcclCommunicator(comm, timeout_s=30)
+
+
+@requires_gpus(1)
+@requires_cupy_nccl()
+def test_cupy_comm_orders_against_torch_streams_on_a_high_priority_stream():
+    cc = _one_rank_cupy()
+    try:
+        assert cc.stream.priority < 0  # higher than torch's default stream (0)
+        x = torch.zeros(1 << 20, device="cuda", dtype=torch.float16)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        x.fill_(3)  # queued behind the spin on the current stream
+        work = cc.allreduce_async(x)
+        ends: list[float] = []
+        work.on_complete(ends.append)
+        assert not work.done.query(), "the comm stream must wait for the spin on the current stream"
+        work.wait()
+        y = x * 2  # ordered after the allreduce by wait(), without a host sync
+        assert torch.all(y == 6)
+        deadline = time.monotonic() + 5
+        while not ends and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ends, "completion callback never fired"
+    finally:
+        cc.close()
+
+
+def _watchdog_rank(rank: int, world: int) -> None:
+    from dptrain.nccl_cupy import CupyNcclCommunicator
+
+    comm = Communicator(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
+    cc = CupyNcclCommunicator(comm, timeout_s=0.05)
+    x = torch.ones(1024, device="cuda")
+    torch.cuda._sleep(SLEEP_CYCLES * 10)  # the allreduce cannot complete within 0.05 s
+    work = cc.allreduce_async(x)
+    time.sleep(0.5)
+    with pytest.raises(RuntimeError, match=r"rank 0: cupy-nccl allreduce did not complete within "
+                                           r"reducer.timeout_s = 0.05 s; a peer rank probably died"):
+        work.wait()
+    with pytest.raises(RuntimeError, match="did not complete"):
+        cc.allreduce_async(x)  # and nothing more is launched on the aborted communicator
+    torch.cuda.synchronize()
+
+
+@requires_gpus(1)
+@requires_cupy_nccl()
+def test_cupy_watchdog_aborts_a_collective_past_the_timeout():
+    # in its own process: an aborted communicator must not leave this test process's CUDA context in doubt
+    run_ranks(1, _watchdog_rank)
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3, self.fc4 = (nn.Linear(256, 512), nn.Linear(512, 512), nn.Linear(512, 512),
+                                                  nn.Linear(512, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc4(torch.relu(self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))))
+
+
+def _nccl_rank(rank: int, world: int, backend: str) -> None:
+    device = torch.device("cuda", rank)
+    comm = Communicator.from_initialized(device)
+    for storage in (torch.float16, torch.bfloat16):
+        for reduce_dtype in ("storage", "fp32"):
+            torch.manual_seed(0)
+            model = Tiny().to(device, storage)
+            flat = FlatParams(model, momentum_dtype=torch.float32)
+            tracer = Tracer(rank)
+            reducer = Reducer(flat, ReducerConfig(backend=backend, reduce_dtype=reduce_dtype, bucket_mb=256 * KIB,
+                                                  first_bucket_mb=64 * KIB), comm, tracer)
+            assert len(reducer.plan.buckets) >= 3, reducer.plan.describe()
+            for p in model.parameters():
+                p.register_hook(lambda g, v=rank + 1: torch.full_like(g, v))
+            x = torch.randn(64, 256, device=device, dtype=storage, requires_grad=True)
+            input_grad_at: list[float] = []
+            x.register_hook(lambda g: input_grad_at.append(time.perf_counter()))
+            reducer.begin(sync=True)
+            model(x).float().sum().backward()
+            reducer.wait()
+            for g in flat.groups:
+                for s in g.segments:
+                    got = g.grads[s.offset : s.offset + s.numel].float() / reducer.grad_divisor
+                    assert torch.all(got == (world + 1) / 2), (backend, storage, reduce_dtype, s.name)
+            assert [b for b, _ in reducer.launch_log] == list(range(len(reducer.plan.buckets)))
+            assert reducer.launch_log[0][1] < input_grad_at[0], "bucket 0 must launch during backward"
+            torch.cuda.synchronize()
+            time.sleep(0.05)  # the watcher thread records completions by polling
+            spans = [e for e in tracer.events if e["name"] == "allreduce"]
+            assert sorted(e["args"]["bucket"] for e in spans) == list(range(len(reducer.plan.buckets)))
+            reducer.close()
+
+
+@requires_gpus(2)
+def test_nccl_reducer_averages_and_overlaps_on_two_gpus():
+    run_ranks(2, _nccl_rank, "torch", backend="nccl")
+
+
+@requires_gpus(2)
+@requires_cupy_nccl()
+def test_cupy_nccl_reducer_averages_and_overlaps_on_two_gpus():
+    run_ranks(2, _nccl_rank, "cupy-nccl", backend="nccl")
