@@ -370,9 +370,11 @@ class Trainer:
         return res
 
     def close(self) -> None:
+        """Stop the input threads, unhook the reducer and close metrics.jsonl."""
         if self._feeder is not None:
             self._feeder.close()
             self._feeder = None
+        self.reducer.close()
         self.metrics.close()
 
 
