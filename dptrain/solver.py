@@ -1,7 +1,6 @@
 """Master-weight SGD: learning-rate policies and the fused unscale/skip/update step."""
 from __future__ import annotations
 
-
 import torch
 
 from dptrain import kernels
@@ -47,6 +46,7 @@ class MasterSGD:
     def __init__(self, flat: FlatParams, cfg: SolverConfig, scaler: LossScaler, world_size: int) -> None:
         self.flat, self.cfg, self.scaler, self.world_size = flat, cfg, scaler, world_size
         self._need_norm = scaler.enabled or cfg.clip_gradients > 0
+        self._lengths: dict[int, tuple[list, torch.Tensor]] = {}  # group -> (its segments, padded numels)
 
     def step(self, it: int) -> float:
         """Apply iteration ``it``'s update; return the learning rate used."""
@@ -87,8 +87,17 @@ class MasterSGD:
             mult = torch.where(valid, rate, torch.ones_like(rate))
         else:
             mult = torch.where(valid, (rate / lr).clamp(max=1.0), torch.ones_like(rate))
-        numels = torch.tensor([s.padded_numel for s in g.segments], device=mult.device)
-        return mult.repeat_interleave(numels, output_size=g.numel)
+        return mult.repeat_interleave(self._padded_numels(i), output_size=g.numel)
+
+    def _padded_numels(self, i: int) -> torch.Tensor:
+        """Padded length of each segment of group ``i`` as a device tensor, built once per layout:
+        creating it is a host-to-device copy, which would be a host sync in every step."""
+        g = self.flat.groups[i]
+        cached = self._lengths.get(i)
+        if cached is None or cached[0] is not g.segments:  # relayout() replaces the segment list
+            numels = torch.tensor([s.padded_numel for s in g.segments], device=g.master.device)  # [segments] int64
+            cached = self._lengths[i] = (g.segments, numels)
+        return cached[1]
 
     def state_dict(self) -> dict[str, object]:
         return {"momentum": self.flat.momentum_state(), "scaler": self.scaler.state_dict()}

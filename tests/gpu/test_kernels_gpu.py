@@ -1,0 +1,202 @@
+"""CuPy kernels vs their torch references on the GPU, and the step with no host sync.
+
+The update is compared bit-for-bit: the kernel is compiled with --fmad=false and rounds
+its scalars as torch does (see sgd_update.cu), so no tolerance is needed. The norm sums
+in a different order than torch, so it gets a relative tolerance (see there).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from dptrain import kernels
+from dptrain.config import LossScaleConfig, SolverConfig
+from dptrain.flat import FlatParams
+from dptrain.kernels import grad_norm_reference, sgd_update_reference
+from dptrain.precision import LossScaler
+from dptrain.solver import MasterSGD
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU, torch.cuda.is_available() is False"),
+    pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
+                       reason="needs CuPy (pip install dptrain[cuda12]) for the CUDA kernels"),
+]
+
+STORAGE = [torch.float16, torch.bfloat16, torch.float32]
+MOMENTUM = [torch.float32, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _force_cupy(monkeypatch):
+    """Make the dispatcher raise instead of silently comparing the reference with itself."""
+    monkeypatch.setenv(kernels.KERNELS_ENV, "cupy")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _case(storage: torch.dtype, mom: torch.dtype, n: int, offset: int, seed: int) -> dict[str, torch.Tensor]:
+    """Flat buffers on the GPU; ``offset`` elements into a larger allocation (1 breaks 4-element alignment)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def buf(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        full = torch.zeros(n + offset, dtype=dtype, device="cuda")
+        full[offset:] = values.to(dtype)
+        return full[offset:]
+
+    mag = torch.exp2(torch.randint(-30, 12, (n,), generator=gen).float())
+    grads = torch.randn(n, generator=gen) * mag
+    grads[::17] = 0.0
+    master = torch.randn(n, generator=gen) * 0.1
+    master[3::19] = -0.0
+    m = buf(master, torch.float32)
+    return {
+        "grads": buf(grads, storage),
+        "master": m,
+        "params": m if storage == torch.float32 else buf(master, storage),
+        "momentum": buf(torch.randn(n, generator=gen) * 0.01, mom),
+        "lr_scale": buf(torch.rand(n, generator=gen) * 2.0, torch.float32),
+    }
+
+
+def _clone(case: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {k: v.clone() for k, v in case.items()}
+    if case["params"] is case["master"]:
+        out["params"] = out["master"]
+    return out
+
+
+def _update(fn, c: dict[str, torch.Tensor], *, with_scale: bool, skip: float, **kw) -> None:
+    fn(c["grads"], c["master"], c["params"], c["momentum"], lr_scale=c["lr_scale"] if with_scale else None,
+       grad_coef=torch.tensor([0.37 / 4096], device="cuda"), found_inf=torch.tensor([skip], device="cuda"), **kw)
+
+
+@pytest.mark.parametrize("storage", STORAGE)
+@pytest.mark.parametrize("mom", MOMENTUM)
+@pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["vec4", "vec1"])
+def test_sgd_kernel_bit_exact(storage, mom, decay, offset):
+    n = 64 * 1001 + 3  # not a multiple of 4: the scalar tail runs too
+    case = _case(storage, mom, n, offset, seed=1)
+    assert kernels.kernel_backend(case["grads"]) == "cupy"
+    want_vec = kernels.VECTOR_ELEMS if offset == 0 else 1
+    assert kernels._vector_width([case["grads"], case["master"], case["momentum"]]) == want_vec
+    # lr/wd large so the decay term dominates and a mis-rounded coefficient shows (see tests/unit/test_kernels.py)
+    kw = dict(lr=0.9137, momentum_coef=0.9, weight_decay=0.0 if decay == "none" else 0.7,
+              decoupled=decay == "decoupled")
+    for with_scale in (False, True):
+        got, want = _clone(case), _clone(case)
+        _update(kernels.sgd_update, got, with_scale=with_scale, skip=0.0, **kw)
+        _update(sgd_update_reference, want, with_scale=with_scale, skip=0.0, **kw)
+        for name in ("grads", "master", "params", "momentum"):
+            assert torch.equal(_bits(got[name]), _bits(want[name])), f"{name} with_scale={with_scale}"
+
+
+@pytest.mark.parametrize("flag", [1.0, float("nan")], ids=["one", "nan"])
+def test_sgd_kernel_skip_leaves_state_bit_identical(flag):
+    case = _case(torch.float16, torch.float32, 4096, 0, seed=2)
+    got = _clone(case)
+    _update(kernels.sgd_update, got, with_scale=True, skip=flag, lr=0.1, momentum_coef=0.9, weight_decay=5e-4,
+            decoupled=False)
+    for name in ("master", "params", "momentum"):
+        assert torch.equal(_bits(got[name]), _bits(case[name])), name
+    assert torch.count_nonzero(got["grads"]) == 0
+
+
+def test_sgd_kernel_runs_on_torch_current_stream():
+    """The producer of the grads is delayed on a side stream; a kernel launched on any other stream
+    would read the old grads and differ from the reference."""
+    case = _case(torch.float16, torch.float32, 1 << 20, 0, seed=3)
+    fresh = torch.randn(1 << 20, device="cuda").half()
+    want = _clone(case)
+    want["grads"].copy_(fresh)
+    kw = dict(lr=0.1, momentum_coef=0.9, weight_decay=0.0, decoupled=False)
+    _update(sgd_update_reference, want, with_scale=False, skip=0.0, **kw)
+    got = _clone(case)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of spinning before the grads are written
+        got["grads"].copy_(fresh)
+        _update(kernels.sgd_update, got, with_scale=False, skip=0.0, **kw)
+    side.synchronize()
+    assert torch.equal(_bits(got["master"]), _bits(want["master"]))
+
+
+@pytest.mark.parametrize("dtype", STORAGE)
+@pytest.mark.parametrize("n", [1, 1000, (1 << 22) + 3])
+def test_norm_kernel_matches_reference(dtype, n):
+    x = torch.randn(n, device="cuda").to(dtype)
+    got = kernels.grad_norm(x)
+    want = grad_norm_reference(x)
+    assert got.shape == () and got.dtype == torch.float32
+    # Both sum n fp32 squares, in different orders (blocks of 256 threads vs torch's tree); each
+    # rounding error is <= 2^-24 relative and they partly cancel; 1e-5 covers 4M elements with margin.
+    assert torch.allclose(got, want, rtol=1e-5, atol=0)
+    assert torch.equal(_bits(kernels.grad_norm(x)), _bits(got))  # deterministic for a given n
+
+
+@pytest.mark.parametrize("bad, check", [(float("inf"), torch.isinf), (float("nan"), torch.isnan)])
+def test_norm_kernel_propagates_non_finite(bad, check):
+    x = torch.randn(10_000, device="cuda").half()
+    x[1234] = bad
+    assert check(kernels.grad_norm(x))
+
+
+def _toy_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).cuda().half()
+
+
+def _solver(model: nn.Module, **solver_kw) -> MasterSGD:
+    flat = FlatParams(model, momentum_dtype=torch.float32)
+    scaler = LossScaler(LossScaleConfig(init_scale=1024.0, growth_interval=3), "dynamic", torch.device("cuda"))
+    return MasterSGD(flat, SolverConfig(base_lr=0.1, **solver_kw), scaler, world_size=1)
+
+
+def _backward(model: nn.Module, solver: MasterSGD, seed: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(32, 64, device="cuda", generator=gen).half()
+    loss = model(x).float().square().mean()
+    solver.scaler.scale_loss(loss).backward()
+
+
+@pytest.mark.parametrize("solver_kw", [{}, {"clip_gradients": 1.0}, {"larc": True, "larc_policy": "clip"}],
+                         ids=["plain", "clip", "larc"])
+def test_step_has_no_host_sync(solver_kw):
+    torch.manual_seed(0)
+    model = _toy_model()
+    solver = _solver(model, **solver_kw)
+    _backward(model, solver, 0)
+    solver.step(0)  # warm-up: compiles and loads the kernels, caches device properties
+    for it in range(1, 4):
+        _backward(model, solver, it)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any host sync inside step() raises
+        try:
+            solver.step(it)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert solver.scaler.stats()["skipped_steps"] == 0
+
+
+def test_solver_kernel_and_reference_agree_over_steps(monkeypatch):
+    """Several full steps (dynamic scaler, no clipping: the norm only feeds the overflow flag) give
+    bit-identical masters, momentum and fp16 weights with the kernels and with the references."""
+    states = []
+    for backend in ("cupy", "torch"):
+        monkeypatch.setenv(kernels.KERNELS_ENV, backend)
+        torch.manual_seed(0)
+        model = _toy_model()
+        solver = _solver(model, momentum=0.9, weight_decay=5e-4)
+        for it in range(5):
+            _backward(model, solver, it)
+            solver.step(it)
+        g = solver.flat.groups[0]
+        states.append([_bits(t).clone() for t in (g.master, g.momentum, g.params)])
+    for a, b in zip(*states, strict=True):
+        assert torch.equal(a, b)

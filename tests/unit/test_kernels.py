@@ -1,0 +1,415 @@
+"""Kernel references, dispatch, and the CUDA source checked on the CPU.
+
+The torch references are the oracle: here they are checked against a hand-written
+per-element loop in numpy fp32 arithmetic. The CUDA file cannot run without a GPU, but
+with ``nvcc`` on the machine (CUDA toolkit, no driver needed) it is compiled with every
+template instance that kernels.py asks NVRTC for, and its per-thread code
+(``dpt::sgd_update_thread``, ``__host__ __device__``) runs on the host over a small
+emulated grid and is compared bit-for-bit with :func:`sgd_update_reference`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from dptrain import kernels
+from dptrain.kernels import grad_norm_reference, sgd_update_reference
+
+# ----------------------------------------------------------------------------- helpers
+
+F32 = np.float32
+LR, WD = 0.9137, 0.7
+"""Far larger than training values on purpose: fp32(WD*LR) != fp32(WD)*fp32(LR), and with
+WD*LR near 1 the decay term dominates the step, so a kernel that rounds the decoupled decay
+coefficient differently from the reference changes most elements and fails the bit-exact tests."""
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t``, so torch.equal tells -0.0 from +0.0 and compares NaNs."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _to_dtype_scalar(x: np.float32, dtype: torch.dtype) -> np.float32:
+    """Round one fp32 value to ``dtype`` (round to nearest even) and back to fp32."""
+    return F32(torch.tensor(float(x), dtype=torch.float32).to(dtype).float().item())
+
+
+def _make_case(storage: torch.dtype, mom: torch.dtype, n: int, seed: int) -> dict[str, torch.Tensor]:
+    """Flat buffers whose values span many binades, with zeros, -0.0 and fp16 subnormal grads."""
+    gen = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(torch.randint(-30, 12, (n,), generator=gen).float())  # 2^-30 .. 2^11
+    grads = (torch.randn(n, generator=gen) * mag).to(storage)  # loss-scaled, storage dtype
+    grads[::17] = 0.0
+    grads[5::23] = -0.0
+    master = torch.randn(n, generator=gen) * 0.1
+    master[3::19] = 0.0
+    master[7::29] = -0.0
+    momentum = (torch.randn(n, generator=gen) * 0.01).to(mom)
+    return {
+        "grads": grads,
+        "master": master,
+        "params": master.to(storage),
+        "momentum": momentum,
+        "lr_scale": torch.rand(n, generator=gen) * 2.0,
+    }
+
+
+def _run_reference(case: dict[str, torch.Tensor], *, with_scale: bool, skip: bool, **kw) -> dict[str, torch.Tensor]:
+    c = {k: v.clone() for k, v in case.items()}
+    params = c["master"] if c["params"].dtype == torch.float32 else c["params"]
+    sgd_update_reference(
+        c["grads"], c["master"], params, c["momentum"],
+        found_inf=torch.tensor([1.0 if skip else 0.0]), lr_scale=c["lr_scale"] if with_scale else None, **kw,
+    )
+    c["params"] = params
+    return c
+
+
+def _hand_loop(case: dict[str, torch.Tensor], *, lr: float, momentum_coef: float, weight_decay: float,
+               decoupled: bool, coef: float, with_scale: bool) -> tuple[list, list, list]:
+    """The documented update, element by element, every operation rounded to fp32."""
+    storage, mom = case["params"].dtype, case["momentum"].dtype
+    out_w, out_h, out_p = [], [], []
+    for i in range(case["grads"].numel()):
+        g = F32(case["grads"][i].float().item()) * F32(coef)
+        w = F32(case["master"][i].item())
+        h = F32(case["momentum"][i].float().item())
+        if weight_decay and not decoupled:
+            g = g + F32(weight_decay) * w
+        lr_e = F32(lr) * F32(case["lr_scale"][i].item()) if with_scale else F32(lr)
+        if mom == torch.float32:
+            h = F32(momentum_coef) * h + lr_e * g
+            step = h
+        else:
+            h = _to_dtype_scalar(F32(momentum_coef) * h + g, torch.float16)
+            step = lr_e * h
+        if weight_decay and decoupled:
+            # the reference multiplies the two Python floats first: fp32(wd*lr), not fp32(wd)*fp32(lr)
+            step = step + (F32(weight_decay) * lr_e if with_scale else F32(weight_decay * lr)) * w
+        w = w - step
+        out_w.append(w)
+        out_h.append(h)
+        out_p.append(_to_dtype_scalar(w, storage))
+    return out_w, out_h, out_p
+
+
+# ----------------------------------------------------------------------------- reference semantics
+
+
+@pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mom", [torch.float32, torch.float16])
+@pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_reference_matches_hand_written_loop(storage, mom, decay, with_scale):
+    case = _make_case(storage, mom, 48, seed=1)
+    kw = dict(lr=LR, momentum_coef=0.9, weight_decay=0.0 if decay == "none" else WD,
+              decoupled=decay == "decoupled")
+    coef = 0.37 / 1024  # 1/S (S = 1024) times a clipping factor 0.37
+    out = _run_reference(case, with_scale=with_scale, skip=False, grad_coef=torch.tensor([coef], dtype=torch.float32),
+                         **kw)
+    w, h, p = _hand_loop(case, coef=float(F32(coef)), with_scale=with_scale, **kw)
+    assert torch.equal(_bits(out["master"]), _bits(torch.tensor(np.array(w, dtype=F32))))
+    assert torch.equal(_bits(out["momentum"].float()), _bits(torch.tensor(np.array(h, dtype=F32))))
+    assert torch.equal(_bits(out["params"].float()), _bits(torch.tensor(np.array(p, dtype=F32))))
+    assert torch.equal(_bits(out["grads"]), torch.zeros_like(_bits(out["grads"])))  # +0.0 everywhere
+
+
+def test_decay_constants_tell_the_two_roundings_apart():
+    assert F32(WD * LR) != F32(WD) * F32(LR)
+
+
+def test_reference_skip_keeps_state_bit_identical_and_zeroes_grads():
+    case = _make_case(torch.float16, torch.float32, 64, seed=2)
+    out = _run_reference(case, with_scale=False, skip=True, lr=0.1, momentum_coef=0.9, weight_decay=1e-4,
+                         decoupled=False, grad_coef=torch.tensor([1.0]))
+    for name in ("master", "params", "momentum"):
+        assert torch.equal(_bits(out[name]), _bits(case[name])), name
+    assert torch.count_nonzero(out["grads"]) == 0
+
+
+def test_reference_clipping_enters_through_grad_coef():
+    """grad_coef = clip factor: the step is the unclipped one scaled by it (momentum 0, no decay)."""
+    grads = torch.tensor([3.0, 4.0, 0.0, 0.0])
+    master = torch.ones(4)
+    kw = dict(lr=0.5, momentum_coef=0.0, weight_decay=0.0, decoupled=False, found_inf=torch.zeros(1))
+    sgd_update_reference(grads.clone(), master, master, torch.zeros(4), grad_coef=torch.tensor([0.2]), **kw)
+    # norm 5 clipped to 1: g * 1/5; w = 1 - 0.5 * g/5
+    assert torch.allclose(master, torch.tensor([1 - 0.3, 1 - 0.4, 1.0, 1.0]), rtol=0, atol=1e-7)
+
+
+def test_grad_norm_reference_propagates_non_finite():
+    g = torch.tensor([3.0, 4.0], dtype=torch.float16)
+    assert grad_norm_reference(g).item() == 5.0
+    assert grad_norm_reference(g).dtype == torch.float32
+    assert torch.isinf(grad_norm_reference(torch.tensor([1.0, float("inf")], dtype=torch.float16)))
+    assert torch.isnan(grad_norm_reference(torch.tensor([float("inf"), float("nan")], dtype=torch.float16)))
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def test_cpu_tensors_dispatch_to_reference(monkeypatch):
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+    t = torch.zeros(8)
+    assert kernels.kernel_backend(t) == "torch"
+    monkeypatch.setenv(kernels.KERNELS_ENV, "cupy")  # CPU tensors can only use the reference
+    assert kernels.kernel_backend(t) == "torch"
+    monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
+    assert kernels.kernel_backend(t) == "torch"
+
+
+def test_bad_backend_env_is_rejected(monkeypatch):
+    monkeypatch.setenv(kernels.KERNELS_ENV, "triton")
+    with pytest.raises(ValueError, match="DPTRAIN_KERNELS='triton' is not one of"):
+        kernels.kernel_backend(torch.zeros(1))
+
+
+def test_forced_cupy_without_cupy_is_an_error(monkeypatch):
+    monkeypatch.setattr(kernels, "_cupy", lambda: None)
+    on_cuda = SimpleNamespace(is_cuda=True)  # stands in for a CUDA tensor on this CPU machine
+    monkeypatch.setenv(kernels.KERNELS_ENV, "cupy")
+    with pytest.raises(ValueError, match="DPTRAIN_KERNELS=cupy but CuPy is not importable"):
+        kernels.kernel_backend(on_cuda)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "auto")
+    assert kernels.kernel_backend(on_cuda) == "torch"  # auto falls back to the reference
+
+
+def test_kernel_wrappers_reject_bad_layouts():
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="master must be a contiguous 1-D tensor of 8 elements"):
+        kernels._check_flat("master", torch.zeros(2, 4), 8, (torch.float32,), cpu)
+    with pytest.raises(ValueError, match="master must be a contiguous 1-D tensor"):
+        kernels._check_flat("master", torch.zeros(16)[::2], 8, (torch.float32,), cpu)
+    with pytest.raises(ValueError, match="momentum has dtype torch.float64"):
+        kernels._check_flat("momentum", torch.zeros(8, dtype=torch.float64), 8, kernels.MOMENTUM_DTYPES, cpu)
+    with pytest.raises(ValueError, match="found_inf must be one fp32 element"):
+        kernels._check_scalar("found_inf", torch.zeros(1, dtype=torch.float16), cpu)
+    kernels._check_scalar("grad_coef", torch.tensor(0.5), cpu)  # 0-dim is fine too
+
+
+def test_vector_width_follows_alignment():
+    buf = torch.zeros(64)  # allocator alignment: far more than 16 bytes
+    assert kernels._vector_width([buf, buf.half()]) == kernels.VECTOR_ELEMS
+    assert kernels._vector_width([buf[4:], buf.half()[4:]]) == kernels.VECTOR_ELEMS
+    assert kernels._vector_width([buf, buf[1:]]) == 1
+
+
+def test_dispatchers_on_cpu_equal_the_references():
+    case = _make_case(torch.float16, torch.float16, 128, seed=3)
+    kw = dict(lr=0.05, momentum_coef=0.9, weight_decay=5e-4, decoupled=True, grad_coef=torch.tensor([2.0**-10]),
+              found_inf=torch.zeros(1))
+    a = {k: v.clone() for k, v in case.items()}
+    b = {k: v.clone() for k, v in case.items()}
+    kernels.sgd_update(a["grads"], a["master"], a["params"], a["momentum"], lr_scale=a["lr_scale"], **kw)
+    sgd_update_reference(b["grads"], b["master"], b["params"], b["momentum"], lr_scale=b["lr_scale"], **kw)
+    for name in ("grads", "master", "params", "momentum"):
+        assert torch.equal(_bits(a[name]), _bits(b[name])), name
+    assert torch.equal(kernels.grad_norm(case["grads"]), grad_norm_reference(case["grads"]))
+
+
+def test_package_imports_without_cupy():
+    """kernels.py must not import CuPy at import time (CPU machines have none)."""
+    code = "import sys, dptrain.kernels, dptrain.solver; assert 'cupy' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cuda_source_exists_with_every_name_expression():
+    src = kernels.SGD_SOURCE.read_text()
+    for name in ("dptrain_sgd_update", "dptrain_sumsq_partial", "dptrain_norm_finish"):
+        assert f"{name}(" in src
+    assert "#include <cuda_fp16.h>" in src and "#include <cuda_bf16.h>" in src
+    assert len(kernels.SGD_KERNEL_NAMES) == 3 * 2 * 2  # storage x momentum x vector width
+    assert "--fmad=false" in kernels.NVRTC_OPTIONS
+
+
+# ----------------------------------------------------------------------------- bandwidth benchmark
+
+
+def _bench_module():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "update_bandwidth.py"
+    spec = importlib.util.spec_from_file_location("update_bandwidth", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bandwidth_peak_table_and_bytes():
+    bench = _bench_module()
+    assert bench.peak_bandwidth("NVIDIA H100 80GB HBM3")[0] == 3.35e12  # SXM
+    assert bench.peak_bandwidth("NVIDIA H100 PCIe")[0] == 2.0e12
+    assert bench.peak_bandwidth("NVIDIA H200")[0] == 4.8e12
+    assert bench.peak_bandwidth("NVIDIA A100-SXM4-80GB")[0] == 2.039e12
+    assert bench.peak_bandwidth("NVIDIA A100-SXM4-40GB")[0] == 1.555e12
+    assert bench.peak_bandwidth("Some Future GPU") is None
+    # fp16 storage: read g 2 + master 4 + momentum 4; write master 4 + momentum 4 + params 2 + g 2
+    assert bench.update_bytes_per_elem(torch.float16, torch.float32, larc=False) == 22
+    # fp32 storage: the weights are the masters, written once
+    assert bench.update_bytes_per_elem(torch.float32, torch.float32, larc=False) == 24
+    assert bench.update_bytes_per_elem(torch.float16, torch.float16, larc=True) == 22
+
+
+def test_bandwidth_benchmark_on_cpu_reports_the_reference_only(capsys):
+    record = _bench_module().main(["--numel", "4096", "--iters", "1", "--repeats", "1", "--warmup", "0",
+                                   "--device", "cpu"])
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line == json.loads(json.dumps(record))
+    assert line["kernel"] is None and line["reference"]["update_ms"] > 0 and line["reference"]["norm_ms"] > 0
+    assert line["numel"] == 4096 and line["update_bytes_per_elem"] == 22
+
+
+# ----------------------------------------------------------------------------- CUDA source on the host
+
+NVCC = shutil.which("nvcc")
+_CODES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_HARNESS = r"""
+#include "sgd_update.cu"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+// Every template instance kernels.py hands NVRTC as a name expression; taking the address forces
+// nvcc to compile the device code of each, as NVRTC will.
+@KERNEL_ADDRESSES@
+
+template <typename X> static void read_into(const std::string& path, X* p, long long n) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f || std::fread(p, sizeof(X), n, f) != static_cast<size_t>(n)) {
+    std::fprintf(stderr, "cannot read %lld values from %s\n", n, path.c_str());
+    std::exit(2);
+  }
+  std::fclose(f);
+}
+template <typename X> static X* load(const std::string& path, long long n) {
+  X* p = static_cast<X*>(std::aligned_alloc(64, ((n * sizeof(X) + 63) / 64) * 64));  // 64 B aligned, as cudaMalloc
+  read_into(path, p, n);
+  return p;
+}
+template <typename X> static void save(const std::string& path, const X* p, long long n) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  std::fwrite(p, sizeof(X), n, f);
+  std::fclose(f);
+}
+
+// Runs threads 0..nthreads-1 of the grid one after another, as the kernel would in parallel.
+template <typename T, typename M, int V> static void run(const std::string& d) {
+  long long ints[5];  // n, nthreads, decay_mode, has_scale, params_is_master
+  float fl[4];        // lr, momentum_coef, weight_decay, wd_lr
+  read_into(d + "/ints", ints, 5);
+  read_into(d + "/floats", fl, 4);
+  const long long n = ints[0];
+  dpt::SgdArgs<T, M> a;
+  a.grads = load<T>(d + "/grads", n);
+  a.master = load<float>(d + "/master", n);
+  a.params = ints[4] ? nullptr : load<T>(d + "/params", n);
+  a.momentum = load<M>(d + "/momentum", n);
+  a.lr_scale = ints[3] ? load<float>(d + "/lr_scale", n) : nullptr;
+  a.grad_coef = load<float>(d + "/grad_coef", 1);
+  a.found_inf = load<float>(d + "/found_inf", 1);
+  a.s = dpt::SgdScalars{fl[0], fl[1], fl[2], fl[3], static_cast<int>(ints[2])};
+  a.n = n;
+  for (long long t = 0; t < ints[1]; ++t) dpt::sgd_update_thread<T, M, V>(a, t, ints[1]);
+  save(d + "/grads.out", a.grads, n);
+  save(d + "/master.out", a.master, n);
+  if (a.params) save(d + "/params.out", a.params, n);
+  save(d + "/momentum.out", a.momentum, n);
+}
+
+template <typename T, typename M> static void run_vec(int vec, const std::string& d) {
+  if (vec == 4) run<T, M, 4>(d); else run<T, M, 1>(d);
+}
+template <typename T> static void run_mom(const std::string& mom, int vec, const std::string& d) {
+  if (mom == "f32") run_vec<T, float>(vec, d); else run_vec<T, __half>(vec, d);
+}
+int main(int argc, char** argv) {
+  if (argc != 5) return 2;
+  const std::string storage = argv[1], mom = argv[2], d = argv[4];
+  const int vec = std::atoi(argv[3]);
+  if (storage == "f32") run_mom<float>(mom, vec, d);
+  else if (storage == "f16") run_mom<__half>(mom, vec, d);
+  else run_mom<__nv_bfloat16>(mom, vec, d);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory) -> Path:
+    """Compile sgd_update.cu with every NVRTC name expression plus the host harness (about 3 s)."""
+    if NVCC is None:
+        pytest.skip("nvcc (CUDA toolkit) not on PATH: cannot compile dptrain/csrc/sgd_update.cu on this machine")
+    d = tmp_path_factory.mktemp("cuda")
+    names = kernels.SGD_KERNEL_NAMES + kernels.NORM_KERNEL_NAMES
+    addresses = "\n".join(f"void* const kernel_address_{i} = (void*)&{n};" for i, n in enumerate(names))
+    (d / "harness.cu").write_text(_HARNESS.replace("@KERNEL_ADDRESSES@", addresses))
+    opts = [o for o in kernels.NVRTC_OPTIONS if o != "--std=c++17"]
+    cmd = [NVCC, "-std=c++17", *opts, "-arch=sm_80", "-diag-suppress=177", "-Xcompiler", "-ffp-contract=off",
+           f"-I{kernels.SGD_SOURCE.parent}", str(d / "harness.cu"), "-o", str(d / "harness")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"nvcc failed:\n{res.stderr[-4000:]}"
+    return d / "harness"
+
+
+def _emulate(harness: Path, work: Path, case: dict[str, torch.Tensor], *, vec: int, nthreads: int,
+             with_scale: bool, skip: bool, lr: float, momentum_coef: float, weight_decay: float,
+             decoupled: bool, coef: float) -> dict[str, torch.Tensor]:
+    """Run the kernel's per-thread code on the host; scalars rounded exactly as kernels.py does."""
+    work.mkdir()
+    storage, mom = case["params"].dtype, case["momentum"].dtype
+    params_is_master = storage == torch.float32
+    n = case["grads"].numel()
+    *floats, decay_mode = kernels.sgd_scalars(lr, momentum_coef, weight_decay, decoupled)
+    np.array([n, nthreads, decay_mode, int(with_scale), int(params_is_master)], dtype=np.int64).tofile(work / "ints")
+    np.array(floats, dtype=np.float32).tofile(work / "floats")
+    raw = {"grads": case["grads"], "master": case["master"], "params": case["params"], "momentum": case["momentum"],
+           "lr_scale": case["lr_scale"], "grad_coef": torch.tensor([coef], dtype=torch.float32),
+           "found_inf": torch.tensor([1.0 if skip else 0.0])}
+    for name, t in raw.items():
+        _bits(t.contiguous()).numpy().tofile(work / name)
+    subprocess.run([str(harness), _CODES[storage], _CODES[mom], str(vec), str(work)], check=True)
+    out = {}
+    for name, dtype in (("grads", storage), ("master", torch.float32), ("momentum", mom), ("params", storage)):
+        if name == "params" and params_is_master:
+            out[name] = out["master"]
+            continue
+        raw_dtype = _bits(torch.zeros(1, dtype=dtype)).numpy().dtype  # int16 or int32
+        out[name] = torch.from_numpy(np.fromfile(work / f"{name}.out", dtype=raw_dtype)).view(dtype)
+    return out
+
+
+@pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mom", [torch.float32, torch.float16])
+@pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
+def test_cuda_thread_code_matches_reference_bit_exactly(harness, tmp_path, storage, mom, decay):
+    """n = 203 is not a multiple of 4 (tail path) and 7 emulated threads wrap the grid-stride loop."""
+    case = _make_case(storage, mom, 203, seed=4)
+    kw = dict(lr=LR, momentum_coef=0.9, weight_decay=0.0 if decay == "none" else WD,
+              decoupled=decay == "decoupled")
+    coef = 0.37 / 4096
+    for vec in (4, 1):
+        for with_scale in (False, True):
+            got = _emulate(harness, tmp_path / f"v{vec}s{int(with_scale)}", case, vec=vec, nthreads=7,
+                           with_scale=with_scale, skip=False, coef=coef, **kw)
+            want = _run_reference(case, with_scale=with_scale, skip=False,
+                                  grad_coef=torch.tensor([coef], dtype=torch.float32), **kw)
+            for name in ("grads", "master", "params", "momentum"):
+                assert torch.equal(_bits(got[name]), _bits(want[name])), f"{name} vec={vec} scale={with_scale}"
+
+
+@pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16])
+def test_cuda_thread_code_skip_writes_only_zeroed_grads(harness, tmp_path, storage):
+    case = _make_case(storage, torch.float32, 203, seed=5)
+    got = _emulate(harness, tmp_path / "skip", case, vec=4, nthreads=5, with_scale=True, skip=True, lr=0.1,
+                   momentum_coef=0.9, weight_decay=5e-4, decoupled=False, coef=1.0)
+    for name in ("master", "params", "momentum"):
+        assert torch.equal(_bits(got[name]), _bits(case[name])), name
+    assert torch.equal(_bits(got["grads"]), torch.zeros(203, dtype=torch.int16))
