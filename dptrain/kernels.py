@@ -152,16 +152,19 @@ def _cupy() -> ModuleType | None:
     return cupy
 
 
-def kernel_backend(*tensors: torch.Tensor) -> Literal["cupy", "torch"]:
+def kernel_backend(*tensors: torch.Tensor) -> Literal["cupy", "torch", "cpu"]:
     """Which implementation :func:`grad_norm`/:func:`sgd_update` use for these tensors.
 
     "cupy" when every tensor is on CUDA, CuPy imports and ``DPTRAIN_KERNELS`` is not "torch";
-    otherwise "torch" (the reference). Reads the environment on every call, so tests and
-    benchmarks can switch per call.
+    "cpu" (the in-place CPU path, :func:`sgd_update_cpu`) when every tensor is on the CPU and
+    ``DPTRAIN_KERNELS`` is "auto"; otherwise "torch" (the reference). Reads the environment on
+    every call, so tests and benchmarks can switch per call.
     """
     choice = os.environ.get(KERNELS_ENV, "auto")
     if choice not in _BACKENDS:
         raise ValueError(f"{KERNELS_ENV}={choice!r} is not one of {_BACKENDS}; unset it or pick one of those")
+    if choice == "auto" and not any(t.is_cuda for t in tensors):
+        return "cpu"
     if choice == "torch" or not all(t.is_cuda for t in tensors):
         return "torch"
     if _cupy() is None:
@@ -175,9 +178,9 @@ def kernel_backend(*tensors: torch.Tensor) -> Literal["cupy", "torch"]:
 def grad_norm(grads: torch.Tensor) -> torch.Tensor:
     """Dispatch :func:`grad_norm_reference` (CPU) or its CUDA kernel; same result up to the
     fp32 summation order (the kernel sums per block, then the block sums)."""
-    if kernel_backend(grads) == "torch":
-        return grad_norm_reference(grads)
-    return _grad_norm_cupy(grads)
+    if kernel_backend(grads) == "cupy":
+        return _grad_norm_cupy(grads)
+    return grad_norm_reference(grads)
 
 
 def sgd_update(
@@ -204,10 +207,65 @@ def sgd_update(
     kw = dict(lr=lr, momentum_coef=momentum_coef, weight_decay=weight_decay, decoupled=decoupled,
               grad_coef=grad_coef, found_inf=found_inf, lr_scale=lr_scale)
     tensors = [grads, master, params, momentum, grad_coef, found_inf] + ([lr_scale] if lr_scale is not None else [])
-    if kernel_backend(*tensors) == "torch":
+    backend = kernel_backend(*tensors)
+    if backend == "cpu":
+        sgd_update_cpu(grads, master, params, momentum, **kw)
+    elif backend == "torch":
         sgd_update_reference(grads, master, params, momentum, **kw)
     else:
         _sgd_update_cupy(grads, master, params, momentum, **kw)
+
+
+def sgd_update_cpu(
+    grads: torch.Tensor,
+    master: torch.Tensor,
+    params: torch.Tensor,
+    momentum: torch.Tensor,
+    *,
+    lr: float,
+    momentum_coef: float,
+    weight_decay: float,
+    decoupled: bool,
+    grad_coef: torch.Tensor,
+    found_inf: torch.Tensor,
+    lr_scale: torch.Tensor | None = None,
+) -> None:
+    """:func:`sgd_update_reference`'s rule with in-place ops, for CPU tensors.
+
+    On the CPU, reading ``found_inf`` is a plain memory load (no device to wait for), so a
+    skipped step returns early instead of computing both outcomes and selecting with
+    ``torch.where``; the update itself runs as in-place passes with no temporaries beyond the
+    fp32 gradient. About 5x fewer bytes moved than the reference. Results equal the
+    reference's up to the rounding of ``m*h + lr*g`` computed as one ``add_(alpha=)``.
+    """
+    if bool(found_inf.reshape(())):
+        grads.zero_()
+        return
+    g = grads.float() if grads.dtype != torch.float32 else grads  # fp32 storage: reuse, zeroed below
+    g.mul_(grad_coef)
+    if weight_decay and not decoupled:
+        g.add_(master, alpha=weight_decay)
+    if momentum.dtype == torch.float32:
+        momentum.mul_(momentum_coef)
+        if lr_scale is None:
+            momentum.add_(g, alpha=lr)
+        else:
+            momentum.addcmul_(g, lr_scale, value=lr)
+        step = momentum
+    else:  # lr-factored fp16 history: G = half(m*G + g); step = lr_e * G
+        momentum.copy_(momentum.float().mul_(momentum_coef).add_(g))
+        step = momentum.float().mul_(lr)
+        if lr_scale is not None:
+            step.mul_(lr_scale)
+    if weight_decay and decoupled:
+        decay = master * (weight_decay * lr)
+        if lr_scale is not None:
+            decay.mul_(lr_scale)
+        step = step + decay
+    master.sub_(step)
+    if params is not master:
+        params.copy_(master)
+    grads.zero_()
 
 
 # --------------------------------------------------------------------------- CuPy wrappers

@@ -1,0 +1,64 @@
+"""The in-place CPU update path against the torch reference that defines the rule."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from dptrain.kernels import kernel_backend, sgd_update, sgd_update_cpu, sgd_update_reference
+
+CASES = list(itertools.product([torch.float16, torch.bfloat16, torch.float32], [torch.float32, torch.float16],
+                               [False, True], [False, True]))
+
+
+def _state(storage, mom_dtype, n=777, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    grads = (torch.randn(n, generator=g) * 10).to(storage)
+    master = torch.randn(n, generator=g)
+    params = master if storage == torch.float32 else master.to(storage)
+    momentum = (torch.randn(n, generator=g) * 0.01).to(mom_dtype)
+    return grads, master, params, momentum
+
+
+def _clone(state):
+    g, w, p, m = (x.clone() for x in state)
+    return g, w, (w if state[2] is state[1] else p), m
+
+
+@pytest.mark.parametrize("storage,mom_dtype,decoupled,larc", CASES)
+def test_cpu_path_matches_reference(storage, mom_dtype, decoupled, larc):
+    state = _state(storage, mom_dtype)
+    lr_scale = torch.rand(777, generator=torch.Generator().manual_seed(1)) + 0.5 if larc else None
+    kw = dict(lr=0.1, momentum_coef=0.9, weight_decay=5e-4, decoupled=decoupled,
+              grad_coef=torch.tensor([0.25]), found_inf=torch.zeros(1), lr_scale=lr_scale)
+    ref, cpu = _clone(state), _clone(state)
+    sgd_update_reference(*ref, **kw)
+    sgd_update_cpu(*cpu, **kw)
+    # The CPU path computes m*h + lr*g as one add_(alpha=lr), the reference as two rounded
+    # products and a sum: results differ by at most a couple of fp32 ulps of values ~1.
+    torch.testing.assert_close(cpu[1], ref[1], rtol=0, atol=5e-7)
+    torch.testing.assert_close(cpu[3].float(), ref[3].float(), rtol=0, atol=5e-7 if mom_dtype == torch.float32 else 0)
+    assert torch.equal(cpu[2], cpu[1].to(cpu[2].dtype))  # weights are the rounded masters
+    assert torch.count_nonzero(cpu[0]) == 0 and torch.count_nonzero(ref[0]) == 0
+
+
+def test_cpu_path_skips_bit_exactly():
+    state = _state(torch.float16, torch.float32)
+    before = _clone(state)
+    sgd_update_cpu(*state, lr=0.1, momentum_coef=0.9, weight_decay=5e-4, decoupled=False,
+                   grad_coef=torch.tensor([1.0]), found_inf=torch.ones(1))
+    for a, b in zip(state[1:], before[1:]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.count_nonzero(state[0]) == 0
+
+
+def test_dispatch_uses_cpu_path_unless_forced(monkeypatch):
+    t = torch.zeros(4)
+    assert kernel_backend(t) == "cpu"
+    monkeypatch.setenv("DPTRAIN_KERNELS", "torch")
+    assert kernel_backend(t) == "torch"
+    state = _state(torch.float32, torch.float32, n=8)
+    sgd_update(*state, lr=0.1, momentum_coef=0.9, weight_decay=0.0, decoupled=False,
+               grad_coef=torch.tensor([1.0]), found_inf=torch.zeros(1))
+    assert torch.count_nonzero(state[0]) == 0
