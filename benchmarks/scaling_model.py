@@ -1,0 +1,656 @@
+"""Scaling model: predicted step time and scaling efficiency of dptrain on N GPUs and nodes.
+
+Inputs: one solver's profile (forward, backward and update time; per bucket its bytes and
+the time its last gradient is ready, relative to backward start), taken from a
+``--trace`` (:func:`profile_from_trace`) or a JSON profile, and an alpha-beta model of the
+allreduce on a machine from :data:`MACHINES`.
+
+Allreduce of S bytes on n ranks, alpha = per-step latency, B = bus bandwidth in the
+nccl-tests sense (busbw = algbw * 2(n-1)/n, nvidia/nccl-tests doc/PERFORMANCE.md):
+- ring:  2(n-1) alpha + 2(n-1)/n * S/B   (reduce-scatter + allgather; Patarasuk & Yuan 2009)
+- tree:  2 ceil(log2 n) alpha + 2 S/B    (reduce up a pipelined binary tree, broadcast down)
+Multi-node (N nodes of g GPUs, n = N g), following NCCL's own tuning model
+(src/graph/tuning.cc, ncclTopoTuneModel): ring latency counts 2N network hops and the rest
+NVLink hops, bandwidth min(NVLink busbw, node network bandwidth); tree latency
+2((g-1) alpha_nvlink + ceil(log2 N) alpha_net), bandwidth term 2 S/B (NCCL's tree algbw is
+busbw/2); hierarchical = NVLink reduce-scatter, per-rail ring allreduce of S/g across nodes,
+NVLink allgather. ``best`` takes the fastest per message, as NCCL's tuner does.
+
+Overlap: buckets launch in plan order when ready and run one at a time on one channel;
+exposed comm = max(0, end of the last allreduce - end of backward);
+step = forward + backward + exposed + update. Weak-scaling efficiency = T_1 / T_N.
+
+    python benchmarks/scaling_model.py                       # DGX H100, reference ResNet-50 profile
+    python benchmarks/scaling_model.py --profile runs/t.rank0.json --profile-batch 32 --machines dgx-h100,dgx-a100
+    python benchmarks/scaling_model.py --calibrate           # gloo alpha/beta on this machine, 2 processes
+    python benchmarks/scaling_model.py --calibrate --measured-bench bench2.jsonl --bench-profile t.rank0.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+GB = 1e9  # bandwidths are in GB/s = 1e9 bytes/s, as nccl-tests reports them
+MIB = 1024 * 1024
+Algorithm = Literal["ring", "tree", "hierarchical", "nvls", "best"]
+EFFICIENCY_FLOOR = 0.8
+"""Below this efficiency we say scaling has broken down."""
+DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB = 25.0, 1.0
+"""dptrain's reducer.bucket_mb / first_bucket_mb defaults (as DDP), used to plan a per-parameter profile."""
+
+
+# ---------------------------------------------------------------------------------------- profile
+
+@dataclass(frozen=True)
+class BucketTiming:
+    nbytes: int
+    ready_ms: float
+    """When the bucket's last gradient is ready, in ms after backward starts."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One solver's step: compute phases and the gradient-ready timeline, in plan order."""
+
+    forward_ms: float
+    backward_ms: float
+    update_ms: float
+    buckets: tuple[BucketTiming, ...]
+    batch_size: int = 0
+    """Per-solver batch the profile was taken at (0: unknown; then no images/s or strong scaling)."""
+    granularity: Literal["bucket", "parameter"] = "bucket"
+    """"parameter": one entry per parameter, never split when re-bucketing; "bucket": a coarse
+    plan, split with gradient bytes assumed to become ready linearly within each bucket."""
+    source: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def compute_ms(self) -> float:
+        return self.forward_ms + self.backward_ms + self.update_ms
+
+
+def _median(xs: list[float]) -> float:
+    return float(np.median(xs)) if xs else 0.0
+
+
+def profile_from_trace(trace: dict[str, Any], *, batch_size: int = 0, source: str = "") -> Profile:
+    """Median per-step profile from a dptrain Chrome trace (``--trace PATH`` -> PATH.rank<r>.json).
+
+    A step runs from one ``forward`` event to the next. Bucket i's ready time is its
+    ``bucket_ready`` instant minus the step's ``backward`` start; a bucket with no instant
+    (no gradient this step) is ready at the end of backward. Bytes come from the event args.
+    """
+    events = sorted(trace.get("traceEvents", []), key=lambda e: e.get("ts", 0.0))
+    starts = [e["ts"] for e in events if e.get("ph") == "X" and e.get("name") == "forward"]
+    if not starts:
+        raise ValueError("trace has no 'forward' events; record it with `dptrain bench|train --trace PATH`")
+    steps: list[dict[str, Any]] = []
+    for i, t0 in enumerate(starts):
+        t1 = starts[i + 1] if i + 1 < len(starts) else math.inf
+        evs = [e for e in events if t0 <= e.get("ts", 0.0) < t1]
+        span = {e["name"]: e for e in evs if e.get("ph") == "X" and e["name"] in ("forward", "backward", "update")}
+        if len(span) == 3:
+            steps.append({"span": span, "evs": evs})
+    if not steps:
+        raise ValueError("trace has no complete step (forward, backward and update events)")
+    nbytes: dict[int, int] = {}
+    ready: dict[int, list[float]] = {}
+    for s in steps:
+        bwd = s["span"]["backward"]
+        for e in s["evs"]:
+            if e.get("name") in ("bucket_ready", "allreduce") and "bucket" in e.get("args", {}):
+                nbytes[int(e["args"]["bucket"])] = int(e["args"]["bytes"])
+            if e.get("name") == "bucket_ready" and e.get("ph") == "i":
+                ready.setdefault(int(e["args"]["bucket"]), []).append(min(e["ts"] - bwd["ts"], bwd["dur"]) / 1e3)
+    if not nbytes:
+        raise ValueError("trace has no 'bucket_ready' or 'allreduce' events; dptrain records them only with "
+                         "world size >= 2: record the profile with 2 solvers (e.g. launch/run-local --nproc 2 bench ... --trace PATH)")
+    bwd_ms = _median([s["span"]["backward"]["dur"] / 1e3 for s in steps])
+    buckets = tuple(BucketTiming(nbytes[i], max(0.0, _median(ready[i])) if i in ready else bwd_ms)
+                    for i in sorted(nbytes))
+    return Profile(forward_ms=_median([s["span"]["forward"]["dur"] / 1e3 for s in steps]), backward_ms=bwd_ms,
+                   update_ms=_median([s["span"]["update"]["dur"] / 1e3 for s in steps]), buckets=buckets,
+                   batch_size=batch_size, granularity="bucket", source=source or f"trace, {len(steps)} steps")
+
+
+def profile_to_json(p: Profile) -> dict[str, Any]:
+    return {"forward_ms": p.forward_ms, "backward_ms": p.backward_ms, "update_ms": p.update_ms,
+            "batch_size": p.batch_size, "granularity": p.granularity, "source": p.source,
+            "buckets": [{"bytes": b.nbytes, "ready_ms": b.ready_ms} for b in p.buckets]}
+
+
+def profile_from_json(d: dict[str, Any]) -> Profile:
+    """Inverse of :func:`profile_to_json`; raises ValueError naming a missing key."""
+    try:
+        return Profile(forward_ms=float(d["forward_ms"]), backward_ms=float(d["backward_ms"]),
+                       update_ms=float(d["update_ms"]), batch_size=int(d.get("batch_size", 0)),
+                       granularity=d.get("granularity", "bucket"), source=str(d.get("source", "")),
+                       buckets=tuple(BucketTiming(int(b["bytes"]), float(b["ready_ms"])) for b in d["buckets"]))
+    except KeyError as e:
+        raise ValueError(f"profile JSON lacks key {e}; expected forward_ms, backward_ms, update_ms and "
+                         "buckets: [{bytes, ready_ms}, ...]") from e
+
+
+def load_profile(path: str | Path, batch_size: int = 0) -> Profile:
+    """A profile from a trace file (has traceEvents) or a profile JSON file."""
+    d = json.loads(Path(path).read_text())
+    if "traceEvents" in d:
+        return profile_from_trace(d, batch_size=batch_size, source=str(path))
+    p = profile_from_json(d)
+    return replace(p, batch_size=batch_size) if batch_size else p
+
+
+def scale_compute(p: Profile, factor: float) -> Profile:
+    """The profile at ``factor`` x the per-solver batch: forward, backward and ready times scale
+    linearly (optimistic below full GPU occupancy); update and bytes do not depend on the batch."""
+    return replace(p, forward_ms=p.forward_ms * factor, backward_ms=p.backward_ms * factor,
+                   buckets=tuple(replace(b, ready_ms=b.ready_ms * factor) for b in p.buckets),
+                   batch_size=round(p.batch_size * factor))
+
+
+def rebucket(p: Profile, bucket_mb: float, first_bucket_mb: float | None = None) -> Profile:
+    """The profile re-cut into buckets of ``bucket_mb`` MiB (the first: ``first_bucket_mb``).
+
+    Parameter granularity follows dptrain's rule (buckets.py): close a bucket when the next
+    parameter would overflow it; a bucket is ready when its last parameter is. Bucket
+    granularity is split at exact byte offsets, bytes becoming ready linearly in time
+    between the previous bucket's ready time (0 for the first) and this bucket's.
+    """
+    if bucket_mb <= 0 or (first_bucket_mb is not None and first_bucket_mb <= 0):
+        raise ValueError(f"bucket sizes must be > 0 MiB, got {bucket_mb} and {first_bucket_mb}")
+    caps = (first_bucket_mb or bucket_mb) * MIB, bucket_mb * MIB
+    out: list[BucketTiming] = []
+    if p.granularity == "parameter":
+        cur_bytes, cur_ready = 0, 0.0
+        for b in p.buckets:
+            if cur_bytes and cur_bytes + b.nbytes > caps[bool(out)]:
+                out.append(BucketTiming(cur_bytes, cur_ready))
+                cur_bytes, cur_ready = 0, 0.0
+            cur_bytes, cur_ready = cur_bytes + b.nbytes, max(cur_ready, b.ready_ms)
+        if cur_bytes:
+            out.append(BucketTiming(cur_bytes, cur_ready))
+        return replace(p, buckets=tuple(out), granularity="bucket")
+    cum, t_prev, pts = 0, 0.0, [(0, 0.0)]  # (cumulative bytes, time) knots of the ready curve
+    for b in p.buckets:
+        t_prev = max(t_prev, b.ready_ms)
+        cum += b.nbytes
+        pts.append((cum, t_prev))
+    start = 0
+    while start < cum:
+        end = min(cum, start + int(caps[bool(out)]))
+        k = next(i for i in range(1, len(pts)) if pts[i][0] >= end)
+        (c0, t0), (c1, t1) = pts[k - 1], pts[k]
+        out.append(BucketTiming(end - start, t0 + (end - c0) / (c1 - c0) * (t1 - t0)))
+        start = end
+    return replace(p, buckets=tuple(out))
+
+
+# ---------------------------------------------------------------------------------------- machines
+
+@dataclass(frozen=True)
+class Link:
+    busbw_gbs: float
+    """Bus bandwidth B (GB/s) in the nccl-tests sense; for a network, the node's NICs together."""
+    alpha_us: float
+    """Latency per algorithm step (one hop of a chunk)."""
+    source: str
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    gpus_per_node: int
+    nvlink: Link
+    network: Link | None
+    nvls: Link | None = None
+    """NVLink SHARP (single node only): alpha_us is paid once, not per step."""
+    launch_us: float = 0.0
+    """Fixed cost per collective (NCCL baseLat, ring/Simple)."""
+
+
+_NCCL_TUNING = ("NCCL src/graph/tuning.cc (NVIDIA/nccl@b6475625), hwLat[{}][RING][SIMPLE]; the tuner's "
+                "per-hop latency for the Simple protocol that large buckets use")
+MACHINES: dict[str, Machine] = {
+    "dgx-h100": Machine(
+        "DGX H100 (8x H100 SXM, NVLink4 + 4th-gen NVSwitch, 8x ConnectX-7 NDR 400 Gb/s)", 8,
+        nvlink=Link(370.0, 3.4, "NVLink4: 450 GB/s per direction; ~370 GB/s NCCL ring allreduce busbw for large "
+                                "messages (docs/REFERENCE.md; NVIDIA DGX H100 user guide); alpha: "
+                                + _NCCL_TUNING.format("NVLINK")),
+        network=Link(400.0, 14.0, "8x ConnectX-7 InfiniBand NDR 400 Gb/s = 8 x 50 GB/s per node, one NIC per GPU "
+                                  "(NVIDIA DGX H100 user guide), line rate; alpha: " + _NCCL_TUNING.format("NET")),
+        nvls=Link(480.0, 23.0, "NVLS (NVLink SHARP) allreduce ~480 GB/s busbw (docs/REFERENCE.md); alpha: NCCL "
+                               "tuning.cc hwLat[NVLINK][NVLS][SIMPLE]"),
+        launch_us=8.4),
+    "dgx-a100": Machine(
+        "DGX A100 (8x A100 SXM, NVLink3 + NVSwitch, 8x ConnectX-6 HDR 200 Gb/s)", 8,
+        nvlink=Link(235.0, 3.4, "NVLink3: 600 GB/s bidirectional per GPU; ~230-240 GB/s ring busbw measured, and "
+                                "NCCL's tuner caps sm80 busbw at 235 GB/s (tuning.cc, NCCL 2.8-era); alpha: "
+                                + _NCCL_TUNING.format("NVLINK")),
+        network=Link(200.0, 14.0, "8x ConnectX-6 InfiniBand HDR 200 Gb/s = 8 x 25 GB/s per node (NVIDIA DGX A100 "
+                                  "user guide DU-09821-001), line rate; alpha: " + _NCCL_TUNING.format("NET")),
+        launch_us=8.4),
+}
+
+
+# ---------------------------------------------------------------------------------------- collectives
+
+@dataclass(frozen=True)
+class Cost:
+    latency_ms: float
+    transfer_ms: float
+    algorithm: str
+
+    @property
+    def total_ms(self) -> float:
+        return self.latency_ms + self.transfer_ms
+
+
+def ring_allreduce(nbytes: float, n: int, alpha_us: float, busbw_gbs: float) -> Cost:
+    """Flat ring on one link type: 2(n-1) alpha + 2(n-1)/n * S/B."""
+    if n <= 1:
+        return Cost(0.0, 0.0, "ring")
+    return Cost(2 * (n - 1) * alpha_us / 1e3, 2 * (n - 1) / n * nbytes / (busbw_gbs * GB) * 1e3, "ring")
+
+
+def tree_allreduce(nbytes: float, n: int, alpha_us: float, busbw_gbs: float) -> Cost:
+    """Binary tree on one link type: 2 ceil(log2 n) alpha + 2 S/B."""
+    if n <= 1:
+        return Cost(0.0, 0.0, "tree")
+    return Cost(2 * math.ceil(math.log2(n)) * alpha_us / 1e3, 2 * nbytes / (busbw_gbs * GB) * 1e3, "tree")
+
+
+def allreduce_cost(nbytes: float, m: Machine, nodes: int, algorithm: Algorithm = "best",
+                   gpus_per_node: int | None = None) -> Cost:
+    """Allreduce time of ``nbytes`` on ``nodes`` x ``gpus_per_node`` GPUs of machine ``m``."""
+    g = gpus_per_node or m.gpus_per_node
+    n, nv, launch = nodes * g, m.nvlink, m.launch_us / 1e3
+    if n <= 1:
+        return Cost(0.0, 0.0, "none")
+    if nodes > 1 and m.network is None:
+        raise ValueError(f"machine {m.name!r} has no network entry; it can only be modelled as one node")
+    cands: dict[str, Cost] = {}
+    if nodes == 1:
+        r, t = ring_allreduce(nbytes, n, nv.alpha_us, nv.busbw_gbs), tree_allreduce(nbytes, n, nv.alpha_us, nv.busbw_gbs)
+        cands["ring"] = Cost(launch + r.latency_ms, r.transfer_ms, "ring")
+        cands["tree"] = Cost(launch + 2 * (g - 1) * nv.alpha_us / 1e3, t.transfer_ms, "tree")  # a chain in a node
+        if m.nvls is not None:
+            cands["nvls"] = Cost(m.nvls.alpha_us / 1e3, 2 * (n - 1) / n * nbytes / (m.nvls.busbw_gbs * GB) * 1e3, "nvls")
+    else:
+        net = m.network
+        bw = min(nv.busbw_gbs, net.busbw_gbs)
+        inter = min(2 * nodes, 2 * (n - 1))  # NCCL: a ring crosses every node boundary once per pass
+        cands["ring"] = Cost(launch + ((2 * (n - 1) - inter) * nv.alpha_us + inter * net.alpha_us) / 1e3,
+                             2 * (n - 1) / n * nbytes / (bw * GB) * 1e3, "ring")
+        cands["tree"] = Cost(launch + 2 * ((g - 1) * nv.alpha_us + math.ceil(math.log2(nodes)) * net.alpha_us) / 1e3,
+                             2 * nbytes / (bw * GB) * 1e3, "tree")
+        rs = ring_allreduce(nbytes, g, nv.alpha_us, nv.busbw_gbs)  # RS + AG together = one intra-node ring
+        x = ring_allreduce(nbytes / g, nodes, net.alpha_us, net.busbw_gbs / g)  # each GPU's rail carries S/g
+        cands["hierarchical"] = Cost(launch + rs.latency_ms + x.latency_ms, rs.transfer_ms + x.transfer_ms,
+                                     "hierarchical")
+    if algorithm == "best":
+        return min(cands.values(), key=lambda c: c.total_ms)
+    if algorithm not in cands:
+        raise ValueError(f"algorithm {algorithm!r} does not apply to {nodes} node(s) of {m.name}; "
+                         f"choose from {sorted(cands)} or 'best'")
+    return cands[algorithm]
+
+
+# ---------------------------------------------------------------------------------------- overlap
+
+@dataclass(frozen=True)
+class StepPrediction:
+    step_ms: float
+    exposed_ms: float
+    comm_end_ms: float
+    """End of the last allreduce, ms after backward start."""
+    comm_busy_ms: float
+
+
+def simulate_step(p: Profile, comm_ms: Callable[[int], float]) -> StepPrediction:
+    """Overlap of the bucket allreduces with backward: launch in plan order when ready, one at a time.
+
+    start_i = max(ready_i, end_{i-1}); end_i = start_i + comm_ms(bytes_i); ready times are
+    clamped to [0, backward_ms]. Exposed = max(0, end_last - backward_ms).
+    """
+    end, busy = 0.0, 0.0
+    for b in p.buckets:
+        c = comm_ms(b.nbytes)
+        end = max(min(max(b.ready_ms, 0.0), p.backward_ms), end) + c
+        busy += c
+    exposed = max(0.0, end - p.backward_ms)
+    return StepPrediction(p.compute_ms + exposed, exposed, end, busy)
+
+
+def comm_fn(m: Machine, nodes: int, algorithm: Algorithm = "best", gpus_per_node: int | None = None) -> Callable[[int], float]:
+    return lambda nbytes: allreduce_cost(nbytes, m, nodes, algorithm, gpus_per_node).total_ms
+
+
+def weak_efficiency(p: Profile, pred: StepPrediction) -> float:
+    """T_1 / T_N at a fixed per-solver batch (one solver needs no allreduce)."""
+    return p.compute_ms / pred.step_ms
+
+
+def strong_efficiency(p_full: Profile, pred: StepPrediction, world_size: int) -> float:
+    """T_1(G) / (N * T_N(G / N)), where ``p_full`` is the one-solver profile at the global batch G."""
+    return p_full.compute_ms / (world_size * pred.step_ms)
+
+
+def sweep_bucket_sizes(p: Profile, comm: Callable[[int], float], caps_mb: list[float],
+                       first_bucket_mb: float | None = None) -> list[tuple[float, int, StepPrediction]]:
+    """(cap MiB, bucket count, prediction) for each cap, best first: least exposed, then earliest end."""
+    rows = []
+    for cap in caps_mb:
+        q = rebucket(p, cap, min(first_bucket_mb, cap) if first_bucket_mb else None)
+        rows.append((cap, len(q.buckets), simulate_step(q, comm)))
+    return sorted(rows, key=lambda r: (round(r[2].exposed_ms, 6), r[2].comm_end_ms))
+
+
+# ---------------------------------------------------------------------------------------- calibration
+
+def fit_alpha_beta(sizes_bytes: list[float], times_s: list[float], n: int, relative: bool = True) -> tuple[float, float]:
+    """Least-squares (alpha_us, busbw_gbs) of the ring model T = 2(n-1) alpha + 2(n-1)/n * S/B.
+
+    Fits T = a + b S, then alpha = a / (2(n-1)) and B = 2(n-1)/n / b. ``relative`` weights
+    each point by 1/T (minimises relative error), so small messages pin down alpha instead
+    of being swamped by the large ones.
+    """
+    if n < 2:
+        raise ValueError(f"calibration needs >= 2 ranks, got {n}")
+    s, t = np.asarray(sizes_bytes, dtype=float), np.asarray(times_s, dtype=float)
+    if len(set(s.tolist())) < 2 or s.shape != t.shape:
+        raise ValueError("calibration needs times for at least 2 distinct message sizes")
+    w = 1.0 / t if relative else np.ones_like(t)
+    (a, b), *_ = np.linalg.lstsq(np.stack([w, w * s], axis=1), w * t, rcond=None)
+    if b <= 0:
+        raise ValueError(f"fitted time per byte is {b:.3g} s (<= 0): the measurements do not grow with size; "
+                         "measure larger messages (--sizes) or more iterations")
+    return float(a / (2 * (n - 1)) * 1e6), float(2 * (n - 1) / n / b / GB)
+
+
+# ---------------------------------------------------------------------------------------- reference profile
+
+REFERENCE_RATES = {
+    "dgx-h100": (7050.0, 3350.0, "compute at MLPerf Training v3.1 DGX H100 ResNet-50 speed, ~7.05k img/s per GPU "
+                                 "(docs/REFERENCE.md; heavily tuned, so a hard case for overlap); update at "
+                                 "H100 SXM HBM3 3.35 TB/s"),
+    "dgx-a100": (2470.0, 2039.0, "compute at NVIDIA's PyTorch ResNet-50 AMP speed, 2470 img/s on 1 A100 "
+                                 "(docs/REFERENCE.md); update at A100 80GB SXM HBM2e 2.04 TB/s"),
+}
+UPDATE_BYTES_PER_PARAM = 20
+"""Master SGD traffic per parameter: fp32 master and momentum read+write (16 B), fp16 grad read and weight write (4 B)."""
+
+
+def resnet50_params() -> list[tuple[str, int, int]]:
+    """(name, numel, forward MACs of its layer or 0) of torchvision ResNet-50 v1.5 at 224x224, registration order."""
+    out: list[tuple[str, int, int]] = []
+
+    def conv(name: str, cin: int, cout: int, k: int, side: int) -> None:
+        out.append((f"{name}.weight", cin * cout * k * k, cin * cout * k * k * side * side))
+
+    def bn(name: str, c: int) -> None:
+        out.extend([(f"{name}.weight", c, 0), (f"{name}.bias", c, 0)])
+
+    conv("conv1", 3, 64, 7, 112)
+    bn("bn1", 64)
+    cin = 64
+    for li, (width, blocks, side) in enumerate([(64, 3, 56), (128, 4, 28), (256, 6, 14), (512, 3, 7)], 1):
+        for bi in range(blocks):
+            name, side_in = f"layer{li}.{bi}", side * 2 if (bi == 0 and li > 1) else side
+            conv(f"{name}.conv1", cin, width, 1, side_in)  # v1.5: the stride sits on conv2
+            bn(f"{name}.bn1", width)
+            conv(f"{name}.conv2", width, width, 3, side)
+            bn(f"{name}.bn2", width)
+            conv(f"{name}.conv3", width, 4 * width, 1, side)
+            bn(f"{name}.bn3", 4 * width)
+            if bi == 0:
+                conv(f"{name}.downsample.0", cin, 4 * width, 1, side)
+                bn(f"{name}.downsample.1", 4 * width)
+            cin = 4 * width
+    out.extend([("fc.weight", 2048 * 1000, 2048 * 1000), ("fc.bias", 1000, 0)])
+    return out
+
+
+def reference_profile(machine: str, batch_size: int = 256) -> Profile:
+    """A per-parameter ResNet-50 FP16 profile for ``machine`` (see REFERENCE_RATES), derived, not measured.
+
+    Step time = batch / images_per_s; update = params x 20 B / HBM bandwidth; the rest splits
+    forward:backward = 1:2 (backward computes data and weight gradients). Backward visits
+    layers in reverse; a parameter is ready when its layer's backward is done, time
+    proportional to cumulative MACs (BatchNorm counted as free, so its parameters are ready
+    with the next layer backward reaches).
+    """
+    rate, hbm_gbs, why = REFERENCE_RATES[machine]
+    params = resnet50_params()
+    n_params = sum(n for _, n, _ in params)
+    update_ms = n_params * UPDATE_BYTES_PER_PARAM / (hbm_gbs * GB) * 1e3
+    fwd_ms = (batch_size / rate * 1e3 - update_ms) / 3
+    total_macs, cum, buckets = sum(m for _, _, m in params), 0, []
+    for _, numel, macs in reversed(params):
+        cum += macs
+        buckets.append(BucketTiming(numel * 2, 2 * fwd_ms * cum / total_macs))  # fp16 gradients
+    return Profile(forward_ms=fwd_ms, backward_ms=2 * fwd_ms, update_ms=update_ms, buckets=tuple(buckets),
+                   batch_size=batch_size, granularity="parameter",
+                   source=f"reference ResNet-50 v1.5 FP16, {n_params:,} parameters, batch {batch_size}: {why}")
+
+
+# ---------------------------------------------------------------------------------------- reports
+
+def _pow2_up_to(limit: int) -> list[int]:
+    return [2**k for k in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+
+
+def explain(p: Profile, pred: StepPrediction, m: Machine, nodes: int, algorithm: Algorithm) -> str:
+    """Why the efficiency is what it is: exposed comm, latency vs bandwidth, replicated update."""
+    costs = [allreduce_cost(b.nbytes, m, nodes, algorithm) for b in p.buckets]
+    lat, xfer = sum(c.latency_ms for c in costs), sum(c.transfer_ms for c in costs)
+    bound = "latency-bound" if lat > xfer else "bandwidth-bound"
+    return (f"exposed comm {pred.exposed_ms:.2f} ms = {pred.exposed_ms / pred.step_ms:.0%} of the {pred.step_ms:.2f} ms "
+            f"step; {len(costs)} allreduces take {lat + xfer:.2f} ms per step against {p.backward_ms:.2f} ms of "
+            f"backward, {lat:.2f} ms of it latency ({bound}); the update ({p.update_ms:.2f} ms, "
+            f"{p.update_ms / pred.step_ms:.0%}) runs on every GPU and does not shrink with more GPUs")
+
+
+def weak_rows(p: Profile, m: Machine, nodes_list: list[int], algorithm: Algorithm) -> list[dict[str, Any]]:
+    rows = []
+    for nodes in nodes_list:
+        pred = simulate_step(p, comm_fn(m, nodes, algorithm))
+        biggest = max(p.buckets, key=lambda b: b.nbytes)
+        c = allreduce_cost(biggest.nbytes, m, nodes, algorithm)
+        n = nodes * m.gpus_per_node
+        rows.append({"nodes": nodes, "gpus": n, "pred": pred, "eff": weak_efficiency(p, pred),
+                     "ips": n * p.batch_size / pred.step_ms * 1e3 if p.batch_size else None,
+                     "big": f"{biggest.nbytes / MIB:.1f} MiB: {c.total_ms:.3f} ms ({c.algorithm})"})
+    return rows
+
+
+def strong_rows(p: Profile, m: Machine, nodes_list: list[int], global_batch: int,
+                algorithm: Algorithm) -> list[dict[str, Any]]:
+    """Rows for every node count whose per-GPU batch G / (nodes g) is a whole number >= 1."""
+    full = scale_compute(p, global_batch / p.batch_size)
+    rows = []
+    for nodes in nodes_list:
+        n = nodes * m.gpus_per_node
+        if global_batch % n:
+            continue
+        q = scale_compute(p, global_batch / n / p.batch_size)
+        pred = simulate_step(q, comm_fn(m, nodes, algorithm))
+        rows.append({"nodes": nodes, "gpus": n, "batch": global_batch // n, "pred": pred, "q": q,
+                     "eff": strong_efficiency(full, pred, n), "ips": global_batch / pred.step_ms * 1e3})
+    return rows
+
+
+def report_predictions(raw: Profile, key: str, nodes_list: list[int], *, bucket_mb: float | None,
+                       first_bucket_mb: float, global_batch: int, sweep_mb: list[float], algorithm: Algorithm) -> str:
+    """Markdown: weak scaling at ``nodes_list``, bucket sweep, strong scaling and where scaling breaks.
+
+    ``raw`` is re-bucketed to ``bucket_mb`` (None: keep its plan); the sweep re-buckets ``raw``.
+    """
+    m = MACHINES[key]
+    p = rebucket(raw, bucket_mb, first_bucket_mb) if bucket_mb else raw
+    out = [f"### {m.name}", "", f"Profile: {p.source}. Forward {p.forward_ms:.2f} ms, backward {p.backward_ms:.2f} ms, "
+           f"update {p.update_ms:.2f} ms, {p.total_bytes / MIB:.1f} MiB of gradients in {len(p.buckets)} buckets; "
+           f"algorithm {algorithm}.", "",
+           "| nodes | GPUs | largest bucket allreduce | comm busy ms | exposed ms | step ms | weak efficiency | images/s |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in weak_rows(p, m, nodes_list, algorithm):
+        ips = f"{r['ips']:,.0f}" if r["ips"] else "-"
+        out.append(f"| {r['nodes']} | {r['gpus']} | {r['big']} | {r['pred'].comm_busy_ms:.3f} | "
+                   f"{r['pred'].exposed_ms:.3f} | {r['pred'].step_ms:.2f} | {r['eff']:.3f} | {ips} |")
+    out += ["", f"Exposed comm (ms) by bucket cap (MiB; first bucket min(cap, {first_bucket_mb:g} MiB)), best in bold:",
+            "", "| case | " + " | ".join(f"{c:g}" for c in sweep_mb) + " |", "|---|" + "---:|" * len(sweep_mb)]
+    cases = [(nodes_list[0], raw), (nodes_list[-1], raw)]
+    if raw.batch_size >= 8:
+        cases.append((nodes_list[-1], scale_compute(raw, 1 / 8)))
+    for nodes, q in cases:
+        sw = {cap: pred for cap, _, pred in sweep_bucket_sizes(q, comm_fn(m, nodes, algorithm), sweep_mb,
+                                                                first_bucket_mb)}
+        best = min(sw, key=lambda c: (round(sw[c].exposed_ms, 6), sw[c].comm_end_ms))
+        cells = [f"**{sw[c].exposed_ms:.3f}**" if c == best else f"{sw[c].exposed_ms:.3f}" for c in sweep_mb]
+        out.append(f"| {nodes} node(s), batch {q.batch_size or '?'}/GPU | " + " | ".join(cells) + " |")
+    out += ["", *breakdown_lines(p, m, global_batch, algorithm)]
+    return "\n".join(out) + "\n"
+
+
+def breakdown_lines(p: Profile, m: Machine, global_batch: int, algorithm: Algorithm) -> list[str]:
+    """Where efficiency first falls below EFFICIENCY_FLOOR: nodes (weak), per-GPU batch, nodes (strong)."""
+    out = []
+    weak = weak_rows(p, m, _pow2_up_to(1024), algorithm)
+    bad = next((r for r in weak if r["eff"] < EFFICIENCY_FLOOR), None)
+    out.append(f"- Weak scaling at batch {p.batch_size or '?'}/GPU: " + (
+        f"efficiency falls below {EFFICIENCY_FLOOR} at {bad['nodes']} nodes ({bad['gpus']} GPUs, {bad['eff']:.2f}): "
+        + explain(p, bad["pred"], m, bad["nodes"], algorithm) if bad else
+        f"efficiency stays >= {EFFICIENCY_FLOOR} up to 1024 nodes ({1024 * m.gpus_per_node} GPUs; "
+        f"{weak[-1]['eff']:.3f} there): the allreduces hide behind backward."))
+    if not p.batch_size:
+        return out + ["- Strong scaling: needs the profile's batch size (--profile-batch)."]
+    for b in (p.batch_size // 2**k for k in range(int(math.log2(p.batch_size)) + 1)):
+        q = scale_compute(p, b / p.batch_size)
+        pred = simulate_step(q, comm_fn(m, 64, algorithm))
+        if weak_efficiency(q, pred) < EFFICIENCY_FLOOR:
+            out.append(f"- At 64 nodes, weak scaling falls below {EFFICIENCY_FLOOR} once the per-GPU batch is "
+                       f"{b} ({weak_efficiency(q, pred):.2f}): " + explain(q, pred, m, 64, algorithm))
+            break
+    strong = strong_rows(p, m, _pow2_up_to(max(1, global_batch // m.gpus_per_node)), global_batch, algorithm)
+    bad = next((r for r in strong if r["eff"] < EFFICIENCY_FLOOR), None)
+    out.append(f"- Strong scaling at global batch {global_batch}: " + ", ".join(
+        f"{r['nodes']} nodes (batch {r['batch']}/GPU) {r['eff']:.2f}" for r in strong) + ". " + (
+        f"Below {EFFICIENCY_FLOOR} from {bad['nodes']} nodes: " + explain(bad["q"], bad["pred"], m, bad["nodes"],
+                                                                        algorithm) if bad else ""))
+    return out
+
+
+def calibration_report(points: list[tuple[int, float]], n: int, alpha_us: float, busbw_gbs: float,
+                       bench: dict[str, Any] | None = None, profile: Profile | None = None) -> str:
+    """Markdown: fitted alpha/beta, model vs measurement per size, and predicted vs measured step."""
+    out = [f"Fitted ring model on {n} gloo processes: alpha = {alpha_us:.1f} us per step, B = {busbw_gbs:.3f} GB/s "
+           f"(beta = 1/B = {1e3 / busbw_gbs:.1f} us/MB); T = {2 * (n - 1)}*alpha + {2 * (n - 1)}/{n}*S/B.", "",
+           "| bytes | measured ms | model ms | error |", "|---:|---:|---:|---:|"]
+    for nbytes, t in points:
+        pred = ring_allreduce(nbytes, n, alpha_us, busbw_gbs).total_ms
+        out.append(f"| {nbytes:,} | {t * 1e3:.3f} | {pred:.3f} | {(pred - t * 1e3) / (t * 1e3):+.0%} |")
+    if bench is not None and profile is not None:
+        local = Machine("this host (gloo)", n, Link(busbw_gbs, alpha_us, "calibrated"), None)
+        pred = simulate_step(profile, comm_fn(local, 1, "ring"))
+        out += ["", f"Step at world size {bench.get('world_size')} ({bench.get('model')}, batch {bench.get('batch_size')}"
+                f"/solver, profile: {profile.source}):", "",
+                "| | step ms | exposed comm ms |", "|---|---:|---:|",
+                f"| predicted | {pred.step_ms:.2f} | {pred.exposed_ms:.2f} |",
+                f"| measured (bench: step median; phase-timed exposed) | {bench['step_ms_median']:.2f} | "
+                f"{bench.get('exposed_comm_ms', float('nan')):.2f} |"]
+    return "\n".join(out) + "\n"
+
+
+def _read_bench(path: str) -> dict[str, Any]:
+    recs = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip().startswith("{")]
+    recs = [r for r in recs if "step_ms_median" in r]
+    if not recs:
+        raise ValueError(f"{path}: no dptrain bench JSON line (with step_ms_median)")
+    return recs[-1]
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--machines", default="dgx-h100", help=f"comma-separated from {sorted(MACHINES)}")
+    ap.add_argument("--profile", help="trace (PATH.rank0.json) or profile JSON; default: the reference ResNet-50")
+    ap.add_argument("--profile-batch", type=int, default=0, help="per-solver batch of --profile")
+    ap.add_argument("--bucket-mb", type=float, help="re-bucket the profile (default: its own plan; "
+                                                     f"{DEFAULT_BUCKET_MB:g} for a per-parameter profile)")
+    ap.add_argument("--first-bucket-mb", type=float, default=DEFAULT_FIRST_BUCKET_MB)
+    ap.add_argument("--nodes", default="1,4,16,64")
+    ap.add_argument("--global-batch", type=int, default=8192, help="strong scaling (Goyal et al. 2017's largest)")
+    ap.add_argument("--sweep-mb", default="1,2,5,10,25,50,100,200")
+    ap.add_argument("--algorithm", default="best", choices=("best", "ring", "tree", "hierarchical"))
+    ap.add_argument("--calibrate", action="store_true", help="measure gloo allreduce with 2 local processes and fit")
+    ap.add_argument("--sizes", default="4096,65536,262144,1048576,4194304,16777216", help="calibration bytes")
+    ap.add_argument("--iters", type=int, default=20, help="calibration repetitions per size")
+    ap.add_argument("--measured-bench", help="with --calibrate: file with a 2-process `dptrain bench` JSON line")
+    ap.add_argument("--bench-profile", help="trace or profile JSON of the --measured-bench run, for its predicted step")
+    ap.add_argument("--write-profile", help="also write the profile used for the first machine as JSON here")
+    ap.add_argument("--out", help="write the report to OUT/scaling_model_<yyyymmdd>.md")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    try:
+        keys = [k.strip() for k in args.machines.split(",") if k.strip()]
+        unknown = [k for k in keys if k not in MACHINES]
+        if unknown:
+            raise ValueError(f"--machines: unknown {unknown}; choose from {sorted(MACHINES)}")
+        nodes = sorted({int(x) for x in args.nodes.split(",")})
+        sweep = [float(x) for x in args.sweep_mb.split(",")]
+        if bool(args.measured_bench) != bool(args.bench_profile):
+            raise ValueError("--measured-bench and --bench-profile go together (a bench JSON line and its trace)")
+        given = load_profile(args.profile, args.profile_batch) if args.profile else None
+        bench_profile = load_profile(args.bench_profile) if args.bench_profile else None
+    except (ValueError, OSError) as e:
+        print(f"scaling_model.py: error: {e}", file=sys.stderr)
+        return 2
+    md = [f"## Scaling model predictions ({datetime.date.today():%Y-%m-%d})", ""]
+    for i, key in enumerate(keys):
+        raw = given or reference_profile(key)
+        if args.write_profile and i == 0:
+            Path(args.write_profile).write_text(json.dumps(profile_to_json(raw), indent=1))
+        plan_mb = args.bucket_mb or (DEFAULT_BUCKET_MB if raw.granularity == "parameter" else None)
+        md.append(report_predictions(raw, key, nodes, bucket_mb=plan_mb, first_bucket_mb=args.first_bucket_mb,
+                                     global_batch=args.global_batch, sweep_mb=sweep, algorithm=args.algorithm))
+    if args.calibrate:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from collective_bench import measure_allreduce
+
+        points = measure_allreduce([int(s) for s in args.sizes.split(",")], world_size=2, iters=args.iters)
+        alpha_us, busbw = fit_alpha_beta([s for s, _ in points], [t for _, t in points], 2)
+        bench = _read_bench(args.measured_bench) if args.measured_bench else None
+        import platform
+
+        import torch
+
+        md += ["### Calibration on this machine", "",
+               f"Host {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, shared with other jobs), torch "
+               f"{torch.__version__}, gloo over a file:// rendezvous; median of {args.iters} timed calls per size.", "",
+               calibration_report(points, 2, alpha_us, busbw, bench, bench_profile)]
+    text = "\n".join(md)
+    print(text)
+    if args.out:
+        path = Path(args.out) / f"scaling_model_{datetime.date.today():%Y%m%d}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

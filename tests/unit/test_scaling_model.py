@@ -1,0 +1,192 @@
+"""benchmarks/scaling_model.py: collective costs, overlap simulation, re-bucketing, trace profile, α-β fit.
+
+Expected values are worked out by hand in the comments. One test spawns 2 gloo processes
+(tiny messages, ~2 s) to check the calibration measurement end to end.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures"
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import scaling_model as sm  # noqa: E402
+
+MIB = 1024 * 1024
+# A toy machine: 4 GPUs per node; NVLink 10 GB/s busbw, 5 us per hop; network 2 GB/s per node, 20 us per hop.
+TOY = sm.Machine("toy", 4, nvlink=sm.Link(10.0, 5.0, "test"), network=sm.Link(2.0, 20.0, "test"))
+
+
+def _toy_profile() -> sm.Profile:
+    return sm.Profile(forward_ms=10.0, backward_ms=20.0, update_ms=2.0, batch_size=32,
+                      buckets=(sm.BucketTiming(4_000_000, 5.0), sm.BucketTiming(8_000_000, 8.0),
+                               sm.BucketTiming(2_000_000, 25.0)))
+
+
+def test_ring_and_tree_formulas():
+    # ring, n=4, S=1e8 B, alpha=5 us, B=10 GB/s: 2*3*5 us = 0.03 ms; 2*3/4 * 1e8/1e10 s = 15 ms
+    r = sm.ring_allreduce(1e8, 4, 5.0, 10.0)
+    assert (r.latency_ms, r.transfer_ms) == pytest.approx((0.03, 15.0))
+    # tree, n=5: 2*ceil(log2 5)=6 hops * 5 us = 0.03 ms; 2 * 1e8/1e10 s = 20 ms
+    t = sm.tree_allreduce(1e8, 5, 5.0, 10.0)
+    assert (t.latency_ms, t.transfer_ms) == pytest.approx((0.03, 20.0))
+    assert sm.ring_allreduce(1e8, 1, 5.0, 10.0).total_ms == 0.0
+
+
+def test_allreduce_cost_one_node_and_two_nodes_by_hand():
+    # one node, 4 GPUs: ring 0.03 + 15 = 15.03 ms; chain "tree" 2*3*5 us + 2*1e8/1e10 = 20.03 ms -> ring
+    c = sm.allreduce_cost(1e8, TOY, 1)
+    assert c.algorithm == "ring" and c.total_ms == pytest.approx(15.03)
+    # 2 nodes x 4 = 8 ranks, bandwidth min(10, 2) = 2 GB/s:
+    # ring: 2*7 = 14 hops, 2*2 = 4 cross nodes: 10*5 + 4*20 = 130 us; 2*7/8 * 1e8/2e9 = 87.5 ms
+    assert sm.allreduce_cost(1e8, TOY, 2, "ring").total_ms == pytest.approx(0.13 + 87.5)
+    # tree: 2*(3*5 + ceil(log2 2)*20) = 70 us; 2 * 1e8/2e9 = 100 ms
+    assert sm.allreduce_cost(1e8, TOY, 2, "tree").total_ms == pytest.approx(0.07 + 100.0)
+    # hierarchical: NVLink ring over 4 (0.03 + 15 ms) + per-rail ring of 1e8/4 over 2 nodes at 2/4 GB/s:
+    # 2*1*20 us = 0.04 ms; 2*1/2 * 2.5e7/5e8 = 50 ms -> 65.07 ms, the best of the three
+    best = sm.allreduce_cost(1e8, TOY, 2)
+    assert best.algorithm == "hierarchical" and best.total_ms == pytest.approx(65.07)
+    with pytest.raises(ValueError, match="algorithm 'nvls' does not apply to 2 node"):
+        sm.allreduce_cost(1e8, TOY, 2, "nvls")
+    with pytest.raises(ValueError, match="has no network entry"):
+        sm.allreduce_cost(1e8, sm.Machine("box", 2, TOY.nvlink, None), 2)
+
+
+def test_simulated_step_on_a_toy_profile():
+    # comm 1 ms per MB, one channel, in order. Ready times clamp to backward (25 -> 20):
+    #   bucket 0: start 5,             end 5 + 4 = 9
+    #   bucket 1: start max(8, 9) = 9,  end 9 + 8 = 17
+    #   bucket 2: start max(20, 17)=20, end 20 + 2 = 22
+    # exposed = 22 - 20 = 2; step = 10 + 20 + 2 + 2 = 34; busy = 14; weak efficiency = 32/34
+    p = _toy_profile()
+    pred = sm.simulate_step(p, lambda nbytes: nbytes / 1e6)
+    assert (pred.comm_end_ms, pred.exposed_ms, pred.step_ms, pred.comm_busy_ms) == pytest.approx((22, 2, 34, 14))
+    assert sm.weak_efficiency(p, pred) == pytest.approx(32 / 34)
+    # strong: one solver at G = 4 x 32 computes 4*(10+20) + 2 = 122 ms; 4 solvers at 34 ms -> 122 / (4*34)
+    assert sm.strong_efficiency(sm.scale_compute(p, 4), pred, 4) == pytest.approx(122 / 136)
+
+
+def test_simulated_step_with_the_toy_machine():
+    # 2 nodes, hierarchical is the best algorithm for every bucket here:
+    #   hier(S) = latency 0.03 + 0.04 ms + S * (2*3/4 / 1e10 + 2*1/2 * 1/4 / 5e8) s = 0.07 ms + 0.65 ms per 1e6 B
+    #   (ring for 4e6 B: 0.13 + 3.5 = 3.63 ms; tree: 0.07 + 4 = 4.07 ms; hier: 2.67 ms)
+    #   bucket 0 (4e6 B): 2.67 ms, 5 -> 7.67; bucket 1 (8e6 B): 5.27 ms, 8 -> 13.27;
+    #   bucket 2 (2e6 B): 1.37 ms, 20 -> 21.37; exposed 1.37; step 32 + 1.37 = 33.37
+    pred = sm.simulate_step(_toy_profile(), sm.comm_fn(TOY, 2))
+    assert pred.exposed_ms == pytest.approx(1.37) and pred.step_ms == pytest.approx(33.37)
+
+
+def test_rebucket_parameters_follows_dptrain_rule():
+    # params (MiB, ready ms): (0.5, 1) (0.75, 2) (1, 3) (2, 5); first cap 1 MiB, then 2 MiB:
+    # 0.5+0.75 > 1 -> close [0.5 @1]; 0.75+1 = 1.75 <= 2, +2 > 2 -> close [1.75 @3]; [2 @5]
+    mib = [(0.5, 1.0), (0.75, 2.0), (1.0, 3.0), (2.0, 5.0)]
+    p = sm.Profile(1.0, 6.0, 1.0, tuple(sm.BucketTiming(int(m * MIB), t) for m, t in mib), granularity="parameter")
+    q = sm.rebucket(p, 2.0, 1.0)
+    assert [(b.nbytes / MIB, b.ready_ms) for b in q.buckets] == [(0.5, 1.0), (1.75, 3.0), (2.0, 5.0)]
+    assert q.granularity == "bucket" and q.total_bytes == p.total_bytes
+
+
+def test_rebucket_buckets_interpolates_ready_times():
+    # ready curve knots (MiB, ms): (0,0) (4,4) (8,12); 2 MiB cuts end at 2, 4, 6, 8 MiB ->
+    # 2 ms, 4 ms, 4 + (6-4)/4 * (12-4) = 8 ms, 12 ms
+    p = sm.Profile(1.0, 12.0, 1.0, (sm.BucketTiming(4 * MIB, 4.0), sm.BucketTiming(4 * MIB, 12.0)))
+    q = sm.rebucket(p, 2.0)
+    assert [(b.nbytes / MIB, b.ready_ms) for b in q.buckets] == [(2, 2.0), (2, 4.0), (2, 8.0), (2, 12.0)]
+    with pytest.raises(ValueError, match="bucket sizes must be > 0"):
+        sm.rebucket(p, 0.0)
+
+
+def test_bucket_sweep_ranks_least_exposed_first():
+    # backward 20 ms; 10 MiB ready at 10 ms, 10 MiB at 20 ms; comm = 2 ms + 1 ms per MiB, one channel.
+    #   cap 20: one bucket ready at 20, 22 ms -> exposed 22
+    #   cap 10: 10 -> 22; start max(20, 22) -> 34: exposed 14
+    #   cap 5: ready 5, 10, 15, 20 (linear), 7 ms each: 12, 19, 26, 33: exposed 13
+    #   cap 1: ready 1..20, 3 ms each, back to back from 1: ends 1 + 3k -> 61: exposed 41
+    p = sm.Profile(10.0, 20.0, 2.0, (sm.BucketTiming(10 * MIB, 10.0), sm.BucketTiming(10 * MIB, 20.0)))
+    sweep = sm.sweep_bucket_sizes(p, lambda nbytes: 2.0 + nbytes / MIB, [1, 5, 10, 20])
+    assert [(cap, count) for cap, count, _ in sweep] == [(5, 4), (10, 2), (20, 1), (1, 20)]
+    assert [pred.exposed_ms for _, _, pred in sweep] == pytest.approx([13, 14, 22, 41])
+
+
+def test_profile_from_the_fixture_trace():
+    # two steps: forward 3 and 5 ms, backward 6 and 8 ms, update 0.5 and 1.5 ms (medians 4, 7, 1);
+    # bucket 0 ready 1 ms after backward start in both; bucket 1 at 4 and 6 ms (median 5);
+    # bucket 2 has no bucket_ready instant, so it is ready when backward ends (7 ms)
+    p = sm.load_profile(FIXTURES / "scaling_trace.rank0.json", batch_size=16)
+    assert (p.forward_ms, p.backward_ms, p.update_ms, p.batch_size) == pytest.approx((4.0, 7.0, 1.0, 16))
+    assert [(b.nbytes, b.ready_ms) for b in p.buckets] == [(1000, 1.0), (4000, 5.0), (2000, 7.0)]
+    assert p.granularity == "bucket"
+
+
+def test_profile_from_trace_errors_name_the_fix():
+    with pytest.raises(ValueError, match="no 'forward' events"):
+        sm.profile_from_trace({"traceEvents": []})
+    one_rank = {"traceEvents": [{"ph": "X", "name": n, "ts": t, "dur": 1.0, "pid": 0, "tid": "compute", "args": {}}
+                                for n, t in (("forward", 0.0), ("backward", 2.0), ("update", 4.0))]}
+    with pytest.raises(ValueError, match="world size >= 2"):
+        sm.profile_from_trace(one_rank)
+
+
+def test_profile_json_round_trip_and_missing_key():
+    p = sm.reference_profile("dgx-h100")
+    assert sm.profile_from_json(json.loads(json.dumps(sm.profile_to_json(p)))) == p
+    with pytest.raises(ValueError, match="lacks key 'buckets'"):
+        sm.profile_from_json({"forward_ms": 1, "backward_ms": 1, "update_ms": 1})
+
+
+def test_reference_resnet50_profile():
+    # torchvision ResNet-50 has 25,557,032 parameters; FP16 gradients are 2 bytes each
+    assert sum(n for _, n, _ in sm.resnet50_params()) == 25_557_032
+    p = sm.reference_profile("dgx-h100")
+    assert p.total_bytes == 2 * 25_557_032
+    # step = 256 / 7050 s; update = 25,557,032 * 20 B / 3.35e12 B/s; fwd:bwd = 1:2 of the rest
+    update_ms = 25_557_032 * 20 / 3.35e12 * 1e3
+    assert p.update_ms == pytest.approx(update_ms)
+    assert p.compute_ms == pytest.approx(256 / 7050 * 1e3) and p.backward_ms == pytest.approx(2 * p.forward_ms)
+    ready = [b.ready_ms for b in p.buckets]
+    assert ready == sorted(ready) and ready[-1] == pytest.approx(p.backward_ms)  # conv1 is last
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_alpha_beta_fit_recovers_known_values(n):
+    alpha_us, busbw_gbs = 50.0, 2.0
+    sizes = [1e3, 1e4, 1e5, 1e6, 1e7, 1e8]
+    times = [sm.ring_allreduce(s, n, alpha_us, busbw_gbs).total_ms / 1e3 for s in sizes]
+    a, b = sm.fit_alpha_beta(sizes, times, n)
+    assert a == pytest.approx(alpha_us, rel=1e-6) and b == pytest.approx(busbw_gbs, rel=1e-6)
+    a, b = sm.fit_alpha_beta(sizes, times, n, relative=False)
+    assert b == pytest.approx(busbw_gbs, rel=1e-6)
+
+
+def test_alpha_beta_fit_errors():
+    with pytest.raises(ValueError, match="at least 2 distinct message sizes"):
+        sm.fit_alpha_beta([1e6, 1e6], [1e-3, 1e-3], 2)
+    with pytest.raises(ValueError, match="do not grow with size"):
+        sm.fit_alpha_beta([1e3, 1e6], [2e-3, 1e-3], 2)
+    with pytest.raises(ValueError, match=">= 2 ranks"):
+        sm.fit_alpha_beta([1e3, 1e6], [1e-3, 2e-3], 1)
+
+
+def test_main_writes_a_report_with_predictions_and_breakdown(tmp_path, capsys):
+    assert sm.main(["--nodes", "1,64", "--out", str(tmp_path), "--write-profile", str(tmp_path / "p.json")]) == 0
+    text = next(tmp_path.glob("scaling_model_*.md")).read_text()
+    assert "DGX H100" in text and "| 64 | 512 |" in text and "Strong scaling at global batch 8192" in text
+    assert sm.profile_from_json(json.loads((tmp_path / "p.json").read_text())).granularity == "parameter"
+    assert sm.main(["--machines", "dgx-x"]) == 2
+    assert "unknown ['dgx-x']" in capsys.readouterr().err
+
+
+def test_gloo_calibration_measures_two_processes():
+    from collective_bench import measure_allreduce
+
+    points = measure_allreduce([4096, 65536], world_size=2, iters=3, warmup=1)
+    assert [s for s, _ in points] == [4096, 65536]
+    assert all(0 < t < 5 and math.isfinite(t) for _, t in points)
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        measure_allreduce([4096], world_size=1)
