@@ -1,0 +1,87 @@
+"""``dptrain data-bench``: the LMDB input pipeline alone (read + decode + augment + batch, no model).
+
+The consumer takes each batch and releases it at once, like a trainer whose step is
+free, so the number is the pipeline's ceiling on this machine. It prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import PIL
+
+from dptrain.config import ConfigError, DataConfig, config_to_dict, load_config
+from dptrain.data.lmdb_source import LmdbSource
+from dptrain.data.sampling import ShardPlan
+
+
+def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: int, warmup: int,
+                     repeats: int, draft: bool = True) -> dict[str, Any]:
+    """Median images/s over ``repeats`` windows of ``batches`` batches, after ``warmup`` batches.
+
+    ``cpu_ms_per_image`` is the process's CPU time (all threads) per image over the same
+    windows: it shows the pipeline's cost even on a machine shared with other work.
+    """
+    src = LmdbSource(cfg, num_classes=num_classes, seed=seed, draft=draft)
+    stream = src.train_batches(ShardPlan(0, 1, cfg.batch_size, seed, cfg.shuffle == "epoch"), 0)
+    rates, cpu_ms = [], []
+    try:
+        for _ in range(warmup):
+            next(stream).release(None)
+        for _ in range(repeats):
+            start, cpu_start = time.perf_counter(), time.process_time()
+            for _ in range(batches):
+                next(stream).release(None)
+            images = batches * cfg.batch_size
+            rates.append(images / (time.perf_counter() - start))
+            cpu_ms.append(1e3 * (time.process_time() - cpu_start) / images)
+    finally:
+        stream.close()
+    return {
+        "images_per_s": round(statistics.median(rates), 1),
+        "images_per_s_runs": [round(r, 1) for r in rates],
+        "cpu_ms_per_image": round(statistics.median(cpu_ms), 3),
+        "parser_threads": src.parsers, "transformer_threads": src.transformers,
+        "batch_size": cfg.batch_size, "sample_shape": list(src.sample_shape), "num_train": src.num_train,
+        "draft": draft,
+    }
+
+
+def add_data_bench_args(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``dptrain data-bench``."""
+    p.description = "Measure the LMDB input pipeline alone and print one JSON line with images_per_s."
+    p.add_argument("--config", required=True, help="TOML recipe with data.source = \"lmdb\"")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, e.g. data.transformer_threads=2; repeatable")
+    p.add_argument("--batches", type=int, default=20, help="batches per timed window (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed batches first (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows; the median is reported (default 3)")
+    p.add_argument("--no-draft", action="store_true", help="turn JPEG draft mode off (for comparisons)")
+
+
+def run_data_bench(args: argparse.Namespace) -> int:
+    """Entry of ``dptrain data-bench``."""
+    from dptrain.bench import git_commit
+
+    cfg = load_config(args.config, args.set)
+    if cfg.data.source != "lmdb":
+        raise ConfigError(f"data-bench measures the LMDB pipeline; data.source is {cfg.data.source!r}, "
+                          f"set data.source = \"lmdb\"")
+    for name in ("batches", "warmup", "repeats"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
+    record = measure_pipeline(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed,
+                              batches=args.batches, warmup=args.warmup, repeats=args.repeats,
+                              draft=not args.no_draft)
+    record.update({
+        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "python": platform.python_version(), "pillow": PIL.__version__, "git_commit": git_commit(),
+        "data": config_to_dict(cfg.data),
+    })
+    print(json.dumps(record), flush=True)
+    return 0

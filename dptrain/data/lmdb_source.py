@@ -1,0 +1,231 @@
+"""Caffe LMDB data source: record access by index, shards, and the per-solver threaded streams.
+
+Opening: one ``lmdb.Environment`` per LMDB per process (never shared across a fork),
+``readonly=True, lock=False`` (the DB is frozen while training; no lock file is needed, as
+in DALI's reader) and ``readahead=False`` (random access; OS readahead would pull in
+pages of other solvers' records).
+
+Record index -> key. Records are numbered 0..N-1 in key order. Two ways to find record i:
+
+* **prefix seek** (no key table): if the DB's first key starts with ``00000000_`` and
+  its last key with ``%08d_ % (N - 1)`` — the layout of ``dptrain make-lmdb`` and Caffe's
+  ``convert_imageset`` — record i is found with one B-tree seek to ``b"%08d_" % i``, and
+  the found key is checked to carry that prefix.
+* **key table** otherwise: the keys are scanned once at open with a values-free cursor
+  walk (cheap: large values sit on overflow pages the walk never touches) and kept as
+  one bytes blob plus int64 offsets (about 60 MB for ImageNet-1k's 1.28 M keys).
+
+Samples are HWC **RGB** uint8 (raw Caffe records are BGR and are flipped on read), so
+``data.mean_value`` is given in RGB order; a Caffe ``mean_file`` (BGR) is converted.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import threading
+
+import lmdb
+import numpy as np
+
+from dptrain.config import ConfigError, DataConfig
+from dptrain.data.datum import DataError, parse_datum, read_mean_file
+from dptrain.data.pipeline import (
+    BadRecordBudget, BatchRing, EmptyStream, PipelineStream, StreamParts, TestSequence, TrainSequence,
+)
+from dptrain.data.queues import QueueSet
+from dptrain.data.sampling import ShardPlan, eval_range
+from dptrain.data.transformer import SampleSpec, build_stages, check_chain, probe_channels_and_size
+
+__all__ = ["DataError", "LmdbReader", "LmdbSource", "default_threads", "lmdb_source"]
+
+log = logging.getLogger(__name__)
+
+MAX_READERS = 1024
+"""Reader slots per Environment; each stream takes P + T read transactions."""
+MAX_PARSERS_DEFAULT = 3
+"""NVCaffe's default parser count; parsers are cheap, so a few per solver suffice."""
+_PREFIX = re.compile(rb"^(\d{8})_")
+
+_envs: dict[str, tuple[int, lmdb.Environment]] = {}
+_envs_lock = threading.Lock()
+
+
+def _open_env(path: str, rank: int) -> lmdb.Environment:
+    """The process's Environment for ``path`` (opened once per process)."""
+    real = os.path.realpath(path)
+    with _envs_lock:
+        cached = _envs.get(real)
+        if cached is not None and cached[0] == os.getpid():
+            return cached[1]
+        if not os.path.exists(path):
+            raise DataError(f"LMDB path does not exist; fix data.path / data.test_path", path=path, rank=rank)
+        try:
+            env = lmdb.open(path, readonly=True, lock=False, readahead=False, max_readers=MAX_READERS,
+                            subdir=os.path.isdir(path), meminit=False)
+        except lmdb.Error as e:
+            raise DataError(f"not an LMDB ({e}); point data.path at a Caffe LMDB directory",
+                            path=path, rank=rank) from e
+        _envs[real] = (os.getpid(), env)
+        return env
+
+
+class _Handle:
+    """One thread's read transaction and cursor."""
+
+    def __init__(self, reader: LmdbReader) -> None:
+        self.path, self._reader = reader.path, reader
+        self._txn = reader.env.begin(buffers=False)
+        self._cursor = self._txn.cursor()
+
+    def get(self, index: int) -> tuple[bytes, bytes]:
+        """(key, value) of record ``index``; DataError if it cannot be read."""
+        r = self._reader
+        try:
+            if r.key_blob is None:
+                prefix = b"%08d_" % index
+                if not self._cursor.set_range(prefix) or not self._cursor.key().startswith(prefix):
+                    raise DataError(f"no record with key prefix {prefix.decode()!r}; the DB's keys are "
+                                    f"not a dense %08d_ sequence (re-create it with dptrain make-lmdb)")
+                return self._cursor.key(), self._cursor.value()
+            key = r.key(index)
+            value = self._txn.get(key)
+        except lmdb.Error as e:
+            raise DataError(f"LMDB read failed ({e})") from e
+        if value is None:
+            raise DataError("record vanished from the DB")
+        return key, value
+
+    def close(self) -> None:
+        self._txn.abort()
+
+
+class LmdbReader:
+    """An LMDB opened for random access by record index (see the module docstring)."""
+
+    def __init__(self, path: str, rank: int = 0) -> None:
+        self.path, self.rank = path, rank
+        self.env = _open_env(path, rank)
+        with self.env.begin() as txn:
+            self.num_records = txn.stat()["entries"]
+            if self.num_records == 0:
+                raise DataError("LMDB has no records; fill it with dptrain make-lmdb", path=path, rank=rank)
+            cur = txn.cursor()
+            first = cur.key() if cur.first() else b""
+            last = cur.key() if cur.last() else b""
+            self.key_blob: bytes | None = None
+            self._key_offsets = np.zeros(1, dtype=np.int64)
+            if not (self._prefix_number(first) == 0 and self._prefix_number(last) == self.num_records - 1):
+                self._build_key_table(cur)
+        log.info("opened LMDB %s: %d records, %s", path, self.num_records,
+                 "prefix seek" if self.key_blob is None else "key table")
+
+    @staticmethod
+    def _prefix_number(key: bytes) -> int:
+        m = _PREFIX.match(key)
+        return int(m.group(1)) if m else -1
+
+    def _build_key_table(self, cur: lmdb.Cursor) -> None:
+        keys = list(cur.iternext(keys=True, values=False)) if cur.first() else []
+        self.key_blob = b"".join(keys)
+        self._key_offsets = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum([len(k) for k in keys], out=self._key_offsets[1:])
+
+    def __len__(self) -> int:
+        return self.num_records
+
+    def key(self, index: int) -> bytes:
+        assert self.key_blob is not None, "key() needs the key table"
+        return self.key_blob[self._key_offsets[index]:self._key_offsets[index + 1]]
+
+    def handle(self) -> _Handle:
+        """A new read transaction for one thread (py-lmdb releases the GIL inside its calls)."""
+        return _Handle(self)
+
+
+def default_threads(cfg: DataConfig) -> tuple[int, int]:
+    """(parsers, transformers) per solver; 0 in the config means: derive from the cores.
+
+    Decoding dominates, and Pillow decodes without the GIL, so T = the cores available to
+    this solver (its affinity mask / LOCAL_WORLD_SIZE). Parsers only seek and parse a
+    Datum: one per 4 cores, at most NVCaffe's 3.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    per_solver = max(1, cores // local_world)
+    parsers = cfg.parser_threads or min(MAX_PARSERS_DEFAULT, max(1, per_solver // 4))
+    return parsers, cfg.transformer_threads or per_solver
+
+
+class LmdbSource:
+    """DataSource over a training LMDB and an optional test LMDB of Caffe Datums."""
+
+    def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0, draft: bool = True) -> None:
+        self._cfg, self._num_classes, self._seed, self._draft = cfg, num_classes, seed, draft
+        self._train = LmdbReader(cfg.path, rank)
+        self._test = LmdbReader(cfg.test_path, rank) if cfg.test_path else None
+        self.num_train = len(self._train)
+        self.num_test = len(self._test) if self._test is not None else 0
+        handle = self._train.handle()
+        try:
+            key, value = handle.get(0)
+            try:
+                self.channels, first_hw = probe_channels_and_size(parse_datum(value))
+            except DataError as e:
+                raise e.located(path=cfg.path, key=key, rank=rank) from e
+        finally:
+            handle.close()
+        self._stages = {train: build_stages(cfg, train=train, first_hw=first_hw) for train in (True, False)}
+        in_spec = SampleSpec(None, None, self.channels)
+        out = {train: check_chain(stages, in_spec) for train, stages in self._stages.items()}
+        if out[True] != out[False]:
+            raise ConfigError(f"training samples are {out[True]} but test samples {out[False]}; "
+                              f"set data.crop_size or data.resize")
+        self.sample_shape = (out[True].height, out[True].width, self.channels)
+        self.mean = self._resolve_mean(cfg)
+        self.scale = cfg.scale
+        self.parsers, self.transformers = default_threads(cfg)
+        log.info("LMDB input: %d parser + %d transformer threads per solver, samples %s, prefetch %d",
+                 self.parsers, self.transformers, self.sample_shape, cfg.prefetch)
+
+    def _resolve_mean(self, cfg: DataConfig) -> tuple[float, ...]:
+        if cfg.mean_file:
+            mean = tuple(float(m) for m in read_mean_file(cfg.mean_file))
+            log.info("data.mean_file %s: per-channel mean %s (RGB)", cfg.mean_file, mean)
+        else:
+            mean = tuple(cfg.mean_value)
+        if len(mean) not in (0, 1, self.channels):
+            raise ConfigError(f"data mean has {len(mean)} values but the images have {self.channels} "
+                              f"channel(s); give 1 or {self.channels} values")
+        return mean
+
+    def _stream(self, reader: LmdbReader, sequence: TrainSequence | TestSequence, batch_size: int,
+                rank: int, train: bool) -> PipelineStream:
+        p, t = self.parsers, self.transformers
+        parts = StreamParts(
+            reader=reader, sequence=sequence,
+            queues=QueueSet(p, t, capacity=max(2, math.ceil(batch_size / (p * t)))),
+            ring=BatchRing(self._cfg.prefetch + 2, batch_size, self.sample_shape),
+            budget=BadRecordBudget(self._cfg.max_bad_records, rank),
+            stages=self._stages[train], channels=self.channels, batch_size=batch_size,
+            num_classes=self._num_classes, seed=self._seed, rank=rank, draft=self._draft,
+        )
+        return PipelineStream(parts, parsers=p, transformers=t)
+
+    def train_batches(self, plan: ShardPlan, start_step: int) -> PipelineStream:
+        """Batches of global micro-batch ``start_step``, ``start_step + 1``, ... forever."""
+        return self._stream(self._train, TrainSequence(self.num_train, plan, start_step), plan.batch_size,
+                            plan.rank, train=True)
+
+    def test_batches(self, rank: int, world_size: int, batch_size: int) -> PipelineStream | EmptyStream:
+        """This rank's contiguous slice of the test DB (centre crop, no mirror), then StopIteration."""
+        indices = eval_range(self.num_test, rank, world_size)
+        if self._test is None or len(indices) == 0:
+            return EmptyStream()
+        return self._stream(self._test, TestSequence(indices), batch_size, rank, train=False)
+
+
+def lmdb_source(cfg: DataConfig, *, num_classes: int, seed: int) -> LmdbSource:
+    """The [data] section's LMDB source (called by ``dptrain.data.build_source``)."""
+    return LmdbSource(cfg, num_classes=num_classes, seed=seed, rank=int(os.environ.get("RANK", "0")))

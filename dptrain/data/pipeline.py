@@ -1,0 +1,287 @@
+"""One solver's threaded stream: sample sequence, pinned batch ring, threads, errors, shutdown.
+
+Sample ``pos`` of a stream (0, 1, 2, ... from the stream's first batch) lands in batch
+``pos // B``, row ``pos % B``; batch b lives in ring slot ``b % R`` with R = prefetch + 2.
+Which record sits at ``pos`` comes from :mod:`dptrain.data.sampling` alone, so the bytes of
+every batch are a pure function of (seed, epoch, rank, world_size, batch_size) and do not
+depend on the parser count P, the transformer count T or thread timing.
+
+Slot reuse: the consumer hands each batch back with ``HostBatch.release(event)``. With a
+CUDA event (the batch's host-to-device copy), the first transformer that writes the slot
+again calls ``event.synchronize()`` before touching it. With ``None`` (CPU) the consumer
+may still read the host tensor until it asks for its next batch, so the slot is freed
+when the *next* batch is released. A consumer that keeps all R slots without releasing
+gets a RuntimeError instead of a hang.
+
+Errors: the first exception of any thread is stored, every thread is stopped and joined,
+and ``__next__`` re-raises it; a DataError carries the rank, LMDB path and key.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dptrain.data.base import HostBatch
+from dptrain.data.datum import DataError
+from dptrain.data.parser import ParsedRecord, run_parser
+from dptrain.data.queues import POLL_S, QueueSet
+from dptrain.data.sampling import ShardPlan, batches_per_epoch, rank_epoch_shard
+from dptrain.data.transformer import Stage, run_transformer
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 30.0
+"""close() waits this long per thread; every blocking wait in a thread polls the stop event every POLL_S."""
+
+
+class TrainSequence:
+    """Position -> (epoch, record index) of one rank's training stream from ``start_step`` on."""
+
+    length: int | None = None
+
+    def __init__(self, num_samples: int, plan: ShardPlan, start_step: int) -> None:
+        self._num, self._plan, self._start = num_samples, plan, start_step
+        self._per_epoch = batches_per_epoch(num_samples, plan.global_batch)
+        self.span = self._per_epoch * plan.batch_size
+        """Records this rank reads per epoch (its shard)."""
+        self._shards: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def _shard(self, epoch: int) -> np.ndarray:
+        with self._lock:
+            shard = self._shards.get(epoch)
+            if shard is None:
+                shard = rank_epoch_shard(epoch, self._num, self._plan)
+                self._shards = {e: s for e, s in self._shards.items() if e >= epoch - 1}
+                self._shards[epoch] = shard
+            return shard
+
+    def index(self, pos: int, attempt: int = 0) -> tuple[int, int]:
+        """(epoch, record index) at ``pos``; ``attempt`` > 0 walks on through the epoch shard."""
+        b = self._plan.batch_size
+        epoch, k = divmod(self._start + pos // b, self._per_epoch)
+        offset = k * b + pos % b
+        return epoch, int(self._shard(epoch)[(offset + attempt) % self.span])
+
+
+class TestSequence:
+    """Position -> (0, record index) over this rank's contiguous test range."""
+
+    def __init__(self, indices: range) -> None:
+        self._range = indices
+        self.length = self.span = len(indices)
+
+    def index(self, pos: int, attempt: int = 0) -> tuple[int, int]:
+        return 0, self._range.start + (pos + attempt) % self.span
+
+
+class BadRecordBudget:
+    """Distinct bad records met by one stream; raises once ``data.max_bad_records`` is exceeded.
+
+    A bad record met again in a later epoch is not counted (or logged) again, so a DB with
+    k bad records trains with ``max_bad_records >= k`` for any number of epochs. Each
+    substitution still shows up in ``HostBatch.info["bad_records"]``.
+    """
+
+    def __init__(self, limit: int, rank: int) -> None:
+        self.limit, self.rank = limit, rank
+        self._seen: set[int] = set()
+        self._lock = threading.Lock()
+
+    def spend(self, index: int, error: DataError) -> None:
+        """Record index ``index`` is bad: log it the first time, raise ``error`` when over the limit."""
+        with self._lock:
+            if index in self._seen:
+                return
+            self._seen.add(index)
+            count = len(self._seen)
+        if self.limit == 0:
+            raise error
+        if count > self.limit:
+            raise DataError(f"{error.reason}; {count} bad records exceed data.max_bad_records = {self.limit}",
+                            path=error.path, key=error.key, rank=error.rank) from error
+        log.warning("rank %d: skipping bad record %d of %d allowed, replaced by the next record of the "
+                    "shard: %s", self.rank, count, self.limit, error)
+
+
+class BatchRing:
+    """R pinned [B, H, W, C] uint8 batch slots (+ labels); batch b is written into slot b % R."""
+
+    def __init__(self, slots: int, batch_size: int, sample_shape: tuple[int, int, int]) -> None:
+        pin = torch.cuda.is_available()
+        self.slots = slots
+        self.images = torch.empty((slots, batch_size, *sample_shape), dtype=torch.uint8,
+                                  pin_memory=pin)  # [R, B, H, W, C] uint8, pinned on CUDA machines
+        self.labels = torch.empty((slots, batch_size), dtype=torch.int64, pin_memory=pin)  # [R, B]
+        self._images_np, self._labels_np = self.images.numpy(), self.labels.numpy()
+        self.owner = list(range(slots))
+        """Batch each slot currently belongs to; batch b may be written once owner[b % R] == b."""
+        self.filled = [0] * slots
+        self.bad = [0] * slots
+        self._events: list[torch.cuda.Event | None] = [None] * slots
+        self.cond = threading.Condition()
+
+    def acquire(self, b: int, stop: threading.Event) -> tuple[np.ndarray, np.ndarray] | None:
+        """Worker side: wait until slot b % R belongs to batch b; returns its (images, labels) arrays."""
+        s = b % self.slots
+        with self.cond:
+            while self.owner[s] != b:
+                if stop.is_set():
+                    return None
+                self.cond.wait(POLL_S)
+            event = self._events[s]
+        if event is not None:
+            event.synchronize()  # the consumer's device copy out of this slot must finish before we overwrite it
+        return self._images_np[s], self._labels_np[s]
+
+    def complete(self, b: int, rows: int, bad: int) -> None:
+        """Worker side: one row of batch b is written (``bad`` records were skipped for it)."""
+        s = b % self.slots
+        with self.cond:
+            self.filled[s] += 1
+            self.bad[s] += bad
+            if self.filled[s] == rows:
+                self.cond.notify_all()
+
+    def free(self, b: int, event: torch.cuda.Event | None) -> None:
+        """Consumer side: batch b is done with; its slot goes to batch b + R."""
+        s = b % self.slots
+        with self.cond:
+            if self.owner[s] != b:
+                raise RuntimeError(f"batch {b} released twice or out of turn (slot {s} holds batch {self.owner[s]})")
+            self._events[s] = event
+            self.owner[s], self.filled[s], self.bad[s] = b + self.slots, 0, 0
+            self.cond.notify_all()
+
+
+@dataclass
+class StreamParts:
+    """Everything the threads of one stream share (read-only except ring, budget, queues)."""
+
+    reader: object
+    """lmdb_source.LmdbReader: ``path``, ``handle()``."""
+    sequence: TrainSequence | TestSequence
+    queues: QueueSet[ParsedRecord]
+    ring: BatchRing
+    budget: BadRecordBudget
+    stages: list[Stage]
+    channels: int
+    batch_size: int
+    num_classes: int
+    seed: int
+    rank: int
+    draft: bool = True
+
+    def batch_rows(self, b: int) -> int:
+        """Rows of batch b: batch_size, or fewer in the last batch of a finite stream."""
+        n = self.sequence.length
+        return self.batch_size if n is None else min(self.batch_size, n - b * self.batch_size)
+
+
+class PipelineStream:
+    """Iterator of HostBatch over one sequence, fed by P parser and T transformer threads."""
+
+    def __init__(self, parts: StreamParts, *, parsers: int, transformers: int) -> None:
+        self._parts = parts
+        self._ring = parts.ring
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._next_batch = 0
+        self._bad_total = 0
+        self._pending: int | None = None
+        self._closed = False
+        workers: list[tuple[str, Callable[[int, StreamParts, threading.Event], None], int]] = [
+            *((f"dptrain-parser-r{parts.rank}-{p}", run_parser, p) for p in range(parsers)),
+            *((f"dptrain-transformer-r{parts.rank}-{t}", run_transformer, t) for t in range(transformers)),
+        ]
+        self._threads = [threading.Thread(target=self._guard, args=(fn, i), name=name, daemon=True)
+                         for name, fn, i in workers]
+        for th in self._threads:
+            th.start()
+
+    def _guard(self, fn: Callable[[int, StreamParts, threading.Event], None], i: int) -> None:
+        try:
+            fn(i, self._parts, self._stop)
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the consumer
+            with self._ring.cond:
+                if self._error is None:
+                    self._error = e
+                self._stop.set()
+                self._ring.cond.notify_all()
+
+    def __iter__(self) -> PipelineStream:
+        return self
+
+    def __next__(self) -> HostBatch:
+        if self._closed:
+            raise StopIteration
+        b = self._next_batch
+        rows = self._parts.batch_rows(b)
+        if rows <= 0:
+            self.close()
+            raise StopIteration
+        try:
+            self._wait_ready(b, rows)
+        except BaseException:
+            self.close()
+            raise
+        s = b % self._ring.slots
+        self._bad_total += self._ring.bad[s]
+        self._next_batch += 1
+        return HostBatch(images=self._ring.images[s, :rows], labels=self._ring.labels[s, :rows],
+                         release=functools.partial(self._release, b), info={"bad_records": self._bad_total})
+
+    def _wait_ready(self, b: int, rows: int) -> None:
+        ring, s = self._ring, b % self._ring.slots
+        with ring.cond:
+            while ring.owner[s] != b or ring.filled[s] < rows:
+                if self._error is not None:
+                    raise self._error
+                if ring.owner[s] != b:
+                    raise RuntimeError(f"rank {self._parts.rank}: all {ring.slots} ring slots are held; "
+                                       f"call HostBatch.release(event) once each batch is consumed")
+                if not any(th.is_alive() for th in self._threads):
+                    raise RuntimeError(f"rank {self._parts.rank}: input threads exited before batch {b} was complete")
+                ring.cond.wait(POLL_S)
+
+    def _release(self, b: int, event: torch.cuda.Event | None) -> None:
+        if self._closed:
+            return
+        if event is None:  # host reader: it may read batch b until it releases the next one
+            b, self._pending = self._pending, b
+            if b is None:
+                return
+        self._ring.free(b, event)
+
+    def close(self) -> None:
+        """Stop and join every thread. Idempotent; batches already handed out stay valid."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        with self._ring.cond:
+            self._ring.cond.notify_all()
+        for th in self._threads:
+            th.join(JOIN_TIMEOUT_S)
+        alive = [th.name for th in self._threads if th.is_alive()]
+        if alive:
+            raise RuntimeError(f"input threads {alive} did not stop within {JOIN_TIMEOUT_S} s")
+
+
+class EmptyStream:
+    """The test stream of a source without a test DB (or a rank with no test samples)."""
+
+    def __iter__(self) -> EmptyStream:
+        return self
+
+    def __next__(self) -> HostBatch:
+        raise StopIteration
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,339 @@
+"""Threaded LMDB pipeline: order, shards, augmentation determinism, bad input, shutdown.
+
+Each DB is tiny and its pixels are computed from the record index: the green channel of
+record i is the constant i, so every sample identifies its record under any crop or flip,
+and the other channels pin down the crop window exactly.
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dptrain.config import ConfigError, DataConfig
+from dptrain.data.datum import DataError, encode_blob, encode_datum, hwc_to_raw
+from dptrain.data.lmdb_source import LmdbSource, default_threads, lmdb_source
+from dptrain.data.make_lmdb import write_lmdb
+from dptrain.data.sampling import ShardPlan, batches_per_epoch, epoch_permutation, rank_batch_indices
+
+H, W, NUM_CLASSES = 6, 8, 5
+
+
+def pixels(i: int) -> np.ndarray:
+    """[H, W, 3] RGB of record i: R and B vary per pixel, G = i."""
+    y, x = np.mgrid[0:H, 0:W]
+    return np.stack([x * 16 + y, np.full((H, W), i), (i * 3 + x * 5 + y * 7) % 256], -1).astype(np.uint8)
+
+
+def raw_value(i: int, label: int | None = None, image: np.ndarray | None = None) -> bytes:
+    raw, c, h, w = hwc_to_raw(pixels(i) if image is None else image)
+    return encode_datum(label=i % NUM_CLASSES if label is None else label, data=raw, channels=c, height=h, width=w)
+
+
+def png_value(image: np.ndarray, label: int = 0) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, "PNG")
+    return encode_datum(label=label, data=buf.getvalue(), encoded=True)
+
+
+def write_db(path, values: list[bytes], keys: list[bytes] | None = None) -> str:
+    keys = keys or [f"{i:08d}_r{i}".encode() for i in range(len(values))]
+    write_lmdb(path, iter(zip(keys, values)), len(values))
+    return str(path)
+
+
+def make_cfg(path: str, **kw) -> DataConfig:
+    kw.setdefault("batch_size", 4)
+    return DataConfig(source="lmdb", path=path, **kw)
+
+
+def collect(stream, n: int) -> list[tuple[np.ndarray, np.ndarray, dict]]:
+    out = []
+    try:
+        for hb in itertools.islice(stream, n):
+            out.append((hb.images.numpy().copy(), hb.labels.numpy().copy(), dict(hb.info)))
+            hb.release(None)
+    finally:
+        stream.close()
+    return out
+
+
+def input_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("dptrain-")]
+
+
+def ids(images: np.ndarray) -> list[int]:
+    return [int(im[0, 0, 1]) for im in images]
+
+
+def is_window(sample: np.ndarray, i: int) -> bool:
+    """sample equals some crop of pixels(i), possibly mirrored."""
+    full, ch, cw = pixels(i), sample.shape[0], sample.shape[1]
+    return any(np.array_equal(sample, v) for y, x in itertools.product(range(H - ch + 1), range(W - cw + 1))
+               for v in (full[y:y + ch, x:x + cw], full[y:y + ch, x:x + cw][:, ::-1]))
+
+
+@pytest.fixture(scope="module")
+def db29(tmp_path_factory) -> str:
+    return write_db(tmp_path_factory.mktemp("db") / "train", [raw_value(i) for i in range(29)])
+
+
+def test_order_and_augmentation_independent_of_thread_counts(db29):
+    steps, world = 12, 2  # 29 // (3*2) = 4 batches per epoch: 3 epochs
+    results = {}
+    for p, t in itertools.product((1, 2, 3), repeat=2):
+        cfg = make_cfg(db29, batch_size=3, parser_threads=p, transformer_threads=t, crop_size=4, mirror=True)
+        src = lmdb_source(cfg, num_classes=NUM_CLASSES, seed=11)
+        results[p, t] = [collect(src.train_batches(ShardPlan(r, world, 3, seed=11), 0), steps) for r in range(world)]
+    ref = results[1, 1]
+    for key, res in results.items():
+        for r in range(world):
+            for (a, la, _), (b, lb, _) in zip(ref[r], res[r]):
+                assert np.array_equal(a, b) and np.array_equal(la, lb), f"P,T={key} rank {r} differs"
+    flips = 0
+    for r in range(world):
+        for step, (images, labels, info) in enumerate(ref[r]):
+            expect = rank_batch_indices(step, 29, ShardPlan(r, world, 3, seed=11))
+            assert ids(images) == expect.tolist() and labels.tolist() == (expect % NUM_CLASSES).tolist()
+            assert all(is_window(im, i) for im, i in zip(images, expect)) and info == {"bad_records": 0}
+            flips += sum(not np.array_equal(im, pixels(i)[:4, :4]) for im, i in zip(images, expect))
+    assert flips > 0
+    assert input_threads() == []
+
+
+def test_shards_disjoint_covering_and_reshuffled_per_epoch(db29):
+    world, b = 3, 2
+    per_epoch = batches_per_epoch(29, world * b)  # 4
+    src = lmdb_source(make_cfg(db29, batch_size=b, parser_threads=2, transformer_threads=2),
+                      num_classes=NUM_CLASSES, seed=5)
+    epochs = [[ids(x) for x, _, _ in collect(src.train_batches(ShardPlan(r, world, b, seed=5), 0), 2 * per_epoch)]
+              for r in range(world)]
+    for e in range(2):
+        shards = [sum(epochs[r][e * per_epoch:(e + 1) * per_epoch], []) for r in range(world)]
+        union = sum(shards, [])
+        assert len(set(union)) == len(union) == per_epoch * world * b  # disjoint
+        assert set(union) == set(epoch_permutation(5, e, 29, True)[:len(union)].tolist())  # cover, remainder stated
+    assert epochs[0][:per_epoch] != epochs[0][per_epoch:]  # a new permutation each epoch
+    again = [ids(x) for x, _, _ in collect(src.train_batches(ShardPlan(0, world, b, seed=5), 0), 2 * per_epoch)]
+    assert again == epochs[0]  # reproducible from the seed
+
+
+def test_start_step_resumes_the_same_sequence(db29):
+    src = lmdb_source(make_cfg(db29, crop_size=4, mirror=True), num_classes=NUM_CLASSES, seed=3)
+    plan = ShardPlan(0, 1, 4, seed=3)
+    full = collect(src.train_batches(plan, 0), 10)
+    resumed = collect(src.train_batches(plan, 6), 4)
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(full[6:], resumed))
+
+
+def test_no_shuffle_reads_record_order(db29):
+    src = lmdb_source(make_cfg(db29, shuffle="none"), num_classes=NUM_CLASSES, seed=3)
+    out = collect(src.train_batches(ShardPlan(0, 1, 4, seed=3, shuffle=False), 0), 8)
+    assert sum((ids(x) for x, _, _ in out), []) == list(range(28)) + list(range(4))  # epoch 2 starts again at 0
+
+
+def test_test_batches_split_contiguously_with_centre_crop(tmp_path):
+    path = write_db(tmp_path / "test", [raw_value(i) for i in range(11)])
+    src = lmdb_source(make_cfg(write_db(tmp_path / "train", [raw_value(i) for i in range(8)]),
+                               test_path=path, crop_size=4, mirror=True), num_classes=NUM_CLASSES, seed=1)
+    assert (src.num_train, src.num_test, src.sample_shape) == (8, 11, (4, 4, 3))
+    seen = []
+    for rank in range(2):
+        batches = collect(src.test_batches(rank, 2, 4), 10)  # stops early with StopIteration
+        seen.append([len(labels) for _, labels, _ in batches])
+        for images, labels, _ in batches:
+            for im, i in zip(images, ids(images)):
+                assert np.array_equal(im, pixels(i)[1:5, 2:6])  # centre: ((6-4)//2, (8-4)//2), never mirrored
+    assert seen == [[4, 2], [4, 1]]
+
+
+def test_key_table_for_keys_without_index_prefix(tmp_path):
+    names = [b"zeta", b"alpha", b"mid", b"beta", b"omega"]
+    path = write_db(tmp_path / "db", [raw_value(i) for i in range(5)], keys=names)
+    src = lmdb_source(make_cfg(path, batch_size=5, shuffle="none"), num_classes=NUM_CLASSES, seed=1)
+    (images, _, _), = collect(src.train_batches(ShardPlan(0, 1, 5, seed=1, shuffle=False), 0), 1)
+    assert ids(images) == [names.index(k) for k in sorted(names)]  # records are numbered in key order
+
+
+def test_source_attributes_and_means(tmp_path):
+    path = write_db(tmp_path / "db", [raw_value(i) for i in range(8)])
+    (tmp_path / "mean.binaryproto").write_bytes(encode_blob(np.stack([np.full((6, 8), v) for v in (1.0, 2.0, 3.0)])))
+    src = lmdb_source(make_cfg(path, mean_file=str(tmp_path / "mean.binaryproto"), scale=0.5),
+                      num_classes=NUM_CLASSES, seed=1)
+    assert src.mean == (3.0, 2.0, 1.0) and src.scale == 0.5 and src.sample_shape == (H, W, 3)
+    gray = write_db(tmp_path / "gray", [raw_value(i, image=pixels(i)[:, :, 1]) for i in range(4)])
+    assert lmdb_source(make_cfg(gray), num_classes=NUM_CLASSES, seed=1).sample_shape == (H, W, 1)
+    with pytest.raises(ConfigError, match="mean has 3 values but the images have 1 channel"):
+        lmdb_source(make_cfg(gray, mean_value=[1.0, 2.0, 3.0]), num_classes=NUM_CLASSES, seed=1)
+
+
+def test_default_threads_follow_cores_and_local_world_size(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_threads(DataConfig()) == (2, 8)
+    assert default_threads(DataConfig(parser_threads=1, transformer_threads=3)) == (1, 3)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert default_threads(DataConfig()) == (1, 1)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_missing_and_non_lmdb_paths(tmp_path):
+    with pytest.raises(DataError, match="rank 0: LMDB .*nope.*does not exist"):
+        lmdb_source(make_cfg(str(tmp_path / "nope")), num_classes=NUM_CLASSES, seed=1)
+    (tmp_path / "notdb").mkdir()
+    (tmp_path / "notdb" / "data.mdb").write_bytes(b"this is not an lmdb" * 300)
+    with pytest.raises(DataError, match="not an LMDB"):
+        lmdb_source(make_cfg(str(tmp_path / "notdb")), num_classes=NUM_CLASSES, seed=1)
+
+
+def test_empty_db(tmp_path):
+    path = write_db(tmp_path / "empty", [])
+    with pytest.raises(DataError, match="empty.*no records"):
+        lmdb_source(make_cfg(path), num_classes=NUM_CLASSES, seed=1)
+
+
+def test_bad_first_record_fails_at_open_with_its_key(tmp_path):
+    path = write_db(tmp_path / "db", [b"\xff\xff\xff"] + [raw_value(i) for i in range(1, 6)])
+    with pytest.raises(DataError, match="key '00000000_r0': unparsable record"):
+        lmdb_source(make_cfg(path), num_classes=NUM_CLASSES, seed=1)
+
+
+def _bomb_value() -> bytes:
+    return png_value(np.zeros((40, 40, 3), dtype=np.uint8))
+
+
+BAD_RECORDS = {
+    "undecodable": (lambda: encode_datum(label=0, data=b"not an image at all", encoded=True), "undecodable image"),
+    "unparsable": (lambda: b"\xff\xff\xff", "unparsable record"),
+    "label_high": (lambda: raw_value(5, label=NUM_CLASSES + 7), r"label 12 is outside \[0, 5\)"),
+    "label_negative": (lambda: raw_value(5, label=-1), r"label -1 is outside \[0, 5\)"),
+    "too_small": (lambda: raw_value(5, image=pixels(5)[:3, :3]), "image is 3x3 .*smaller than data.crop_size 4"),
+    "truncated_png": (lambda: encode_datum(label=0, data=png_value(pixels(5))[:60], encoded=True), "undecodable"),
+    "bomb": (_bomb_value, "decompression bomb"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_RECORDS))
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_bad_record_raises_with_rank_and_key_and_stops_threads(tmp_path, monkeypatch, kind):
+    make_value, match = BAD_RECORDS[kind]
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the 40x40 PNG is a bomb, 6x8 records are not
+    values = [raw_value(i) for i in range(12)]
+    values[5] = make_value()
+    src = lmdb_source(make_cfg(write_db(tmp_path / "db", values), shuffle="none", crop_size=4,
+                               parser_threads=2, transformer_threads=2), num_classes=NUM_CLASSES, seed=1)
+    stream = src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0)
+    with pytest.raises(DataError, match=f"rank 0: LMDB .* key '00000005_r5': {match}"):
+        collect(stream, 3)
+    assert input_threads() == []
+
+
+def test_skip_budget_substitutes_the_next_record_deterministically(tmp_path, caplog):
+    values = [raw_value(i) for i in range(12)]
+    values[2], values[5] = b"\xff", raw_value(5, label=99)
+    path = write_db(tmp_path / "db", values)
+    plan = ShardPlan(0, 1, 4, seed=1, shuffle=False)
+    outs = []
+    for p, t in ((1, 1), (3, 2)):
+        src = lmdb_source(make_cfg(path, shuffle="none", max_bad_records=2, parser_threads=p, transformer_threads=t),
+                          num_classes=NUM_CLASSES, seed=1)
+        with caplog.at_level(logging.WARNING, logger="dptrain.data.pipeline"):
+            outs.append(collect(src.train_batches(plan, 0), 3))
+    for out in outs:
+        assert [ids(x) for x, _, _ in out] == [[0, 1, 3, 3], [4, 6, 6, 7], [8, 9, 10, 11]]
+        assert [info["bad_records"] for _, _, info in out] == [1, 2, 2]
+        assert out[0][1].tolist() == [0, 1, 3, 3]
+    assert any("skipping bad record 1 of 2 allowed" in r.getMessage() and "00000002_r2" in r.getMessage()
+               for r in caplog.records)
+    src = lmdb_source(make_cfg(path, shuffle="none", max_bad_records=1), num_classes=NUM_CLASSES, seed=1)
+    with pytest.raises(DataError, match="00000005_r5.*2 bad records exceed data.max_bad_records = 1"):
+        collect(src.train_batches(plan, 0), 3)
+    assert input_threads() == []
+
+
+def test_close_mid_stream_and_release_misuse_leave_no_thread(db29):
+    src = lmdb_source(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=3),
+                      num_classes=NUM_CLASSES, seed=1)
+    stream = src.train_batches(ShardPlan(0, 1, 4, seed=1), 0)
+    held = [next(stream) for _ in range(3)]  # prefetch + 2 = 3 slots, none released
+    with pytest.raises(RuntimeError, match="all 3 ring slots are held; call HostBatch.release"):
+        next(stream)
+    assert input_threads() == [] and len(held) == 3
+    stream = src.train_batches(ShardPlan(0, 1, 4, seed=1), 0)
+    next(stream).release(None)
+    stream.close()
+    stream.close()
+    assert input_threads() == []
+    with pytest.raises(StopIteration):
+        next(stream)
+
+
+def _jpeg_value(i: int, w: int = 96, h: int = 72) -> bytes:
+    y, x = np.mgrid[0:h, 0:w]
+    img = np.stack([x * 2 + i, y * 3, np.full((h, w), 10 * i)], -1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, "JPEG", quality=90)
+    return encode_datum(label=i % NUM_CLASSES, data=buf.getvalue(), encoded=True)
+
+
+def test_jpeg_random_resized_crop_is_deterministic_across_threads(tmp_path):
+    path = write_db(tmp_path / "jpeg", [_jpeg_value(i) for i in range(10)])
+    outs = []
+    for p, t in ((1, 1), (2, 3)):
+        cfg = make_cfg(path, batch_size=3, parser_threads=p, transformer_threads=t, crop_size=16,
+                       random_resized_crop=True, mirror=True)
+        outs.append(collect(lmdb_source(cfg, num_classes=NUM_CLASSES, seed=4).train_batches(
+            ShardPlan(0, 1, 3, seed=4), 0), 6))
+    assert outs[0][0][0].shape == (3, 16, 16, 3)
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(*outs))
+
+
+def test_draft_mode_fires_for_2x_downscale_and_stays_close(tmp_path, monkeypatch):
+    from PIL import JpegImagePlugin
+
+    path = write_db(tmp_path / "jpeg", [_jpeg_value(i) for i in range(4)])
+    calls = []
+    real_draft = JpegImagePlugin.JpegImageFile.draft
+    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft",
+                        lambda self, mode, size: calls.append(size) or real_draft(self, mode, size))
+    cfg = make_cfg(path, resize=[18, 24], shuffle="none")  # 72x96 -> 18x24: 4x smaller
+    plan = ShardPlan(0, 1, 4, seed=0, shuffle=False)
+    (fast, _, _), = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=0, draft=True).train_batches(plan, 0), 1)
+    assert calls and all(size == (24, 18) for size in calls)
+    calls.clear()
+    (exact, _, _), = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=0, draft=False).train_batches(plan, 0), 1)
+    assert not calls
+    diff = np.abs(fast.astype(int) - exact.astype(int))
+    assert diff.mean() < 2.0 and diff.max() <= 12  # DCT-domain downscale vs full decode + bilinear: a few levels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned ring, copy events)")
+def test_device_feeder_reuses_pinned_slots_only_after_their_copy(db29):
+    from dptrain.data.base import DeviceFeeder
+
+    src = lmdb_source(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=2),
+                      num_classes=NUM_CLASSES, seed=2)
+    plan = ShardPlan(0, 1, 4, seed=2)
+    stream = src.train_batches(plan, 0)
+    assert stream._ring.images.is_pinned()
+    feeder = DeviceFeeder(stream, device=torch.device("cuda"), dtype=torch.float32, mean=(0.0,), scale=1.0,
+                          channels_last=False)
+    try:
+        for step in range(30):  # 3 ring slots, so every slot is rewritten many times
+            x, y = next(feeder)
+            feeder.prefetch()
+            expect = rank_batch_indices(step, 29, plan)
+            assert x[:, 1, 0, 0].cpu().tolist() == expect.astype(float).tolist()
+            assert y.cpu().tolist() == (expect % NUM_CLASSES).tolist()
+    finally:
+        feeder.close()
+    assert input_threads() == []

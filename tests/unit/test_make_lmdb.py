@@ -1,0 +1,157 @@
+"""make-lmdb -> pipeline round trips (raw BGR, PNG, JPEG), inputs, options and errors."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dptrain.config import DataConfig
+from dptrain.data.datum import parse_datum
+from dptrain.data.lmdb_source import LmdbReader, lmdb_source
+from dptrain.data.make_lmdb import add_make_lmdb_args, make_lmdb, read_list_file, run_make_lmdb
+from dptrain.data.sampling import ShardPlan
+
+CLASSES = ("cat", "dog")
+
+
+def image(i: int, h: int = 12, w: int = 16) -> np.ndarray:
+    """Smooth RGB test image (JPEG-friendly); channels differ so a swap is visible."""
+    y, x = np.mgrid[0:h, 0:w]
+    return np.stack([x * 10 + i, y * 12 + 2 * i, np.full((h, w), 40 + 20 * i)], -1).astype(np.uint8)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """root/cat/00.png, root/cat/01.png, root/dog/02.png ... (3 per class); image i as above."""
+    root = tmp_path / "images"
+    for i in range(6):
+        d = root / CLASSES[i // 3]
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image(i)).save(d / f"{i:02d}.png")
+        Image.fromarray(image(i)).save(d / f"{i:02d}.jpg", quality=95)
+    return root
+
+
+def read_all(path: str, n: int, **kw) -> tuple[np.ndarray, np.ndarray]:
+    src = lmdb_source(DataConfig(source="lmdb", path=path, batch_size=n, shuffle="none", **kw), num_classes=2, seed=0)
+    stream = src.train_batches(ShardPlan(0, 1, n, seed=0, shuffle=False), 0)
+    try:
+        hb = next(stream)
+        return hb.images.numpy().copy(), hb.labels.numpy().copy()
+    finally:
+        stream.close()
+
+
+def db_keys_and_values(path) -> list[tuple[bytes, bytes]]:
+    reader = LmdbReader(str(path))  # the process's one Environment for this path (py-lmdb allows one)
+    handle = reader.handle()
+    try:
+        return [handle.get(i) for i in range(len(reader))]
+    finally:
+        handle.close()
+
+
+def test_folder_raw_round_trip_is_exact_and_stored_bgr(folder, tmp_path):
+    items = [(f"{c}/{i:02d}.png", k) for k, c in enumerate(CLASSES) for i in range(3 * k, 3 * k + 3)]
+    assert make_lmdb(tmp_path / "raw", items, root=folder) == 6
+    images, labels = read_all(str(tmp_path / "raw"), 6)
+    assert np.array_equal(images, np.stack([image(i) for i in range(6)])) and labels.tolist() == [0, 0, 0, 1, 1, 1]
+    key, value = db_keys_and_values(tmp_path / "raw")[4]
+    assert key == b"00000004_dog/04.png"
+    d = parse_datum(value)
+    planes = np.frombuffer(d.data, np.uint8).reshape(d.channels, d.height, d.width)
+    assert np.array_equal(planes[0], image(4)[:, :, 2]) and np.array_equal(planes[2], image(4)[:, :, 0])  # B first
+
+
+def test_encoded_png_exact_and_jpeg_within_tolerance(folder, tmp_path):
+    for ext in ("png", "jpg"):
+        items = [(f"{CLASSES[i // 3]}/{i:02d}.{ext}", i // 3) for i in range(6)]
+        make_lmdb(tmp_path / ext, items, root=folder, encoded=True)
+        images, labels = read_all(str(tmp_path / ext), 6)
+        want = np.stack([image(i) for i in range(6)]).astype(int)
+        assert labels.tolist() == [0, 0, 0, 1, 1, 1]
+        if ext == "png":
+            assert np.array_equal(images, want)
+        else:  # quality-95 JPEG of a smooth image: chroma subsampling and quantisation cost a few levels
+            err = np.abs(images.astype(int) - want)
+            assert err.mean() < 3 and err.max() <= 24
+            decoded = np.stack([np.asarray(Image.open(folder / p).convert("RGB")) for p, _ in items])
+            assert np.array_equal(images, decoded)  # the pipeline decodes exactly what Pillow decodes
+
+
+def test_cli_folder_with_shuffle_gray_resize(folder, tmp_path, capsys):
+    ap = argparse.ArgumentParser()
+    add_make_lmdb_args(ap)
+    out = tmp_path / "gray"
+    assert run_make_lmdb(ap.parse_args([str(folder), str(out), "--gray", "--resize", "6", "8",
+                                        "--shuffle", "--seed", "3"])) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["records"] == 12 and summary["classes"] == 2  # .png and .jpg of each image
+    keys = [k.decode() for k, _ in db_keys_and_values(out)]
+    assert [k[:9] for k in keys] == [f"{i:08d}_" for i in range(12)]
+    names = [k[9:] for k in keys]
+    assert sorted(names) == sorted(f"{CLASSES[i // 3]}/{i:02d}.{e}" for i in range(6) for e in ("png", "jpg"))
+    assert names != sorted(names)  # shuffled
+    images, labels = read_all(str(out), 12)
+    assert images.shape == (12, 6, 8, 1)
+    assert labels.tolist() == [int(n.startswith("dog")) for n in names]
+    again = tmp_path / "gray2"
+    run_make_lmdb(ap.parse_args([str(folder), str(again), "--gray", "--resize", "6", "8", "--shuffle", "--seed", "3"]))
+    assert [k for k, _ in db_keys_and_values(again)] == [k.encode() for k in keys]  # seeded
+
+
+def test_list_file_with_root(folder, tmp_path, capsys):
+    listing = tmp_path / "list.txt"
+    listing.write_text("dog/05.png 1\n\ncat/00.png 0\ncat/01.png 1\n")
+    ap = argparse.ArgumentParser()
+    add_make_lmdb_args(ap)
+    assert run_make_lmdb(ap.parse_args([str(listing), str(tmp_path / "out"), "--root", str(folder)])) == 0
+    assert json.loads(capsys.readouterr().out)["records"] == 3
+    images, labels = read_all(str(tmp_path / "out"), 3)
+    assert labels.tolist() == [1, 0, 1]
+    assert np.array_equal(images, np.stack([image(5), image(0), image(1)]))
+
+
+def test_digits_written_for_the_demo(tmp_path, capsys):
+    from dptrain.data.builtin import load_digits_arrays
+
+    ap = argparse.ArgumentParser()
+    add_make_lmdb_args(ap)
+    assert run_make_lmdb(ap.parse_args(["--digits", str(tmp_path / "digits"), "--encoded"])) == 0
+    assert json.loads(capsys.readouterr().out)["records"] == {"train": 1500, "test": 297}
+    xtr, ytr, xte, yte = load_digits_arrays()
+    cfg = DataConfig(source="lmdb", path=str(tmp_path / "digits/train"), test_path=str(tmp_path / "digits/test"))
+    src = lmdb_source(cfg, num_classes=10, seed=0)
+    stream = src.test_batches(0, 1, 100)
+    got = [(hb.images.numpy().copy(), hb.labels.numpy().copy()) for hb in itertools.islice(stream, 3)]
+    stream.close()
+    assert np.array_equal(np.concatenate([g[0] for g in got]), xte)
+    assert np.array_equal(np.concatenate([g[1] for g in got]), yte)
+
+
+def test_make_lmdb_errors(folder, tmp_path):
+    ap = argparse.ArgumentParser()
+    add_make_lmdb_args(ap)
+    make_lmdb(tmp_path / "db", [("cat/00.png", 0)], root=folder)
+    with pytest.raises(ValueError, match="already holds an LMDB; remove it"):
+        make_lmdb(tmp_path / "db", [("cat/00.png", 0)], root=folder)
+    (folder / "cat" / "broken.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match="cannot read image .*broken.png"):
+        make_lmdb(tmp_path / "db2", [("cat/broken.png", 0)], root=folder)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("cat/00.png 0\ncat/01.png x\n")
+    with pytest.raises(ValueError, match=r"bad.txt:2: expected 'path label'"):
+        read_list_file(bad)
+    with pytest.raises(ValueError, match="list file .*missing.txt' does not exist"):
+        run_make_lmdb(ap.parse_args([str(tmp_path / "missing.txt"), str(tmp_path / "o")]))
+    (tmp_path / "noclasses").mkdir()
+    with pytest.raises(ValueError, match="has no images in class subfolders"):
+        run_make_lmdb(ap.parse_args([str(tmp_path / "noclasses"), str(tmp_path / "o")]))
+    with pytest.raises(ValueError, match="--digits takes one output path"):
+        run_make_lmdb(ap.parse_args(["--digits", "a", "b"]))
+    with pytest.raises(ValueError, match="takes SOURCE OUT"):
+        run_make_lmdb(ap.parse_args(["only_one"]))
