@@ -89,7 +89,10 @@ class Reducer:
         self._set_plan(build_bucket_plan(group_specs(flat), cfg.bucket_mb, cfg.first_bucket_mb))
         self._check_plan_agreement()
         self._replan_pending = cfg.replan and self.world_size > 1
-        if self.world_size > 1:
+        # One solver reduces nothing, but a traced run still records when each bucket would be
+        # ready: that single-solver profile is what benchmarks/scaling_model.py extrapolates from.
+        self._hooked = self.world_size > 1 or tracer.enabled
+        if self._hooked:
             for g in flat.groups:
                 for s in g.segments:
                     self._handles.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s.name)))
@@ -133,7 +136,7 @@ class Reducer:
 
     def begin(self, sync: bool) -> None:
         """Arm the hooks for the coming backward; ``sync=False`` only accumulates (iter_size)."""
-        if self.world_size == 1:
+        if not self._hooked:
             return
         with self._lock:
             self._active = sync
@@ -165,6 +168,8 @@ class Reducer:
             self._pending[b] -= 1
             if self._pending[b] == 0 and self.tracer.enabled:
                 self.tracer.instant("bucket_ready", bucket=b, bytes=self.plan.buckets[b].nbytes)
+            if self.world_size == 1:
+                return
             while self._next_launch < len(self._pending) and self._pending[self._next_launch] == 0:
                 self._launch(self.plan.buckets[self._next_launch])
 
@@ -202,6 +207,7 @@ class Reducer:
         died): the caller exits instead of hanging. On CUDA this does not block the host.
         """
         if self.world_size == 1:
+            self._active = False
             return
         with self._lock:
             if not self._active:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 from dptrain.cli import main
 
@@ -34,3 +36,19 @@ def test_bench_json_schema(tmp_path, capsys):
     assert rec["world_size"] == 1 and rec["global_batch"] == 8 and rec["data"] == "synthetic"
     events = json.loads((tmp_path / "trace.rank0.json").read_text())["traceEvents"]
     assert {"forward", "backward", "update"} <= {e["name"] for e in events}
+
+
+def test_single_solver_trace_has_bucket_ready_events(tmp_path, capsys):
+    cfg = tmp_path / "b.toml"
+    cfg.write_text(f'[model]\nname = "lenet"\n[data]\nbatch_size = 4\nimage_size = 32\n'
+                   f'[reducer]\nbucket_mb = 0.05\nfirst_bucket_mb = 0.01\n[train]\nrun_dir = "{tmp_path}"\n')
+    assert main(["bench", "--config", str(cfg), "--synthetic", "--steps", "1", "--warmup", "0",
+                 "--phase-steps", "1", "--trace", str(tmp_path / "t")]) == 0
+    events = json.loads((tmp_path / "t.rank0.json").read_text())["traceEvents"]
+    ready = [e["args"]["bucket"] for e in events if e["name"] == "bucket_ready"]
+    assert sorted(ready) == list(range(len(ready))) and len(ready) >= 3  # the profile the scaling model reads
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from scaling_model import profile_from_trace
+
+    profile = profile_from_trace(json.loads((tmp_path / "t.rank0.json").read_text()), batch_size=4)
+    assert len(profile.buckets) == len(ready)
