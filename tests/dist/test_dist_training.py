@@ -16,7 +16,7 @@ BASE = ["model.name=lenet", "data.source=digits", "solver.base_lr=0.01", "solver
         "solver.display=0", "solver.weight_decay=0.0005", "solver.momentum=0.9"]
 
 
-def _trainer(overrides: list[str], out: str, world: int, tracer: Tracer | None = None) -> Trainer:
+def _trainer(overrides: list[str], out: str, world: int, tracer=None) -> Trainer:
     cfg = load_config(None, [*BASE, f"train.run_dir={json.dumps(out)}", *overrides])
     comm = Communicator.from_initialized(torch.device("cpu")) if world > 1 else \
         Communicator.from_env(60, torch.device("cpu"))
