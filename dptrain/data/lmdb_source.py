@@ -94,7 +94,7 @@ class _Handle:
         except lmdb.Error as e:
             raise DataError(f"LMDB read failed ({e})") from e
         if value is None:
-            raise DataError("record vanished from the DB")
+            raise DataError("record vanished from the DB; was it modified while training? Keep LMDBs frozen")
         return key, value
 
     def close(self) -> None:

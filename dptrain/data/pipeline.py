@@ -195,6 +195,7 @@ class PipelineStream:
         self._next_batch = 0
         self._bad_total = 0
         self._pending: int | None = None
+        self._released: set[int] = set()
         self._closed = False
         workers: list[tuple[str, Callable[[int, StreamParts, threading.Event], None], int]] = [
             *((f"dptrain-parser-r{parts.rank}-{p}", run_parser, p) for p in range(parsers)),
@@ -202,6 +203,7 @@ class PipelineStream:
         ]
         self._threads = [threading.Thread(target=self._guard, args=(fn, i), name=name, daemon=True)
                          for name, fn, i in workers]
+        self._transformers = self._threads[parsers:]
         for th in self._threads:
             th.start()
 
@@ -246,17 +248,22 @@ class PipelineStream:
                 if ring.owner[s] != b:
                     raise RuntimeError(f"rank {self._parts.rank}: all {ring.slots} ring slots are held; "
                                        f"call HostBatch.release(event) once each batch is consumed")
-                if not any(th.is_alive() for th in self._threads):
-                    raise RuntimeError(f"rank {self._parts.rank}: input threads exited before batch {b} was complete")
+                if not any(th.is_alive() for th in self._transformers):
+                    raise RuntimeError(f"rank {self._parts.rank}: transformer threads exited before batch {b} "
+                                       f"was complete")
                 ring.cond.wait(POLL_S)
 
     def _release(self, b: int, event: torch.cuda.Event | None) -> None:
         if self._closed:
             return
+        if b in self._released:
+            raise RuntimeError(f"batch {b} released twice; call HostBatch.release once per batch")
+        self._released.add(b)
         if event is None:  # host reader: it may read batch b until it releases the next one
             b, self._pending = self._pending, b
             if b is None:
                 return
+        self._released.discard(b)  # from here on ring.free's owner check catches a second release
         self._ring.free(b, event)
 
     def close(self) -> None:

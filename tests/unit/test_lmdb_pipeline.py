@@ -337,3 +337,56 @@ def test_device_feeder_reuses_pinned_slots_only_after_their_copy(db29):
     finally:
         feeder.close()
     assert input_threads() == []
+
+
+def test_shard_with_only_bad_records_fails_even_within_budget(tmp_path):
+    values = [raw_value(i) for i in range(8)]
+    for i in (2, 3, 6, 7):  # rank 1's shard with world 2, batch 2, record order
+        values[i] = b"\xff"
+    src = lmdb_source(make_cfg(write_db(tmp_path / "db", values), shuffle="none", max_bad_records=10),
+                      num_classes=NUM_CLASSES, seed=1)
+    with pytest.raises(DataError, match="rank 1: .*all 4 records of this solver's shard are bad"):
+        collect(src.train_batches(ShardPlan(1, 2, 2, seed=1, shuffle=False), 0), 1)
+    assert input_threads() == []
+
+
+def test_prefix_seek_reports_a_gap_in_the_key_sequence(tmp_path):
+    keys = [b"00000000_a", b"00000001_b", b"00000001_c", b"00000003_d"]  # no 00000002_: first/last look dense
+    src = lmdb_source(make_cfg(write_db(tmp_path / "db", [raw_value(i) for i in range(4)], keys=keys),
+                               shuffle="none"), num_classes=NUM_CLASSES, seed=1)
+    with pytest.raises(DataError, match="key '#2': no record with key prefix '00000002_'"):
+        collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), 1)
+
+
+def test_double_release_and_dead_transformers_raise(db29, monkeypatch):
+    src = lmdb_source(make_cfg(db29), num_classes=NUM_CLASSES, seed=1)
+    stream = src.train_batches(ShardPlan(0, 1, 4, seed=1), 0)
+    hb = next(stream)
+    hb.release(None)
+    with pytest.raises(RuntimeError, match="batch 0 released twice"):
+        hb.release(None)
+    stream.close()
+    monkeypatch.setattr("dptrain.data.pipeline.run_transformer", lambda t, parts, stop: None)
+    with pytest.raises(RuntimeError, match="transformer threads exited before batch 0 was complete"):
+        collect(src.train_batches(ShardPlan(0, 1, 4, seed=1), 0), 1)
+    assert input_threads() == []
+
+
+def test_data_bench_measures_and_rejects_other_sources(db29, tmp_path, capsys):
+    import argparse
+    import json
+
+    from dptrain.data.databench import add_data_bench_args, run_data_bench
+
+    ap = argparse.ArgumentParser()
+    add_data_bench_args(ap)
+    cfg = tmp_path / "bench.toml"
+    cfg.write_text(f'[data]\nsource = "lmdb"\npath = "{db29}"\nbatch_size = 4\ncrop_size = 4\nmirror = true\n'
+                   f'[model]\nnum_classes = {NUM_CLASSES}\n')
+    assert run_data_bench(ap.parse_args(["--config", str(cfg), "--batches", "3", "--repeats", "2"])) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["images_per_s"] > 0 and len(record["images_per_s_runs"]) == 2 and record["sample_shape"] == [4, 4, 3]
+    with pytest.raises(ConfigError, match="data.source is 'digits'"):
+        run_data_bench(ap.parse_args(["--config", str(cfg), "--set", 'data.source="digits"']))
+    with pytest.raises(ValueError, match="--batches must be positive"):
+        run_data_bench(ap.parse_args(["--config", str(cfg), "--batches", "0"]))

@@ -155,3 +155,16 @@ def test_make_lmdb_errors(folder, tmp_path):
         run_make_lmdb(ap.parse_args(["--digits", "a", "b"]))
     with pytest.raises(ValueError, match="takes SOURCE OUT"):
         run_make_lmdb(ap.parse_args(["only_one"]))
+
+
+def test_map_grows_and_bad_options_are_refused(folder, tmp_path, monkeypatch):
+    monkeypatch.setattr("dptrain.data.make_lmdb.INITIAL_MAP_BYTES", 64 * 1024)  # forces MDB_MAP_FULL + regrow
+    items = [(f"{CLASSES[i // 3]}/{i:02d}.png", i // 3) for i in range(6)]
+    assert make_lmdb(tmp_path / "big", items, root=folder, resize=(64, 64)) == 6  # 6 x 12 KiB raw > 64 KiB
+    assert read_all(str(tmp_path / "big"), 6)[0].shape == (6, 64, 64, 3)
+    with pytest.raises(ValueError, match=r"--resize needs positive H W, got \[0, 4\]"):
+        make_lmdb(tmp_path / "r", items, root=folder, resize=(0, 4))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="lists no images"):
+        read_list_file(empty)
