@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--config", default="launch/configs/digits.toml", help="recipe (default: %(default)s)")
     d.add_argument("--nproc", type=int, default=0, help="solver processes (default: GPUs, or 2 on CPU)")
     d.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    d.add_argument("--lmdb", default="runs/digits_lmdb", metavar="DIR",
+                   help="train from Caffe LMDBs of the digits in DIR/train and DIR/test, written by "
+                        "`make-lmdb --digits DIR` if missing (default: %(default)s)")
+    d.add_argument("--builtin", action="store_true", help="train from the in-memory digits instead of the LMDB")
 
     try:
         from dptrain.data.make_lmdb import add_make_lmdb_args
@@ -145,12 +149,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from dptrain.metrics import read_metrics
 
-    cfg = load_config(args.config, args.set)
+    sets = list(args.set)
+    if not args.builtin:
+        lmdb_dir = Path(args.lmdb)
+        if not (lmdb_dir / "train").exists():
+            from dptrain.data.make_lmdb import make_digits_lmdb
+
+            counts = make_digits_lmdb(lmdb_dir, encoded=True)
+            log.info("wrote the digits as PNG Datum LMDBs in %s: %s", lmdb_dir, counts)
+        sets = ['data.source="lmdb"', f'data.path="{lmdb_dir / "train"}"', f'data.test_path="{lmdb_dir / "test"}"',
+                *sets]
+    cfg = load_config(args.config, sets)
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     run_dir = Path(cfg.train.run_dir)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "dptrain", "train", "--config", args.config, *[f"--set={s}" for s in args.set]]
+           "-m", "dptrain", "train", "--config", args.config, *[f"--set={s}" for s in sets]]
     env = dict(os.environ)
     if not torch.cuda.is_available():
         # N solvers share the cores; one intra-op thread each avoids oversubscription.
@@ -164,8 +178,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return rc
     tests = [r for r in read_metrics(run_dir / "metrics.jsonl") if "test_top1" in r]
     top1 = tests[-1]["test_top1"]
-    print(f"demo: {nproc} solver(s), {wall_s:.1f} s wall, final test top-1 {100 * top1:.2f}% "
-          f"on {tests[-1]['test_samples']} held-out digits")
+    print(f"demo: {nproc} solver(s), data {cfg.data.source}, {wall_s:.1f} s wall, final test top-1 "
+          f"{100 * top1:.2f}% on {tests[-1]['test_samples']} held-out digits")
     return 0
 
 

@@ -87,7 +87,8 @@ class DataConfig:
     mirror: bool = False
     """Random horizontal flip in training."""
     mean_value: list[float] = field(default_factory=list)
-    """Per-channel mean in pixel units (0..255), subtracted on the device. Empty = 0."""
+    """Per-channel mean in pixel units (0..255), in RGB order (samples are RGB; a Caffe BGR
+    mean_file is converted), subtracted on the device. One value applies to every channel."""
     mean_file: str = ""
     """Caffe binaryproto or .npy mean image; overrides mean_value."""
     scale: float = 1.0

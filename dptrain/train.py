@@ -312,6 +312,8 @@ class Trainer:
             "images_per_s": round(self.plan.global_batch * iters / elapsed, 2),
             **self.scaler.stats(),
         }
+        if self._feeder is not None and "bad_records" in self._feeder.last_info:
+            rec["bad_records"] = self._feeder.last_info["bad_records"]  # skipped under data.max_bad_records
         self._loss_sum.zero_()
         self.scaler.check_floor()
         return rec

@@ -11,6 +11,8 @@ from dptrain.data.builtin import digits_source, synthetic_source
 def build_source(cfg: DataConfig, *, num_classes: int, seed: int, device: torch.device) -> DataSource:
     """The source named by ``data.source``."""
     if cfg.source == "digits":
+        if cfg.mean_value:  # explicit normalisation, e.g. to match an LMDB of the same digits
+            return digits_source(num_classes, tuple(cfg.mean_value), cfg.scale)
         return digits_source(num_classes)
     if cfg.source == "synthetic":
         return synthetic_source(num_classes, cfg.image_size, cfg.synthetic_samples, seed, device)

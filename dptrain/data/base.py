@@ -91,7 +91,10 @@ class DeviceFeeder:
         host = next(self._stream)
         self.last_info = host.info
         if self._copy_stream is None:
-            images, labels, event = host.images.to(self._device), host.labels.to(self._device), None
+            # On the CPU .to() returns the ring slot itself. The images are normalised into a new
+            # tensor before the next batch is staged, but the labels live on as the loss's saved
+            # target through backward, after release() lets a worker refill the slot: copy them.
+            images, labels, event = host.images.to(self._device), host.labels.to(self._device, copy=True), None
         else:
             with torch.cuda.stream(self._copy_stream):
                 images = host.images.to(self._device, non_blocking=True)

@@ -84,14 +84,22 @@ class ArraySource:
         return _IndexedStream(*self._test, _test_indices(self.num_test, rank, world_size, batch_size))
 
 
-def digits_source(num_classes: int) -> ArraySource:
-    """The built-in digits: 1500 train / 297 test, 32x32x3 uint8."""
+DIGITS_SCALE = 1.0 / 64.0
+"""Built-in normalisation: (x - training-set mean) / 64 puts the 0..255 pixels near [-1.2, 2.8]."""
+
+
+def digits_source(num_classes: int, mean: tuple[float, ...] = (), scale: float = DIGITS_SCALE) -> ArraySource:
+    """The built-in digits: 1500 train / 297 test, 32x32x3 uint8.
+
+    ``mean``/``scale`` are data.mean_value/data.scale, as for an LMDB of the same images; an
+    empty mean means the built-in normalisation (training-set pixel mean 77.75, scale 1/64).
+    """
     if num_classes < 10:
         raise ValueError(f"model.num_classes is {num_classes}, but digits has 10 classes; set model.num_classes = 10")
     xtr, ytr, xte, yte = load_digits_arrays()
-    mean = tuple(float(m) for m in xtr.reshape(-1, 3).mean(0))
+    mean = mean or tuple(float(m) for m in xtr.reshape(-1, 3).mean(0))
     to_t = torch.from_numpy
-    return ArraySource((to_t(xtr), to_t(ytr)), (to_t(xte), to_t(yte)), mean, 1.0 / 64.0)
+    return ArraySource((to_t(xtr), to_t(ytr)), (to_t(xte), to_t(yte)), tuple(mean), scale)
 
 
 SYNTHETIC_POOL = 16
