@@ -167,6 +167,10 @@ class SolverConfig:
     """LARC: "scale" uses lr*rate, "clip" uses min(lr, rate)."""
     larc_eta: float = 0.001
     """LARC trust coefficient."""
+    cpu_fused_update: bool = False
+    """CPU solvers only: run the update as one pass compiled by torch.compile (inductor; needs a
+    C++ compiler). ~5x faster than the in-place passes on large models; the first step pays a
+    ~15 s compile, cached on disk for later runs. No effect on CUDA (the CuPy kernel is fused)."""
 
     def __post_init__(self) -> None:
         _positive("solver.base_lr", self.base_lr)

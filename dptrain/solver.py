@@ -66,7 +66,7 @@ class MasterSGD:
                 g.grads, g.master, g.params, g.momentum,
                 lr=lr, momentum_coef=self.cfg.momentum, weight_decay=self.cfg.weight_decay,
                 decoupled=self.cfg.decay_mode == "decoupled", grad_coef=coef,
-                found_inf=self.scaler.found_inf, lr_scale=lr_scale,
+                found_inf=self.scaler.found_inf, lr_scale=lr_scale, cpu_fused=self.cfg.cpu_fused_update,
             )
         self.scaler.update()
         return lr

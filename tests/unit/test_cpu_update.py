@@ -62,3 +62,26 @@ def test_dispatch_uses_cpu_path_unless_forced(monkeypatch):
     sgd_update(*state, lr=0.1, momentum_coef=0.9, weight_decay=0.0, decoupled=False,
                grad_coef=torch.tensor([1.0]), found_inf=torch.zeros(1))
     assert torch.count_nonzero(state[0]) == 0
+
+
+def test_compiled_cpu_update_matches_reference():
+    from dptrain.kernels import sgd_update_cpu_fused
+
+    # One variant (the demo/benchmark one: bf16 storage, fp32 momentum, L2): each variant costs
+    # a ~15 s inductor compile on a fresh machine.
+    state = _state(torch.bfloat16, torch.float32)
+    kw = dict(momentum_coef=0.9, weight_decay=5e-4, decoupled=False, grad_coef=torch.tensor([0.25]),
+              found_inf=torch.zeros(1))
+    ref, fused = _clone(state), _clone(state)
+    for lr in (0.1, 0.05):  # a new lr must not need a recompile (it travels as a tensor)
+        for s in (ref, fused):
+            s[0].copy_(state[0])
+        sgd_update_reference(*ref, lr=lr, **kw)
+        sgd_update_cpu_fused(*fused, lr=lr, **kw)
+    # inductor may contract a*b+c into one rounding (the reference rounds each op): ~1 fp32 ulp
+    torch.testing.assert_close(fused[1], ref[1], rtol=0, atol=5e-7)
+    torch.testing.assert_close(fused[3], ref[3], rtol=0, atol=5e-7)
+    assert torch.equal(fused[2], fused[1].to(torch.bfloat16)) and torch.count_nonzero(fused[0]) == 0
+    skipped = _clone(fused)
+    sgd_update_cpu_fused(*skipped, lr=0.1, **{**kw, "found_inf": torch.ones(1)})
+    assert torch.equal(skipped[1], fused[1]) and torch.equal(skipped[3], fused[3])
