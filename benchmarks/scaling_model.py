@@ -116,8 +116,8 @@ def profile_from_trace(trace: dict[str, Any], *, batch_size: int = 0, source: st
             if e.get("name") == "bucket_ready" and e.get("ph") == "i":
                 ready.setdefault(int(e["args"]["bucket"]), []).append(min(e["ts"] - bwd["ts"], bwd["dur"]) / 1e3)
     if not nbytes:
-        raise ValueError("trace has no 'bucket_ready' or 'allreduce' events; dptrain records them only with "
-                         "world size >= 2: record the profile with 2 solvers (e.g. launch/run-local --nproc 2 bench ... --trace PATH)")
+        raise ValueError("trace has no 'bucket_ready' or 'allreduce' events; record it with "
+                         "`dptrain bench --trace PATH` (any world size)")
     bwd_ms = _median([s["span"]["backward"]["dur"] / 1e3 for s in steps])
     buckets = tuple(BucketTiming(nbytes[i], max(0.0, _median(ready[i])) if i in ready else bwd_ms)
                     for i in sorted(nbytes))

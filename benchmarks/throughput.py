@@ -39,17 +39,23 @@ class Case:
     extra_sets: list[str] = field(default_factory=list)
 
 
+FUSED = ["solver.cpu_fused_update=true"]
+"""dptrain's CPU update compiled into one pass; the warm-up steps absorb the compile."""
+
+
 def cpu_cases(quick: bool) -> list[Case]:
     w, b = (16, 16) if quick else (64, 32)
     common = dict(model="resnet18_cifar", width=w, num_classes=10, image_size=32, batch_size=b, channels_last=False)
     cases = [
-        Case("1 solver, bf16 storage vs autocast bf16", 1, precision="bf16", **common),
-        Case("2 solvers, bf16 storage vs DDP + autocast bf16", 2, precision="bf16", **common),
-        Case("2 solvers, fp32 vs DDP fp32", 2, precision="fp32", **common),
+        Case("1 solver, bf16 storage vs autocast bf16", 1, precision="bf16", extra_sets=FUSED, **common),
+        Case("1 solver, bf16 storage (in-place update) vs autocast bf16", 1, precision="bf16", **common),
+        Case("2 solvers, bf16 storage vs DDP + autocast bf16", 2, precision="bf16", extra_sets=FUSED, **common),
+        Case("2 solvers, fp32 vs DDP fp32", 2, precision="fp32", extra_sets=FUSED, **common),
     ]
     for mb in (1, 5, 25, 100):
         cases.append(Case(f"bucket sweep {mb} MB, 2 solvers bf16", 2, precision="bf16", peer=False,
-                          extra_sets=[f"reducer.bucket_mb={mb}", f"reducer.first_bucket_mb={min(mb, 1)}"], **common))
+                          extra_sets=[*FUSED, f"reducer.bucket_mb={mb}", f"reducer.first_bucket_mb={min(mb, 1)}"],
+                          **common))
     return cases
 
 

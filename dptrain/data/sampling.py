@@ -13,6 +13,7 @@ whose sizes differ by at most one; every test sample is scored exactly once.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,12 +34,20 @@ class ShardPlan:
         return self.batch_size * self.world_size
 
 
+@functools.lru_cache(maxsize=4)
 def epoch_permutation(seed: int, epoch: int, num_samples: int, shuffle: bool) -> np.ndarray:
-    """The epoch's order of sample indices: [num_samples] int64, reproducible from (seed, epoch)."""
+    """The epoch's order of sample indices: [num_samples] int64, reproducible from (seed, epoch).
+
+    Cached (read-only): every batch of an epoch slices the same permutation, and drawing one
+    for ImageNet's 1.28M samples costs ~20 ms, too much to repeat per step.
+    """
     if not shuffle:
-        return np.arange(num_samples, dtype=np.int64)
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 0x5EED])))
-    return rng.permutation(num_samples).astype(np.int64)
+        perm = np.arange(num_samples, dtype=np.int64)
+    else:
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 0x5EED])))
+        perm = rng.permutation(num_samples).astype(np.int64)
+    perm.setflags(write=False)
+    return perm
 
 
 def batches_per_epoch(num_samples: int, global_batch: int) -> int:
@@ -63,7 +72,7 @@ def rank_batch_indices(step: int, num_samples: int, plan: ShardPlan) -> np.ndarr
     epoch, k = step_position(step, num_samples, plan)
     perm = epoch_permutation(plan.seed, epoch, num_samples, plan.shuffle)
     start = k * plan.global_batch + plan.rank * plan.batch_size
-    return perm[start : start + plan.batch_size]
+    return perm[start : start + plan.batch_size].copy()  # writable: callers may hand it to torch
 
 
 def rank_epoch_shard(epoch: int, num_samples: int, plan: ShardPlan) -> np.ndarray:
@@ -71,7 +80,7 @@ def rank_epoch_shard(epoch: int, num_samples: int, plan: ShardPlan) -> np.ndarra
     per_epoch = batches_per_epoch(num_samples, plan.global_batch)
     perm = epoch_permutation(plan.seed, epoch, num_samples, plan.shuffle)
     g = perm[: per_epoch * plan.global_batch].reshape(per_epoch, plan.world_size, plan.batch_size)
-    return g[:, plan.rank, :].reshape(-1)
+    return g[:, plan.rank, :].reshape(-1).copy()  # writable, independent of the cached permutation
 
 
 def eval_range(num_samples: int, rank: int, world_size: int) -> range:
