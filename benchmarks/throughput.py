@@ -119,8 +119,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny widths (smoke run)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this text")
+    ap.add_argument("--tag", default="", help="suffix of the results file name, e.g. peers or buckets")
     args = ap.parse_args()
     cases = cpu_cases(args.quick) if args.suite == "cpu" else gpu_cases()
+    cases = [c for c in cases if args.only in c.name]
     if args.dry_run:
         for c in cases:
             print(" ".join(dptrain_cmd(c, args.steps, args.warmup)))
@@ -147,7 +150,8 @@ def main() -> int:
     hw = "cpu2" if args.suite == "cpu" else device.split()[-1].lower().replace("-", "")
     machine = f"{device}; {platform.platform()}; torch {raw[0]['versions']['torch']}"
     date = datetime.date.today().strftime("%Y%m%d")
-    path = Path(args.out) / f"throughput_{args.suite}_{hw}_{date}.md"
+    suffix = f"_{args.tag}" if args.tag else ""
+    path = Path(args.out) / f"throughput_{args.suite}_{hw}_{date}{suffix}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(rows, machine, date, raw))
     print(f"wrote {path}")

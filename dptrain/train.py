@@ -238,7 +238,9 @@ class Trainer:
                     break
                 top5 = self.model(x).float().topk(min(5, self.cfg.model.num_classes), dim=1).indices
                 hit = top5 == y[:, None]
-                counts += torch.stack([hit[:, 0].sum(), hit.any(dim=1).sum(), torch.tensor(len(y))]).to(counts)
+                counts[0] += hit[:, 0].sum()
+                counts[1] += hit.any(dim=1).sum()
+                counts[2] += len(y)
         finally:
             feeder.close()
         self.comm.allreduce_sum_(counts)

@@ -43,7 +43,10 @@ class _IndexedStream:
 
     def __next__(self) -> HostBatch:
         idx = torch.from_numpy(next(self._index_iter))
-        return HostBatch(self._images.index_select(0, idx), self._labels.index_select(0, idx.to(self._labels.device)))
+        # non_blocking: a pageable host->device copy of the indices must not sync the stream
+        # (the no-host-sync test runs synthetic data on the GPU)
+        return HostBatch(self._images.index_select(0, idx),
+                         self._labels.index_select(0, idx.to(self._labels.device, non_blocking=True)))
 
     def close(self) -> None:
         pass
@@ -129,4 +132,4 @@ class _PoolView:
 
     def index_select(self, dim: int, idx: torch.Tensor) -> torch.Tensor:
         assert dim == 0, "only batch gathers are supported"
-        return self._pool.index_select(0, (idx % self._pool.shape[0]).to(self._pool.device))
+        return self._pool.index_select(0, (idx % self._pool.shape[0]).to(self._pool.device, non_blocking=True))
