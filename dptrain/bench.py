@@ -20,6 +20,7 @@ import torch
 
 from dptrain.comm import Communicator
 from dptrain.config import TrainConfig, config_hash
+from dptrain.precision import cpu_native_support, warn_if_slow_on_cpu
 from dptrain.trace import NullTracer, Tracer
 from dptrain.train import Trainer, local_threads, pick_device
 
@@ -54,7 +55,9 @@ def git_commit() -> str:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    native = [d for d in ("bf16", "fp16") if cpu_native_support(d)]
+    return (f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+            f"{torch.backends.cpu.get_cpu_capability()}, native {'/'.join(native) or 'fp32 only'})")
 
 
 def peak_mem_bytes(device: torch.device) -> int:
@@ -87,6 +90,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
     comm = Communicator.from_env(cfg.reducer.timeout_s, device)
     tracer = Tracer(comm.rank) if trace else NullTracer(comm.rank)
     trainer = Trainer(cfg, comm, tracer=tracer)
+    warn_if_slow_on_cpu(cfg.precision.storage, device)
     try:
         trainer.phases.active = False
         for _ in range(warmup):

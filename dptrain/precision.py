@@ -20,6 +20,31 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def cpu_native_support(storage: str) -> bool:
+    """Whether this CPU runs ``storage``-dtype convolutions and matmuls natively (oneDNN).
+
+    fp32 always does. bf16 needs AVX512-BF16 or AMX, fp16 needs AVX512-FP16 or AMX-FP16;
+    without them oneDNN falls back to a reference path that is 10-50x slower than fp32
+    (measured: a 64-channel 3x3 convolution at 32x32, batch 32, takes 26 ms in fp32 and
+    1105 ms in bf16 on an AVX2-only EPYC VM).
+    """
+    probe = {"bf16": "_is_mkldnn_bf16_supported", "fp16": "_is_mkldnn_fp16_supported"}.get(storage)
+    if probe is None:
+        return True
+    try:
+        return bool(getattr(torch.ops.mkldnn, probe)())
+    except (AttributeError, RuntimeError):  # the probe is private: assume support if it is gone
+        return True
+
+
+def warn_if_slow_on_cpu(storage: str, device: torch.device) -> None:
+    """One log line when the storage dtype has no native CPU kernels on this machine."""
+    if device.type == "cpu" and not cpu_native_support(storage):
+        log.warning("precision.storage = %r has no native kernels on this CPU (%s, no AVX512-%s/AMX): "
+                    "convolutions run 10-50x slower than fp32; use precision.storage = \"fp32\" for CPU runs here",
+                    storage, torch.backends.cpu.get_cpu_capability(), storage.upper())
+
+
 def _matches(name: str, module: nn.Module, patterns: list[str]) -> bool:
     """A module matches by its class name (or a base class name) or its qualified name."""
     type_names = [c.__name__ for c in type(module).__mro__]

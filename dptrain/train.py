@@ -37,7 +37,7 @@ from dptrain.data.sampling import ShardPlan, batches_per_epoch
 from dptrain.flat import FlatParams
 from dptrain.metrics import MetricsWriter
 from dptrain.models import build_model
-from dptrain.precision import DTYPES, LossScaler, apply_precision
+from dptrain.precision import DTYPES, LossScaler, apply_precision, warn_if_slow_on_cpu
 from dptrain.reducer import Reducer
 from dptrain.snapshot import load_snapshot, save_snapshot, snapshot_path
 from dptrain.solver import MasterSGD
@@ -337,6 +337,7 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
         log.info("%s", self.plan.describe())
         log.info("bytes per parameter: %s (%d parameters)", self.flat.bytes_per_param(), self.flat.num_params)
+        warn_if_slow_on_cpu(self.cfg.precision.storage, self.device)
         flag, last, bar = _StopFlag(), {}, _progress(self.rank, s.max_iter, self.iteration)
         t_last, it_last = time.perf_counter(), self.iteration
         with flag.installed():

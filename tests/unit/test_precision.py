@@ -280,3 +280,16 @@ def test_loss_scaling_recovers_the_gradient_and_learns(mode):
     assert torch.all(grads[0] < 0)  # survives in fp16, with the right sign (the loss wants larger w)
     assert torch.all(net.weight > w0)  # weights moved towards y = 3
     assert losses[-1] < 0.75 * losses[0]
+
+
+def test_slow_cpu_dtype_warning_follows_the_probe(monkeypatch, caplog):
+    import dptrain.precision as prec
+
+    assert prec.cpu_native_support("fp32")
+    monkeypatch.setattr(prec, "cpu_native_support", lambda storage: storage == "fp32")
+    with caplog.at_level("WARNING", logger="dptrain.precision"):
+        prec.warn_if_slow_on_cpu("bf16", torch.device("cpu"))
+        prec.warn_if_slow_on_cpu("fp32", torch.device("cpu"))
+        prec.warn_if_slow_on_cpu("bf16", torch.device("meta"))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "'bf16'" in msgs[0] and 'precision.storage = "fp32"' in msgs[0]
