@@ -120,10 +120,24 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")
     ap.add_argument("--only", default="", help="run only the cases whose name contains this text")
+    ap.add_argument("--allow-slow-dtypes", action="store_true",
+                    help="run bf16/fp16 CPU cases even where the CPU has no native kernels for them")
     ap.add_argument("--tag", default="", help="suffix of the results file name, e.g. peers or buckets")
     args = ap.parse_args()
     cases = cpu_cases(args.quick) if args.suite == "cpu" else gpu_cases()
     cases = [c for c in cases if args.only in c.name]
+    if args.suite == "cpu" and not args.allow_slow_dtypes:
+        from dptrain.precision import cpu_native_support
+
+        slow = [c for c in cases if not cpu_native_support(c.precision)]
+        if slow:
+            print(f"skipping {len(slow)} case(s) whose storage dtype has no native kernels on this CPU "
+                  f"(they would time the reference fallback, not dptrain): {', '.join(c.name for c in slow)}; "
+                  f"--allow-slow-dtypes runs them anyway", file=sys.stderr)
+            cases = [c for c in cases if c not in slow]
+    if not cases:
+        print("no case to run", file=sys.stderr)
+        return 2
     if args.dry_run:
         for c in cases:
             print(" ".join(dptrain_cmd(c, args.steps, args.warmup)))

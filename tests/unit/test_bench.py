@@ -52,3 +52,18 @@ def test_single_solver_trace_has_bucket_ready_events(tmp_path, capsys):
 
     profile = profile_from_trace(json.loads((tmp_path / "t.rank0.json").read_text()), batch_size=4)
     assert len(profile.buckets) == len(ready)
+
+
+def test_throughput_dry_run_lists_every_case_and_its_peer():
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput.py"
+    out = subprocess.run([sys.executable, str(script), "--dry-run", "--allow-slow-dtypes"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    ours = [ln for ln in out if " -m dptrain bench " in ln]
+    peers = [ln for ln in out if "peer.py" in ln]
+    assert len(ours) == 8 and len(peers) == 4  # 4 peer cases + 4 bucket sizes
+    assert all("--nproc-per-node=2" in ln for ln in peers[2:])
+    sweep = subprocess.run([sys.executable, str(script), "--dry-run", "--allow-slow-dtypes", "--only", "bucket sweep"],
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [ln.split("reducer.bucket_mb=")[1].split()[0] for ln in sweep] == ["1", "5", "25", "100"]
