@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -161,7 +162,7 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     device = raw[0]["device"]
-    hw = "cpu2" if args.suite == "cpu" else device.split()[-1].lower().replace("-", "")
+    hw = "cpu2" if args.suite == "cpu" else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
     machine = f"{device}; {platform.platform()}; torch {raw[0]['versions']['torch']}"
     date = datetime.date.today().strftime("%Y%m%d")
     suffix = f"_{args.tag}" if args.tag else ""
