@@ -52,6 +52,7 @@ def main() -> None:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # as dptrain's train.cudnn_benchmark default
     else:
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if world > 1:

@@ -278,6 +278,9 @@ class TrainSection:
     """"auto": CUDA device LOCAL_RANK when available, else CPU."""
     threads: int = 0
     """torch intra-op threads per solver on CPU; 0 = cores / local world size."""
+    cudnn_benchmark: bool = True
+    """CUDA: let cuDNN time its convolution algorithms on the first step of each input shape and
+    keep the fastest (NVCaffe autotunes likewise). Set false for run-to-run identical algorithms."""
 
     def __post_init__(self) -> None:
         _positive("train.seed", self.seed, allow_zero=True)

@@ -38,6 +38,10 @@ HIGH_PRIORITY = -1
 torch 2.x (values beyond the device's range are clamped), as NVCaffe's highest-priority stream."""
 
 
+NCCL_BF16_VERSION = 21000
+"""ncclGetVersion() code of NCCL 2.10.0, the first release with ncclBfloat16."""
+
+
 @functools.cache
 def _nccl() -> ModuleType:
     try:
@@ -45,18 +49,38 @@ def _nccl() -> ModuleType:
     except ImportError as e:
         raise ValueError(f"reducer.backend = \"cupy-nccl\" needs CuPy with NCCL ({e}); install cupy-cuda12x "
                          "or use reducer.backend = \"torch\"") from e
+    # cupy.cuda.nccl imports even when CuPy cannot load libnccl: it then only sets available = False
+    # and has no NcclCommunicator, so check here rather than fail later with an AttributeError.
+    if not getattr(nccl, "available", False) or not hasattr(nccl, "NcclCommunicator"):
+        raise ValueError("reducer.backend = \"cupy-nccl\": CuPy is installed but cannot load the NCCL library "
+                         "(cupy.cuda.nccl.available is False); install nvidia-nccl-cu12 (pip install "
+                         "dptrain[cuda12]) or use reducer.backend = \"torch\"")
     return nccl
 
 
-def _nccl_dtype(dtype: torch.dtype) -> int:
+@functools.cache
+def _dtype_table() -> dict[torch.dtype, int]:
     nccl = _nccl()
     table = {torch.float16: nccl.NCCL_FLOAT16, torch.float32: nccl.NCCL_FLOAT32}
-    if hasattr(nccl, "NCCL_BFLOAT16"):  # CuPy built against NCCL >= 2.10
+    # bf16 needs both a CuPy that defines the constant and a runtime NCCL >= 2.10 to accept it
+    if hasattr(nccl, "NCCL_BFLOAT16") and nccl.get_version() >= NCCL_BF16_VERSION:
         table[torch.bfloat16] = nccl.NCCL_BFLOAT16
+    return table
+
+
+def _nccl_dtype(dtype: torch.dtype) -> int:
+    table = _dtype_table()
     if dtype not in table:
         raise ValueError(f"cupy-nccl cannot reduce {dtype} (this CuPy supports {sorted(map(str, table))}); "
                          "use reducer.backend = \"torch\" or reducer.reduce_dtype = \"fp32\"")
     return table[dtype]
+
+
+def check_reducible(dtypes: set[torch.dtype]) -> None:
+    """Raise now, at startup on every rank alike, if cupy-nccl cannot reduce one of ``dtypes``
+    (rather than at the first bucket, inside backward, where it would look like a dead peer)."""
+    for dtype in dtypes:
+        _nccl_dtype(dtype)
 
 
 class CupyWork:
@@ -113,7 +137,7 @@ class CupyNcclCommunicator:
         self._error = (f"rank {self.rank}: cupy-nccl allreduce did not complete within reducer.timeout_s = "
                        f"{self.timeout_s} s; a peer rank probably died or hung, see its log")
         log.error("%s; aborting the NCCL communicator", self._error)
-        self._nccl.abort()
+        self._nccl.abort()  # CuPy makes a second abort (another bucket timing out) a no-op
 
     def raise_if_failed(self) -> None:
         if self._error is not None:

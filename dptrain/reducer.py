@@ -108,8 +108,9 @@ class Reducer:
         if self.comm.device.type != "cuda":
             raise ValueError(f"rank {self.comm.rank}: reducer.backend = \"cupy-nccl\" needs CUDA devices, "
                              f"this solver runs on {self.comm.device}; use reducer.backend = \"torch\"")
-        from dptrain.nccl_cupy import CupyNcclCommunicator  # imports cupy: GPU runs only
+        from dptrain.nccl_cupy import CupyNcclCommunicator, check_reducible  # imports cupy: GPU runs only
 
+        check_reducible({torch.float32 if self.fp32_reduce else g.grads.dtype for g in self.flat.groups})
         return CupyNcclCommunicator(self.comm, self.cfg.timeout_s)
 
     # ------------------------------------------------------------------ plan

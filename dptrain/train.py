@@ -162,6 +162,8 @@ class Trainer:
         self.cfg, self.comm = cfg, comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.device = comm.device
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
         self.tracer = tracer or NullTracer(self.rank)
         self.model, self.flat = build_model_and_params(cfg, comm, self.device)
         ls_mode = cfg.precision.resolved_loss_scale_mode()

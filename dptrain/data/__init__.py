@@ -18,4 +18,4 @@ def build_source(cfg: DataConfig, *, num_classes: int, seed: int, device: torch.
         return synthetic_source(num_classes, cfg.image_size, cfg.synthetic_samples, seed, device)
     from dptrain.data.lmdb_source import lmdb_source
 
-    return lmdb_source(cfg, num_classes=num_classes, seed=seed)
+    return lmdb_source(cfg, num_classes=num_classes, seed=seed, pin_memory=device.type == "cuda")

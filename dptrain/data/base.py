@@ -139,8 +139,14 @@ class DeviceFeeder:
 def normalize_batch(
     images: torch.Tensor, mean: torch.Tensor, scale: float, dtype: torch.dtype, channels_last: bool
 ) -> torch.Tensor:
-    """uint8 [B, H, W, C] -> ``dtype`` [B, C, H, W] as ``(x - mean) * scale`` in fp32 math."""
-    x = images.permute(0, 3, 1, 2)  # NCHW view of NHWC bytes: already channels_last strides
-    if not channels_last:
-        x = x.contiguous()
-    return ((x.float() - mean) * scale).to(dtype)
+    """uint8 [B, H, W, C] -> ``dtype`` [B, C, H, W] as ``(x - mean) * scale`` in fp32 math.
+
+    Passes over the batch: the fp32 copy in the target layout, subtract and scale in place on
+    it, then the cast to the storage dtype (none for fp32): one fp32 temporary, where
+    out-of-place ops would allocate three.
+    """
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    # permute: an NCHW view of the NHWC bytes (channels_last strides); the copy converts and
+    # lays out in one pass, and is always a new tensor, so the in-place ops never touch the source
+    x = images.permute(0, 3, 1, 2).to(torch.float32, memory_format=fmt, copy=True)
+    return x.sub_(mean).mul_(scale).to(dtype)

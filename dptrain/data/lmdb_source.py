@@ -60,7 +60,7 @@ def _open_env(path: str, rank: int) -> lmdb.Environment:
         if cached is not None and cached[0] == os.getpid():
             return cached[1]
         if not os.path.exists(path):
-            raise DataError(f"LMDB path does not exist; fix data.path / data.test_path", path=path, rank=rank)
+            raise DataError("LMDB path does not exist; fix data.path / data.test_path", path=path, rank=rank)
         try:
             env = lmdb.open(path, readonly=True, lock=False, readahead=False, max_readers=MAX_READERS,
                             subdir=os.path.isdir(path), meminit=False)
@@ -161,8 +161,10 @@ def default_threads(cfg: DataConfig) -> tuple[int, int]:
 class LmdbSource:
     """DataSource over a training LMDB and an optional test LMDB of Caffe Datums."""
 
-    def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0, draft: bool = True) -> None:
+    def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0, draft: bool = True,
+                 pin_memory: bool = False) -> None:
         self._cfg, self._num_classes, self._seed, self._draft = cfg, num_classes, seed, draft
+        self._pin = pin_memory  # page-locked batch ring: only when the batches go to a CUDA device
         self._train = LmdbReader(cfg.path, rank)
         self._test = LmdbReader(cfg.test_path, rank) if cfg.test_path else None
         self.num_train = len(self._train)
@@ -206,7 +208,7 @@ class LmdbSource:
         parts = StreamParts(
             reader=reader, sequence=sequence,
             queues=QueueSet(p, t, capacity=max(2, math.ceil(batch_size / (p * t)))),
-            ring=BatchRing(self._cfg.prefetch + 2, batch_size, self.sample_shape),
+            ring=BatchRing(self._cfg.prefetch + 2, batch_size, self.sample_shape, pin=self._pin),
             budget=BadRecordBudget(self._cfg.max_bad_records, rank),
             stages=self._stages[train], channels=self.channels, batch_size=batch_size,
             num_classes=self._num_classes, seed=self._seed, rank=rank, draft=self._draft,
@@ -226,6 +228,7 @@ class LmdbSource:
         return self._stream(self._test, TestSequence(indices), batch_size, rank, train=False)
 
 
-def lmdb_source(cfg: DataConfig, *, num_classes: int, seed: int) -> LmdbSource:
+def lmdb_source(cfg: DataConfig, *, num_classes: int, seed: int, pin_memory: bool = False) -> LmdbSource:
     """The [data] section's LMDB source (called by ``dptrain.data.build_source``)."""
-    return LmdbSource(cfg, num_classes=num_classes, seed=seed, rank=int(os.environ.get("RANK", "0")))
+    return LmdbSource(cfg, num_classes=num_classes, seed=seed, rank=int(os.environ.get("RANK", "0")),
+                      pin_memory=pin_memory)

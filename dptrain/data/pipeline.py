@@ -113,11 +113,10 @@ class BadRecordBudget:
 class BatchRing:
     """R pinned [B, H, W, C] uint8 batch slots (+ labels); batch b is written into slot b % R."""
 
-    def __init__(self, slots: int, batch_size: int, sample_shape: tuple[int, int, int]) -> None:
-        pin = torch.cuda.is_available()
+    def __init__(self, slots: int, batch_size: int, sample_shape: tuple[int, int, int], *, pin: bool = False) -> None:
         self.slots = slots
         self.images = torch.empty((slots, batch_size, *sample_shape), dtype=torch.uint8,
-                                  pin_memory=pin)  # [R, B, H, W, C] uint8, pinned on CUDA machines
+                                  pin_memory=pin)  # [R, B, H, W, C] uint8, pinned for CUDA runs
         self.labels = torch.empty((slots, batch_size), dtype=torch.int64, pin_memory=pin)  # [R, B]
         self._images_np, self._labels_np = self.images.numpy(), self.labels.numpy()
         self.owner = list(range(slots))

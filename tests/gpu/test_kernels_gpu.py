@@ -71,9 +71,16 @@ def _clone(case: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _update(fn, c: dict[str, torch.Tensor], *, with_scale: bool, skip: float, **kw) -> None:
+def _scalars(skip: float) -> dict[str, torch.Tensor]:
+    """grad_coef and found_inf as [1] fp32 device tensors. Creating them is a blocking host-to-device
+    copy (the host waits for the current stream), so callers that must not sync make them beforehand."""
+    return {"grad_coef": torch.tensor([0.37 / 4096], device="cuda"), "found_inf": torch.tensor([skip], device="cuda")}
+
+
+def _update(fn, c: dict[str, torch.Tensor], *, with_scale: bool, skip: float = 0.0,
+            scalars: dict[str, torch.Tensor] | None = None, **kw) -> None:
     fn(c["grads"], c["master"], c["params"], c["momentum"], lr_scale=c["lr_scale"] if with_scale else None,
-       grad_coef=torch.tensor([0.37 / 4096], device="cuda"), found_inf=torch.tensor([skip], device="cuda"), **kw)
+       **(scalars if scalars is not None else _scalars(skip)), **kw)
 
 
 @pytest.mark.parametrize("storage", STORAGE)
@@ -117,13 +124,19 @@ def test_sgd_kernel_runs_on_torch_current_stream():
     want["grads"].copy_(fresh)
     kw = dict(lr=0.1, momentum_coef=0.9, weight_decay=0.0, decoupled=False)
     _update(sgd_update_reference, want, with_scale=False, skip=0.0, **kw)
+    _update(kernels.sgd_update, _clone(case), with_scale=False, **kw)  # compile/load before the timed part
     got = _clone(case)
+    # Made before the spin: created inside it, torch.tensor(..., device="cuda") would block the host
+    # until the side stream drained, and a kernel on any stream would then see the fresh grads.
+    scalars = _scalars(0.0)
+    torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(100_000_000)  # ~50 ms of spinning before the grads are written
         got["grads"].copy_(fresh)
-        _update(kernels.sgd_update, got, with_scale=False, skip=0.0, **kw)
+        _update(kernels.sgd_update, got, with_scale=False, scalars=scalars, **kw)
+        assert not side.query(), "the host must not have waited for the side stream before the launch"
     side.synchronize()
     assert torch.equal(_bits(got["master"]), _bits(want["master"]))
 

@@ -26,10 +26,13 @@ def requires_gpus(n: int) -> pytest.MarkDecorator:
 
 def requires_cupy_nccl() -> pytest.MarkDecorator:
     try:
-        from cupy.cuda import nccl  # noqa: F401
-        ok, why = True, ""
+        from cupy.cuda import nccl
     except ImportError as e:
         ok, why = False, str(e)
+    else:
+        # cupy.cuda.nccl imports even when libnccl cannot be loaded; it then says available = False
+        ok = bool(getattr(nccl, "available", False)) and hasattr(nccl, "NcclCommunicator")
+        why = "" if ok else "cupy.cuda.nccl.available is False (CuPy cannot load libnccl)"
     return pytest.mark.skipif(not ok, reason=f"needs CuPy with NCCL: {why}")
 
 

@@ -390,3 +390,25 @@ def test_data_bench_measures_and_rejects_other_sources(db29, tmp_path, capsys):
         run_data_bench(ap.parse_args(["--config", str(cfg), "--set", 'data.source="digits"']))
     with pytest.raises(ValueError, match="--batches must be positive"):
         run_data_bench(ap.parse_args(["--config", str(cfg), "--batches", "0"]))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_normalize_batch_matches_the_formula_and_leaves_the_source(channels_last, dtype):
+    from dptrain.data.base import normalize_batch
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (4, 5, 6, 3), dtype=torch.uint8, generator=g)  # [B, H, W, C]
+    before = images.clone()
+    mean = torch.tensor([10.0, 20.0, 30.0]).view(1, 3, 1, 1)
+    out = normalize_batch(images, mean, 0.5, dtype, channels_last)
+    want = ((images.permute(0, 3, 1, 2).float() - mean) * 0.5).to(dtype)
+    assert out.dtype == dtype and out.shape == (4, 3, 5, 6) and torch.equal(out, want)
+    assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    assert torch.equal(images, before)
+
+
+def test_batch_ring_pins_only_when_asked():
+    from dptrain.data.pipeline import BatchRing
+
+    assert not BatchRing(2, 3, (4, 4, 3)).images.is_pinned()
