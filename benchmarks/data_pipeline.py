@@ -241,6 +241,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, default=15, help="timed batches of 64 per case and round")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--tag", default="", help="suffix of the results file name, e.g. the machine")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--db", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -332,7 +333,7 @@ def write_report(out_dir: Path, lines: dict[str, list[dict]], dataset: dict, arg
         "",
     ])
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"data_pipeline_cpu{m['cores']}_{date}.md"
+    path = out_dir / f"data_pipeline_cpu{m['cores']}_{date}{'_' + args.tag if args.tag else ''}.md"
     path.write_text(text)
     return path
 
