@@ -90,7 +90,8 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
     comm = Communicator.from_env(cfg.reducer.timeout_s, device)
     tracer = Tracer(comm.rank) if trace else NullTracer(comm.rank)
     trainer = Trainer(cfg, comm, tracer=tracer)
-    warn_if_slow_on_cpu(cfg.precision.storage, device)
+    if comm.rank == 0:
+        warn_if_slow_on_cpu(cfg.precision.storage, device)
     try:
         trainer.phases.active = False
         for _ in range(warmup):

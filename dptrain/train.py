@@ -339,7 +339,8 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
         log.info("%s", self.plan.describe())
         log.info("bytes per parameter: %s (%d parameters)", self.flat.bytes_per_param(), self.flat.num_params)
-        warn_if_slow_on_cpu(self.cfg.precision.storage, self.device)
+        if self.rank == 0:
+            warn_if_slow_on_cpu(self.cfg.precision.storage, self.device)
         flag, last, bar = _StopFlag(), {}, _progress(self.rank, s.max_iter, self.iteration)
         t_last, it_last = time.perf_counter(), self.iteration
         with flag.installed():

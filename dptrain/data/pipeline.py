@@ -111,7 +111,7 @@ class BadRecordBudget:
 
 
 class BatchRing:
-    """R pinned [B, H, W, C] uint8 batch slots (+ labels); batch b is written into slot b % R."""
+    """R [B, H, W, C] uint8 batch slots (+ labels), page-locked for CUDA runs; batch b is written into slot b % R."""
 
     def __init__(self, slots: int, batch_size: int, sample_shape: tuple[int, int, int], *, pin: bool = False) -> None:
         self.slots = slots
