@@ -321,7 +321,7 @@ def test_device_feeder_reuses_pinned_slots_only_after_their_copy(db29):
     from dptrain.data.base import DeviceFeeder
 
     src = lmdb_source(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=2),
-                      num_classes=NUM_CLASSES, seed=2)
+                      num_classes=NUM_CLASSES, seed=2, pin_memory=True)  # as build_source does for CUDA
     plan = ShardPlan(0, 1, 4, seed=2)
     stream = src.train_batches(plan, 0)
     assert stream._ring.images.is_pinned()
@@ -401,10 +401,16 @@ def test_normalize_batch_matches_the_formula_and_leaves_the_source(channels_last
     images = torch.randint(0, 256, (4, 5, 6, 3), dtype=torch.uint8, generator=g)  # [B, H, W, C]
     before = images.clone()
     mean = torch.tensor([10.0, 20.0, 30.0]).view(1, 3, 1, 1)
-    out = normalize_batch(images, mean, 0.5, dtype, channels_last)
-    want = ((images.permute(0, 3, 1, 2).float() - mean) * 0.5).to(dtype)
-    assert out.dtype == dtype and out.shape == (4, 3, 5, 6) and torch.equal(out, want)
-    assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    exact = (images.permute(0, 3, 1, 2).float() - mean) * 0.017
+    out = normalize_batch(images, mean, 0.017, dtype, channels_last)
+    assert out.dtype == dtype and out.shape == (4, 3, 5, 6) and torch.equal(out, exact.to(dtype))
+    assert out.is_contiguous(memory_format=fmt)
+    # the one-kernel form CUDA uses, run here on the CPU: x * s - mean * s, one fp32 rounding apart
+    fused = normalize_batch(images, mean, 0.017, dtype, channels_last, fused=True)
+    assert fused.dtype == dtype and fused.is_contiguous(memory_format=fmt)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8}[dtype]
+    torch.testing.assert_close(fused.float(), exact.to(dtype).float(), rtol=tol, atol=tol)
     assert torch.equal(images, before)
 
 
