@@ -193,10 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "make-lmdb":
             from dptrain.data.make_lmdb import run_make_lmdb
 
-            return run_make_lmdb(args)
-        from dptrain.data.databench import run_data_bench
+            record = run_make_lmdb(args)
+        else:
+            from dptrain.data.databench import run_data_bench
 
-        return run_data_bench(args)
+            record = run_data_bench(args)
+        print(json.dumps(record), flush=True)  # the command's result: one JSON line on stdout
+        return 0
     except (ConfigError, ValueError, FileNotFoundError) as e:
         rank, _, world = _rank_env()
         where = f" (rank {rank})" if world > 1 else ""

@@ -6,7 +6,6 @@ free, so the number is the pipeline's ceiling on this machine. It prints one JSO
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -64,8 +63,8 @@ def add_data_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="turn JPEG draft mode off (for comparisons)")
 
 
-def run_data_bench(args: argparse.Namespace) -> int:
-    """Entry of ``dptrain data-bench``."""
+def run_data_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Entry of ``dptrain data-bench``: measure; return the record (the CLI prints it as one JSON line)."""
     from dptrain.bench import git_commit
 
     cfg = load_config(args.config, args.set)
@@ -83,5 +82,4 @@ def run_data_bench(args: argparse.Namespace) -> int:
         "python": platform.python_version(), "pillow": PIL.__version__, "git_commit": git_commit(),
         "data": config_to_dict(cfg.data),
     })
-    print(json.dumps(record), flush=True)
-    return 0
+    return record

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -189,14 +188,13 @@ def add_make_lmdb_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--digits", action="store_true", help="write the built-in digits to OUT/train and OUT/test")
 
 
-def run_make_lmdb(args: argparse.Namespace) -> int:
-    """Entry of ``dptrain make-lmdb``; prints one JSON line with what was written."""
+def run_make_lmdb(args: argparse.Namespace) -> dict:
+    """Entry of ``dptrain make-lmdb``: write the LMDB(s); return what was written (the CLI prints it)."""
     if args.digits:
         if len(args.paths) != 1:
             raise ValueError(f"make-lmdb --digits takes one output path, got {args.paths}")
         counts = make_digits_lmdb(args.paths[0], encoded=args.encoded)
-        print(json.dumps({"out": args.paths[0], "records": counts, "encoded": args.encoded}))
-        return 0
+        return {"out": args.paths[0], "records": counts, "encoded": args.encoded}
     if len(args.paths) != 2:
         raise ValueError(f"make-lmdb takes SOURCE OUT (or --digits OUT), got {args.paths}")
     source, out = Path(args.paths[0]), args.paths[1]
@@ -208,5 +206,4 @@ def run_make_lmdb(args: argparse.Namespace) -> int:
         root = Path(args.root) if args.root else source.parent
     n = make_lmdb(out, items, root=root, resize=tuple(args.resize) if args.resize else None,
                   shuffle=args.shuffle, seed=args.seed, encoded=args.encoded, gray=args.gray)
-    print(json.dumps({"out": out, "records": n, "classes": len(classes) or None, "encoded": args.encoded}))
-    return 0
+    return {"out": out, "records": n, "classes": len(classes) or None, "encoded": args.encoded}

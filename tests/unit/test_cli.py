@@ -63,3 +63,13 @@ def test_help_lists_commands(capsys):
     out = capsys.readouterr().out
     for cmd in ("train", "bench", "demo"):
         assert cmd in out
+
+
+def test_make_lmdb_prints_one_json_line(tmp_path, capsys):
+    import json
+
+    assert main(["make-lmdb", "--digits", str(tmp_path / "digits")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1
+    assert json.loads(lines[0]) == {"out": str(tmp_path / "digits"), "records": {"train": 1500, "test": 297},
+                                    "encoded": False}
