@@ -20,7 +20,7 @@ import torch
 
 from dptrain.comm import Communicator
 from dptrain.config import TrainConfig, config_hash
-from dptrain.precision import cpu_native_support, warn_if_slow_on_cpu
+from dptrain.precision import cpu_native_support
 from dptrain.trace import NullTracer, Tracer
 from dptrain.train import Trainer, local_threads, pick_device
 
@@ -90,8 +90,6 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
     comm = Communicator.from_env(cfg.reducer.timeout_s, device)
     tracer = Tracer(comm.rank) if trace else NullTracer(comm.rank)
     trainer = Trainer(cfg, comm, tracer=tracer)
-    if comm.rank == 0:
-        warn_if_slow_on_cpu(cfg.precision.storage, device)
     try:
         trainer.phases.active = False
         for _ in range(warmup):

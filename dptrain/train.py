@@ -164,6 +164,8 @@ class Trainer:
         self.device = comm.device
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+        elif self.rank == 0:
+            warn_if_slow_on_cpu(cfg.precision.storage, self.device)
         self.tracer = tracer or NullTracer(self.rank)
         self.model, self.flat = build_model_and_params(cfg, comm, self.device)
         ls_mode = cfg.precision.resolved_loss_scale_mode()
@@ -339,8 +341,6 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
         log.info("%s", self.plan.describe())
         log.info("bytes per parameter: %s (%d parameters)", self.flat.bytes_per_param(), self.flat.num_params)
-        if self.rank == 0:
-            warn_if_slow_on_cpu(self.cfg.precision.storage, self.device)
         flag, last, bar = _StopFlag(), {}, _progress(self.rank, s.max_iter, self.iteration)
         t_last, it_last = time.perf_counter(), self.iteration
         with flag.installed():

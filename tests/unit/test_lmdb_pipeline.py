@@ -411,6 +411,8 @@ def test_normalize_batch_matches_the_formula_and_leaves_the_source(channels_last
     assert fused.dtype == dtype and fused.is_contiguous(memory_format=fmt)
     tol = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8}[dtype]
     torch.testing.assert_close(fused.float(), exact.to(dtype).float(), rtol=tol, atol=tol)
+    kept = normalize_batch(images, mean, 0.017, dtype, channels_last, fused=True, bias=mean * -0.017)
+    assert torch.equal(kept, fused)  # the feeder's precomputed bias changes nothing
     assert torch.equal(images, before)
 
 
