@@ -6,10 +6,13 @@ alternating the cases for ``--rounds`` rounds and reporting the median:
 
 * the single-core raw decode rate (Pillow, full size, no augmentation): the per-core ceiling;
 * ``dptrain data-bench`` (decode + random-resized-crop 224 + mirror, uint8 HWC batches)
-  over parser/transformer thread counts, and once with JPEG draft mode off;
+  over parser/transformer thread counts, once with JPEG draft mode off, and once with
+  Pillow's resize instead of torch's (``--pillow-resize``);
 * torch DataLoader with 0 and 2 worker processes over the same LMDB, with the same
   augmentation written the usual way (Pillow decode, torchvision's random-resized-crop
-  algorithm, crop + bilinear resize, flip, uint8 HWC tensors, default collate).
+  algorithm, crop + bilinear resize, flip, uint8 HWC tensors, default collate); with 2
+  workers also as the PyTorch ImageNet example ships it (ToTensor + Normalize, float32),
+  and with the resize done by the same torch kernel dptrain uses.
 
 Every case runs in a fresh process. Results go to
 ``benchmarks/results/data_pipeline_<hardware>_<yyyymmdd>.md`` with every raw JSON line.
@@ -111,10 +114,13 @@ class LmdbJpegDataset:
 
     ``to_float`` adds torchvision's ToTensor + Normalize (float32 CHW), as the PyTorch
     ImageNet example does; without it samples stay uint8 HWC, exactly what dptrain ships.
+    ``torch_resize`` resamples the crop with torch's antialiased bilinear kernel (the one
+    dptrain's transformers use) instead of Pillow's.
     """
 
-    def __init__(self, path: str, to_float: bool = False) -> None:
+    def __init__(self, path: str, to_float: bool = False, torch_resize: bool = False) -> None:
         self.path, self._env, self._keys, self.to_float = path, None, None, to_float
+        self.torch_resize = torch_resize
         import lmdb
 
         env = lmdb.open(path, readonly=True, lock=False)
@@ -137,10 +143,18 @@ class LmdbJpegDataset:
             d = parse_datum(txn.get(self._keys[i]))
         img = Image.open(io.BytesIO(d.data)).convert("RGB")
         x0, y0, w, h = _rrc_box(img.size[0], img.size[1])
-        img = img.crop((x0, y0, x0 + w, y0 + h)).resize((CROP, CROP), Image.Resampling.BILINEAR)
-        if random.random() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        x = torch.from_numpy(np.asarray(img).copy())  # [H, W, 3] uint8
+        img = img.crop((x0, y0, x0 + w, y0 + h))
+        flip = random.random() < 0.5
+        if self.torch_resize:
+            t = torch.from_numpy(np.array(img)).permute(2, 0, 1).unsqueeze(0)
+            t = torch.nn.functional.interpolate(t.contiguous(memory_format=torch.channels_last), size=(CROP, CROP),
+                                                mode="bilinear", antialias=True)[0].permute(1, 2, 0)
+            x = (t.flip(1) if flip else t).contiguous()  # [H, W, 3] uint8
+        else:
+            img = img.resize((CROP, CROP), Image.Resampling.BILINEAR)
+            if flip:
+                img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            x = torch.from_numpy(np.asarray(img).copy())  # [H, W, 3] uint8
         if self.to_float:
             x = x.permute(2, 0, 1).float().div_(255)
             x = (x - torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) / torch.tensor(IMAGENET_STD).view(3, 1, 1)
@@ -182,11 +196,11 @@ def _tree_cpu_s() -> float:
     return total
 
 
-def case_dataloader(db: str, workers: int, batches: int, warmup: int, to_float: bool) -> dict:
+def case_dataloader(db: str, workers: int, batches: int, warmup: int, to_float: bool, torch_resize: bool) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    ds = LmdbJpegDataset(db, to_float)
+    ds = LmdbJpegDataset(db, to_float, torch_resize)
     loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=workers, drop_last=True,
                                          persistent_workers=workers > 0)
 
@@ -205,7 +219,8 @@ def case_dataloader(db: str, workers: int, batches: int, warmup: int, to_float: 
     rate = batches * BATCH / (time.perf_counter() - start)
     cpu_ms = 1e3 * (_tree_cpu_s() - cpu_start) / (batches * BATCH)
     return {"images_per_s": round(rate, 1), "cpu_ms_per_image": round(cpu_ms, 3), "workers": workers,
-            "output": "float32 CHW normalized" if to_float else "uint8 HWC"}
+            "output": "float32 CHW normalized" if to_float else "uint8 HWC",
+            "resize": "torch" if torch_resize else "Pillow"}
 
 
 # --------------------------------------------------------------------------- driver
@@ -250,8 +265,10 @@ def main() -> int:
         print(json.dumps(case_decode(args.db, passes=3)))
         return 0
     if args.case and args.case.startswith("dataloader"):
-        workers, to_float = int(args.case[len("dataloader"):].rstrip("f")), args.case.endswith("f")
-        print(json.dumps(case_dataloader(args.db, workers, args.batches, warmup=4, to_float=to_float)))
+        flags = args.case[len("dataloader"):]
+        workers, to_float, torch_resize = int(flags.rstrip("ft")), "f" in flags, "t" in flags
+        print(json.dumps(case_dataloader(args.db, workers, args.batches, warmup=4, to_float=to_float,
+                                         torch_resize=torch_resize)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         db = str(Path(tmp) / "synth_lmdb")
@@ -263,6 +280,7 @@ def main() -> int:
         for w in (0, 2):
             cases[f"dataloader_w{w}"] = me + ["--case", f"dataloader{w}"]
         cases["dataloader_w2_float"] = me + ["--case", "dataloader2f"]
+        cases["dataloader_w2_torchresize"] = me + ["--case", "dataloader2t"]
         bench = [sys.executable, "-m", "dptrain", "data-bench", "--config", str(cfg), "--batches", str(args.batches),
                  "--warmup", "4", "--repeats", "1"]
         for p, t in THREAD_CASES:
@@ -270,6 +288,8 @@ def main() -> int:
                                                    "--set", f"data.transformer_threads={t}"]
         cases["dptrain_p1_t2_nodraft"] = bench + ["--no-draft", "--set", "data.parser_threads=1",
                                                   "--set", "data.transformer_threads=2"]
+        cases["dptrain_p1_t2_pillowresize"] = bench + ["--pillow-resize", "--set", "data.parser_threads=1",
+                                                       "--set", "data.transformer_threads=2"]
         cases["dptrain_default"] = bench
         lines: dict[str, list[dict]] = {name: [] for name in cases}
         for r in range(args.rounds):
@@ -285,9 +305,11 @@ def main() -> int:
 
 def _describe(name: str, rec: dict) -> tuple[str, str]:
     if "parser_threads" in rec:
-        return f"P={rec['parser_threads']} T={rec['transformer_threads']}", "uint8 HWC"
+        resize = "torch" if rec.get("torch_resize", True) else "Pillow"
+        return f"P={rec['parser_threads']} T={rec['transformer_threads']}", f"uint8 HWC, {resize} resize"
     if "workers" in rec:
-        return f"{rec['workers']} worker proc", rec["output"]
+        resize = f", {rec['resize']} resize" if "resize" in rec else ""
+        return f"{rec['workers']} worker proc", rec["output"] + resize
     return "1 thread", "decode only"
 
 

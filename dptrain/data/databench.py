@@ -17,16 +17,18 @@ import PIL
 from dptrain.config import ConfigError, DataConfig, config_to_dict, load_config
 from dptrain.data.lmdb_source import LmdbSource
 from dptrain.data.sampling import ShardPlan
+from dptrain.data.transformer import RenderOptions
 
 
 def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: int, warmup: int,
-                     repeats: int, draft: bool = True) -> dict[str, Any]:
+                     repeats: int, render: RenderOptions | None = None) -> dict[str, Any]:
     """Median images/s over ``repeats`` windows of ``batches`` batches, after ``warmup`` batches.
 
     ``cpu_ms_per_image`` is the process's CPU time (all threads) per image over the same
     windows: it shows the pipeline's cost even on a machine shared with other work.
     """
-    src = LmdbSource(cfg, num_classes=num_classes, seed=seed, draft=draft)
+    render = render or RenderOptions()
+    src = LmdbSource(cfg, num_classes=num_classes, seed=seed, render=render)
     stream = src.train_batches(ShardPlan(0, 1, cfg.batch_size, seed, cfg.shuffle == "epoch"), 0)
     rates, cpu_ms = [], []
     try:
@@ -47,7 +49,7 @@ def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: i
         "cpu_ms_per_image": round(statistics.median(cpu_ms), 3),
         "parser_threads": src.parsers, "transformer_threads": src.transformers,
         "batch_size": cfg.batch_size, "sample_shape": list(src.sample_shape), "num_train": src.num_train,
-        "draft": draft,
+        "draft": render.draft, "torch_resize": render.torch_resize,
     }
 
 
@@ -61,6 +63,8 @@ def add_data_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed batches first (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="timed windows; the median is reported (default 3)")
     p.add_argument("--no-draft", action="store_true", help="turn JPEG draft mode off (for comparisons)")
+    p.add_argument("--pillow-resize", action="store_true",
+                   help="resample with Pillow instead of torch's vectorised kernel (for comparisons)")
 
 
 def run_data_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,7 +80,7 @@ def run_data_bench(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
     record = measure_pipeline(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed,
                               batches=args.batches, warmup=args.warmup, repeats=args.repeats,
-                              draft=not args.no_draft)
+                              render=RenderOptions(draft=not args.no_draft, torch_resize=not args.pillow_resize))
     record.update({
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "python": platform.python_version(), "pillow": PIL.__version__, "git_commit": git_commit(),

@@ -36,7 +36,13 @@ from dptrain.data.pipeline import (
 )
 from dptrain.data.queues import QueueSet
 from dptrain.data.sampling import ShardPlan, eval_range
-from dptrain.data.transformer import SampleSpec, build_stages, check_chain, probe_channels_and_size
+from dptrain.data.transformer import (
+    RenderOptions,
+    SampleSpec,
+    build_stages,
+    check_chain,
+    probe_channels_and_size,
+)
 
 __all__ = ["DataError", "LmdbReader", "LmdbSource", "default_threads", "lmdb_source"]
 
@@ -161,9 +167,11 @@ def default_threads(cfg: DataConfig) -> tuple[int, int]:
 class LmdbSource:
     """DataSource over a training LMDB and an optional test LMDB of Caffe Datums."""
 
-    def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0, draft: bool = True,
+    def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0,
+                 render: RenderOptions | None = None,
                  pin_memory: bool = False) -> None:
-        self._cfg, self._num_classes, self._seed, self._draft = cfg, num_classes, seed, draft
+        self._cfg, self._num_classes, self._seed = cfg, num_classes, seed
+        self._render = render or RenderOptions()
         self._pin = pin_memory  # page-locked batch ring: only when the batches go to a CUDA device
         self._train = LmdbReader(cfg.path, rank)
         self._test = LmdbReader(cfg.test_path, rank) if cfg.test_path else None
@@ -211,7 +219,7 @@ class LmdbSource:
             ring=BatchRing(self._cfg.prefetch + 2, batch_size, self.sample_shape, pin=self._pin),
             budget=BadRecordBudget(self._cfg.max_bad_records, rank),
             stages=self._stages[train], channels=self.channels, batch_size=batch_size,
-            num_classes=self._num_classes, seed=self._seed, rank=rank, draft=self._draft,
+            num_classes=self._num_classes, seed=self._seed, rank=rank, render=self._render,
         )
         return PipelineStream(parts, parsers=p, transformers=t)
 

@@ -22,7 +22,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from dptrain.data.datum import DataError
 from dptrain.data.parser import ParsedRecord, run_parser
 from dptrain.data.queues import POLL_S, QueueSet
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, rank_epoch_shard
-from dptrain.data.transformer import Stage, run_transformer
+from dptrain.data.transformer import RenderOptions, Stage, run_transformer
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class StreamParts:
     num_classes: int
     seed: int
     rank: int
-    draft: bool = True
+    render: RenderOptions = field(default_factory=RenderOptions)
 
     def batch_rows(self, b: int) -> int:
         """Rows of batch b: batch_size, or fewer in the last batch of a finite stream."""

@@ -21,6 +21,7 @@ from dptrain.data.datum import DataError, encode_blob, encode_datum, hwc_to_raw
 from dptrain.data.lmdb_source import LmdbSource, default_threads, lmdb_source
 from dptrain.data.make_lmdb import write_lmdb
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, epoch_permutation, rank_batch_indices
+from dptrain.data.transformer import RenderOptions
 
 H, W, NUM_CLASSES = 6, 8, 5
 
@@ -306,10 +307,10 @@ def test_draft_mode_fires_for_2x_downscale_and_stays_close(tmp_path, monkeypatch
                         lambda self, mode, size: calls.append(size) or real_draft(self, mode, size))
     cfg = make_cfg(path, resize=[18, 24], shuffle="none")  # 72x96 -> 18x24: 4x smaller
     plan = ShardPlan(0, 1, 4, seed=0, shuffle=False)
-    (fast, _, _), = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=0, draft=True).train_batches(plan, 0), 1)
+    (fast, _, _), = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=0, render=RenderOptions(draft=True)).train_batches(plan, 0), 1)
     assert calls and all(size == (24, 18) for size in calls)
     calls.clear()
-    (exact, _, _), = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=0, draft=False).train_batches(plan, 0), 1)
+    (exact, _, _), = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=0, render=RenderOptions(draft=False)).train_batches(plan, 0), 1)
     assert not calls
     diff = np.abs(fast.astype(int) - exact.astype(int))
     assert diff.mean() < 2.0 and diff.max() <= 12  # DCT-domain downscale vs full decode + bilinear: a few levels

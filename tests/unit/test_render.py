@@ -1,0 +1,99 @@
+"""Rendering a planned sample: torch's resample against Pillow's, and the transformer threads' torch settings."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dptrain.data import transformer
+from dptrain.data.transformer import RenderOptions, Sample, SampleRng, render_image, single_threaded_torch_in_this_thread
+
+
+def _photo(height: int, width: int, mode: str) -> Image.Image:
+    """Smooth colour ramps plus noise: edges and texture for the filters to disagree on."""
+    rng = np.random.default_rng(5)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = np.stack([128 + 100 * np.sin(xx / 9 + c) * np.cos(yy / 13 - c) for c in range(3)], axis=-1)
+    img = Image.fromarray(np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8))
+    return img.convert(mode)
+
+
+def _render(img: Image.Image, box, out_w: int, out_h: int, flip: bool, opts: RenderOptions) -> np.ndarray:
+    channels = 3 if img.mode == "RGB" else 1
+    dst = np.full((out_h, out_w, channels), 7, np.uint8)
+    render_image(img, Sample(tuple(float(v) for v in box), out_w, out_h, SampleRng(0), flip), img.mode, dst, opts)
+    return dst
+
+
+def _pillow(img: Image.Image, box, out_w: int, out_h: int, flip: bool, *, crop_first: bool = False) -> np.ndarray:
+    """Pillow's bilinear resize of ``box``; ``crop_first`` crops before resizing (torchvision's resized_crop),
+    so the filter sees no pixels outside the box."""
+    if crop_first:
+        ref = np.asarray(img.crop(box).resize((out_w, out_h), Image.Resampling.BILINEAR))
+    else:
+        ref = np.asarray(img.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box))
+    ref = ref[:, :, None] if ref.ndim == 2 else ref
+    return ref[:, ::-1] if flip else ref
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+@pytest.mark.parametrize("box, out_w, out_h, flip", [
+    ((13, 7, 164, 104), 64, 48, False),   # random-resized-crop style downscale, aspect changes
+    ((0, 0, 200, 150), 64, 48, True),     # the whole image, mirrored
+    ((5, 9, 35, 49), 64, 80, False),      # upscale
+])
+def test_torch_resample_matches_pillow_crop_then_bilinear_on_whole_pixel_boxes(monkeypatch, mode, box, out_w, out_h, flip):
+    img = _photo(150, 200, mode)
+    calls = []
+    real = transformer._resample_torch
+    monkeypatch.setattr(transformer, "_resample_torch", lambda *a: calls.append(1) or real(*a))
+    fast = _render(img, box, out_w, out_h, flip, RenderOptions())
+    assert calls, "a whole-pixel box must take the torch path"
+    diff = np.abs(fast.astype(int) - _pillow(img, box, out_w, out_h, flip, crop_first=True).astype(int))
+    assert diff.max() <= 1 and diff.mean() < 0.01, (diff.max(), diff.mean())
+    calls.clear()
+    slow = _render(img, box, out_w, out_h, flip, RenderOptions(torch_resize=False))
+    assert np.array_equal(slow, _pillow(img, box, out_w, out_h, flip))
+    assert not calls
+
+
+def test_fractional_boxes_and_plain_crops_stay_with_pillow(monkeypatch):
+    img = _photo(150, 200, "RGB")
+    monkeypatch.setattr(transformer, "_resample_torch", lambda *a: pytest.fail("torch path taken"))
+    box = (10.5, 3.25, 150.5, 120.75)  # e.g. the centre test crop, or a box after draft scaling
+    assert np.array_equal(_render(img, box, 64, 48, True, RenderOptions()), _pillow(img, box, 64, 48, True))
+    crop = _render(img, (20, 30, 84, 78), 64, 48, False, RenderOptions())
+    assert np.array_equal(crop, np.asarray(img)[30:78, 20:84])
+
+
+def test_transformer_threads_run_torch_alone_and_leave_other_threads_alone():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: dict[str, int] = {}
+    pinned, go = threading.Event(), threading.Event()
+
+    def transformer_thread() -> None:
+        single_threaded_torch_in_this_thread()
+        pinned.set()
+        go.wait(10)
+        seen["transformer"] = torch.get_num_threads()
+
+    def later_thread() -> None:
+        seen["started later"] = torch.get_num_threads()
+
+    try:
+        t = threading.Thread(target=transformer_thread)
+        t.start()
+        assert pinned.wait(10)
+        later = threading.Thread(target=later_thread)
+        later.start()
+        later.join()
+        go.set()
+        t.join()
+        seen["main"] = torch.get_num_threads()
+        assert seen == {"transformer": 1, "started later": 2, "main": 2}
+    finally:
+        torch.set_num_threads(before)
