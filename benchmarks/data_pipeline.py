@@ -17,7 +17,7 @@ alternating the cases for ``--rounds`` rounds and reporting the median:
 Every case runs in a fresh process. Results go to
 ``benchmarks/results/data_pipeline_<hardware>_<yyyymmdd>.md`` with every raw JSON line.
 
-    python benchmarks/data_pipeline.py                      # about 3 minutes on 2 cores
+    python benchmarks/data_pipeline.py                      # about 5 minutes on 2 cores
     python benchmarks/data_pipeline.py --images 200 --rounds 1   # quick look
 """
 from __future__ import annotations
