@@ -146,9 +146,10 @@ class LmdbJpegDataset:
         img = img.crop((x0, y0, x0 + w, y0 + h))
         flip = random.random() < 0.5
         if self.torch_resize:
-            t = torch.from_numpy(np.array(img)).permute(2, 0, 1).unsqueeze(0)
-            t = torch.nn.functional.interpolate(t.contiguous(memory_format=torch.channels_last), size=(CROP, CROP),
-                                                mode="bilinear", antialias=True)[0].permute(1, 2, 0)
+            a = np.array(img)  # [h, w, 3]
+            # [1, 3, h, w] with a batch stride torch recognises as channels-last, so the output is too
+            t = torch.from_numpy(a).as_strided((1, 3, a.shape[0], a.shape[1]), (a.size, 1, a.shape[1] * 3, 3))
+            t = torch.nn.functional.interpolate(t, size=(CROP, CROP), mode="bilinear", antialias=True)[0].permute(1, 2, 0)
             x = (t.flip(1) if flip else t).contiguous()  # [H, W, 3] uint8
         else:
             img = img.resize((CROP, CROP), Image.Resampling.BILINEAR)
