@@ -21,13 +21,12 @@ from dptrain.data.transformer import RenderOptions
 
 
 def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: int, warmup: int,
-                     repeats: int, render: RenderOptions | None = None) -> dict[str, Any]:
+                     repeats: int, render: RenderOptions = RenderOptions()) -> dict[str, Any]:
     """Median images/s over ``repeats`` windows of ``batches`` batches, after ``warmup`` batches.
 
     ``cpu_ms_per_image`` is the process's CPU time (all threads) per image over the same
     windows: it shows the pipeline's cost even on a machine shared with other work.
     """
-    render = render or RenderOptions()
     src = LmdbSource(cfg, num_classes=num_classes, seed=seed, render=render)
     stream = src.train_batches(ShardPlan(0, 1, cfg.batch_size, seed, cfg.shuffle == "epoch"), 0)
     rates, cpu_ms = [], []

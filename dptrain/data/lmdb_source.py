@@ -168,10 +168,9 @@ class LmdbSource:
     """DataSource over a training LMDB and an optional test LMDB of Caffe Datums."""
 
     def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0,
-                 render: RenderOptions | None = None,
-                 pin_memory: bool = False) -> None:
+                 render: RenderOptions = RenderOptions(), pin_memory: bool = False) -> None:
         self._cfg, self._num_classes, self._seed = cfg, num_classes, seed
-        self._render = render or RenderOptions()
+        self._render = render
         self._pin = pin_memory  # page-locked batch ring: only when the batches go to a CUDA device
         self._train = LmdbReader(cfg.path, rank)
         self._test = LmdbReader(cfg.test_path, rank) if cfg.test_path else None

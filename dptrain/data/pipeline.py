@@ -22,7 +22,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -175,7 +175,7 @@ class StreamParts:
     num_classes: int
     seed: int
     rank: int
-    render: RenderOptions = field(default_factory=RenderOptions)
+    render: RenderOptions = RenderOptions()
 
     def batch_rows(self, b: int) -> int:
         """Rows of batch b: batch_size, or fewer in the last batch of a finite stream."""

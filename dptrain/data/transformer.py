@@ -282,10 +282,9 @@ def _integral_box(s: Sample) -> tuple[int, int, int, int] | None:
     return ib if all(abs(a - b) < 1e-6 for a, b in zip(ib, s.box)) else None
 
 
-def _integral_crop(s: Sample) -> tuple[int, int, int, int] | None:
-    """The box as ints when the output is a plain crop (no resampling), else None."""
-    ib = _integral_box(s)
-    return ib if ib and ib[2] - ib[0] == s.out_w and ib[3] - ib[1] == s.out_h else None
+def _is_plain_crop(box: tuple[int, int, int, int] | None, s: Sample) -> bool:
+    """Whether whole-pixel ``box`` already has the output size (a copy, no resampling)."""
+    return box is not None and box[2] - box[0] == s.out_w and box[3] - box[1] == s.out_h
 
 
 def _resample_torch(src: np.ndarray, s: Sample, dst: np.ndarray) -> None:
@@ -347,11 +346,14 @@ def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: R
             s.box = (x0 * fx, y0 * fy, x1 * fx, y1 * fy)
         if im.mode != mode:
             im = im.convert(mode)
-        crop = _integral_crop(s)
-        if crop is None and opts.torch_resize and (ibox := _integral_box(s)) is not None:
-            _resample_torch(np.array(im.crop(ibox)), s, dst)
+        box = _integral_box(s)
+        if _is_plain_crop(box, s):
+            out = im.crop(box)
+        elif box is not None and opts.torch_resize:
+            _resample_torch(np.array(im.crop(box)), s, dst)
             return
-        out = im.crop(crop) if crop else im.resize((s.out_w, s.out_h), Image.Resampling.BILINEAR, box=s.box)
+        else:
+            out = im.resize((s.out_w, s.out_h), Image.Resampling.BILINEAR, box=s.box)
         if s.flip:  # in Pillow: 4x cheaper than numpy's negative-stride copy
             out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         arr = np.asarray(out)
@@ -362,8 +364,8 @@ def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: R
 
 def render_raw(hwc: np.ndarray, s: Sample, channels: int, dst: np.ndarray, opts: RenderOptions) -> None:
     """Raw pixels: a plain crop is a slice copy (bit-exact); anything else goes through Pillow."""
-    crop = _integral_crop(s) if hwc.shape[2] == channels else None
-    if crop:
+    crop = _integral_box(s)
+    if hwc.shape[2] == channels and _is_plain_crop(crop, s):
         _store(hwc[crop[1]:crop[3], crop[0]:crop[2]], s, dst)
         return
     im = Image.fromarray(np.ascontiguousarray(hwc[:, :, 0] if hwc.shape[2] == 1 else hwc))
@@ -457,9 +459,9 @@ def single_threaded_torch_in_this_thread() -> None:
     Each transformer thread already has a core's worth of work. Left at the default, every
     resize would also start an OpenMP team as wide as the machine, whose spinning workers
     take the cores from the other transformers (measured on 2 cores with two transformers:
-    2.7 CPU ms per image instead of 2.0). ``torch.set_num_threads`` sets the calling thread's team size but also
-    the default that threads started later inherit; a short-lived helper thread puts that
-    default back, so the trainer's threads keep theirs.
+    2.7 CPU ms per image instead of 2.0). ``torch.set_num_threads`` sets the calling
+    thread's team size but also the default that threads started later inherit; a
+    short-lived helper thread puts that default back, so the trainer's threads keep theirs.
     """
     with _PIN_LOCK:
         default = torch.get_num_threads()  # also initialises this thread's size from the default
