@@ -5,8 +5,11 @@ and rank r takes ``[r*B:(r+1)*B]`` of it. So 2 solvers x B see exactly the sampl
 1 solver x 2B, and runs at different world sizes can be compared.
 
 Remainder policy (training): the last ``N mod G`` samples of each epoch's permutation are
-not used in that epoch. The permutation changes every epoch, so no sample is dropped
-for good, and no sample is ever repeated within an epoch to pad a batch.
+not used in that epoch, and no sample is ever repeated within an epoch to pad a batch.
+With ``shuffle = "epoch"`` the permutation changes every epoch, so no sample is dropped
+for good. With ``shuffle = "none"`` the order is the records' order read as one endless
+ring, like Caffe's sequential reader: epoch e starts where epoch e - 1 stopped, so the
+records one epoch leaves over open the next.
 
 Test order: the test set in record order, split into ``world_size`` contiguous ranges
 whose sizes differ by at most one; every test sample is scored exactly once.
@@ -35,14 +38,18 @@ class ShardPlan:
 
 
 @functools.lru_cache(maxsize=4)
-def epoch_permutation(seed: int, epoch: int, num_samples: int, shuffle: bool) -> np.ndarray:
+def epoch_permutation(seed: int, epoch: int, num_samples: int, shuffle: bool, global_batch: int = 1) -> np.ndarray:
     """The epoch's order of sample indices: [num_samples] int64, reproducible from (seed, epoch).
+
+    Without ``shuffle`` it is record order, rotated to start after the ``epoch * used``
+    samples that earlier epochs read (``used`` = the full global batches' share of N).
 
     Cached (read-only): every batch of an epoch slices the same permutation, and drawing one
     for ImageNet's 1.28M samples costs ~20 ms, too much to repeat per step.
     """
     if not shuffle:
-        perm = np.arange(num_samples, dtype=np.int64)
+        used = num_samples - num_samples % global_batch
+        perm = np.roll(np.arange(num_samples, dtype=np.int64), -(epoch * used) % num_samples)
     else:
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 0x5EED])))
         perm = rng.permutation(num_samples).astype(np.int64)
@@ -70,7 +77,7 @@ def step_position(step: int, num_samples: int, plan: ShardPlan) -> tuple[int, in
 def rank_batch_indices(step: int, num_samples: int, plan: ShardPlan) -> np.ndarray:
     """Sample indices of this rank's slice of global micro-batch ``step``: [batch_size] int64."""
     epoch, k = step_position(step, num_samples, plan)
-    perm = epoch_permutation(plan.seed, epoch, num_samples, plan.shuffle)
+    perm = epoch_permutation(plan.seed, epoch, num_samples, plan.shuffle, plan.global_batch)
     start = k * plan.global_batch + plan.rank * plan.batch_size
     return perm[start : start + plan.batch_size].copy()  # writable: callers may hand it to torch
 
@@ -78,7 +85,7 @@ def rank_batch_indices(step: int, num_samples: int, plan: ShardPlan) -> np.ndarr
 def rank_epoch_shard(epoch: int, num_samples: int, plan: ShardPlan) -> np.ndarray:
     """All indices this rank reads in ``epoch``, in the order it reads them."""
     per_epoch = batches_per_epoch(num_samples, plan.global_batch)
-    perm = epoch_permutation(plan.seed, epoch, num_samples, plan.shuffle)
+    perm = epoch_permutation(plan.seed, epoch, num_samples, plan.shuffle, plan.global_batch)
     g = perm[: per_epoch * plan.global_batch].reshape(per_epoch, plan.world_size, plan.batch_size)
     return g[:, plan.rank, :].reshape(-1).copy()  # writable, independent of the cached permutation
 

@@ -41,6 +41,16 @@ def test_permutation_changes_per_epoch_and_is_reproducible():
     assert np.array_equal(epoch_permutation(1, 4, 10, False), np.arange(10))
 
 
+def test_unshuffled_epochs_continue_where_the_last_one_stopped():
+    """shuffle = "none" reads the records as a ring, at any world size: no record is left out for good."""
+    n = 29
+    for world, batch in ((1, 4), (2, 2), (3, 3)):
+        plans = [ShardPlan(r, world, batch, seed=0, shuffle=False) for r in range(world)]
+        steps = 3 * batches_per_epoch(n, world * batch)
+        stream = [int(i) for step in range(steps) for p in plans for i in rank_batch_indices(step, n, p)]
+        assert stream == [i % n for i in range(len(stream))], (world, batch)
+
+
 def test_too_small_dataset_raises():
     with pytest.raises(ValueError, match="fewer than one global batch"):
         batches_per_epoch(10, 64)
