@@ -341,9 +341,13 @@ def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: R
     try:
         if opts.draft and factor >= 2 and im.format == "JPEG":
             w, h = im.size
-            im.draft(mode, (math.ceil(w / factor), math.ceil(h / factor)))
-            fx, fy = im.size[0] / w, im.size[1] / h
-            s.box = (x0 * fx, y0 * fy, x1 * fx, y1 * fy)
+            drafted = im.draft(mode, (math.ceil(w / factor), math.ceil(h / factor)))
+            if drafted is not None:
+                # Pillow's box is the stored image's extent in reduced pixels: exactly w/s x h/s. The
+                # reduced image is ceil(w/s) wide; its last column is partly the decoder's edge padding.
+                _, (dx0, dy0, dx1, dy1) = drafted
+                fx, fy = (dx1 - dx0) / w, (dy1 - dy0) / h
+                s.box = (x0 * fx, y0 * fy, x1 * fx, y1 * fy)
         if im.mode != mode:
             im = im.convert(mode)
         box = _integral_box(s)

@@ -1,6 +1,7 @@
 """Rendering a planned sample: torch's resample against Pillow's, and the transformer threads' torch settings."""
 from __future__ import annotations
 
+import io
 import threading
 
 import numpy as np
@@ -58,6 +59,26 @@ def test_torch_resample_matches_pillow_crop_then_bilinear_on_whole_pixel_boxes(m
     slow = _render(img, box, out_w, out_h, flip, RenderOptions(torch_resize=False))
     assert np.array_equal(slow, _pillow(img, box, out_w, out_h, flip))
     assert not calls
+
+
+@pytest.mark.parametrize("width, height, out", [(99, 97, 6), (99, 97, 12), (130, 75, 30), (96, 72, 12)])
+def test_draft_decode_keeps_the_box_on_the_image_when_sides_are_not_multiples_of_the_scale(width, height, out):
+    """A 1/s draft decode is ceil(w/s) wide, but the image covers only w/s of it: the box must scale by 1/s."""
+    yy, xx = np.mgrid[0:height, 0:width]
+    ramp = np.stack([xx * 255 // (width - 1), yy * 255 // (height - 1), (xx + yy) % 256], -1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, "JPEG", quality=95)
+
+    def render(draft: bool) -> np.ndarray:
+        im = Image.open(io.BytesIO(buf.getvalue()))
+        dst = np.empty((out, out, 3), np.uint8)
+        render_image(im, Sample((0.0, 0.0, float(width), float(height)), out, out, SampleRng(0)), "RGB", dst,
+                     RenderOptions(draft=draft))
+        assert (im.size != (width, height)) == draft, "draft mode must fire only when asked"
+        return dst
+
+    diff = np.abs(render(True).astype(int) - render(False).astype(int))
+    assert diff[..., :2].max() <= 4, diff[..., :2].max()  # the ramps: a misplaced box shows up as an offset
 
 
 def test_fractional_boxes_and_plain_crops_stay_with_pillow(monkeypatch):
