@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 
 from dptrain.config import ConfigError, DataConfig
 from dptrain.data.datum import DataError, DatumLike, raw_to_hwc
@@ -313,8 +313,18 @@ def _store(arr: np.ndarray, s: Sample, dst: np.ndarray) -> None:
     dst[...] = arr[:, ::-1] if s.flip else arr
 
 
+GRAY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
+"""Pillow modes of one-channel images (LA: grey with alpha, which is dropped)."""
+_SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
+
+
 def open_image(data: bytes) -> Image.Image:
-    """Open an encoded image lazily (header only), refusing decompression bombs."""
+    """Open an encoded image lazily (header only), refusing decompression bombs, turned upright.
+
+    An EXIF orientation other than 1 is applied (the image is then decoded here, so JPEG
+    draft mode does not apply to it), as OpenCV's ``imread`` does for Caffe's
+    ``convert_imageset``: a phone photo tagged "rotate 90" trains upright, not sideways.
+    """
     try:
         im = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
@@ -325,7 +335,21 @@ def open_image(data: bytes) -> Image.Image:
     if limit is not None and im.size[0] * im.size[1] > limit:
         raise DataError(f"decompression bomb: {im.size[0]}x{im.size[1]} pixels exceeds "
                         f"PIL.Image.MAX_IMAGE_PIXELS = {limit}")
+    if "exif" in im.info:  # Pillow keeps the raw EXIF block there; most images have none
+        try:
+            if im.getexif().get(ExifTags.Base.Orientation, 1) != 1:
+                im = ImageOps.exif_transpose(im)
+        except (OSError, SyntaxError, ValueError) as e:
+            raise DataError(f"undecodable image ({e})") from e
     return im
+
+
+def convert_image(im: Image.Image, mode: str) -> Image.Image:
+    """``im`` in ``mode`` ("RGB" or "L"). 16-bit grey keeps its high byte (what OpenCV, and so
+    Caffe, does); Pillow's own ``convert`` would clip every value above 255 to white."""
+    if im.mode in _SIXTEEN_BIT:
+        im = Image.fromarray((np.asarray(im) >> 8).astype(np.uint8), "L")
+    return im if im.mode == mode else im.convert(mode)
 
 
 def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: RenderOptions) -> None:
@@ -348,8 +372,7 @@ def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: R
                 _, (dx0, dy0, dx1, dy1) = drafted
                 fx, fy = (dx1 - dx0) / w, (dy1 - dy0) / h
                 s.box = (x0 * fx, y0 * fy, x1 * fx, y1 * fy)
-        if im.mode != mode:
-            im = im.convert(mode)
+        im = convert_image(im, mode)
         box = _integral_box(s)
         if _is_plain_crop(box, s):
             out = im.crop(box)
@@ -398,7 +421,7 @@ def probe_channels_and_size(datum: DatumLike) -> tuple[int, tuple[int, int]]:
     """(channels, (height, width)) of a record; fixes the stream's colour mode from the first record."""
     if datum.encoded:
         im = open_image(datum.data)
-        return (1 if im.mode in ("1", "L", "I", "I;16", "F") else 3), (im.size[1], im.size[0])
+        return (1 if im.mode in GRAY_MODES else 3), (im.size[1], im.size[0])
     hwc = raw_to_hwc(datum)
     return hwc.shape[2], hwc.shape[:2]
 

@@ -118,3 +118,29 @@ def test_transformer_threads_run_torch_alone_and_leave_other_threads_alone():
         assert seen == {"transformer": 1, "started later": 2, "main": 2}
     finally:
         torch.set_num_threads(before)
+
+
+def test_sixteen_bit_grey_keeps_its_high_byte_instead_of_clipping_to_white():
+    ramp = (np.arange(8 * 6, dtype=np.uint32).reshape(6, 8) * 1365).astype(np.uint16)  # 0 .. 64155
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, "PNG")
+    assert transformer.open_image(buf.getvalue()).mode.startswith("I;16")
+    for mode, channels in (("L", 1), ("RGB", 3)):
+        dst = np.empty((6, 8, channels), np.uint8)
+        render_image(transformer.open_image(buf.getvalue()), Sample((0.0, 0.0, 8.0, 6.0), 8, 6, SampleRng(0)),
+                     mode, dst, RenderOptions())
+        assert np.array_equal(dst, np.repeat((ramp >> 8).astype(np.uint8)[:, :, None], channels, axis=2)), mode
+
+
+def test_exif_orientation_is_applied_so_photos_train_upright():
+    from PIL import ExifTags
+
+    stored = np.zeros((16, 24, 3), np.uint8)
+    stored[:, :12, 0] = 255  # left half red as stored; the tag says "rotate 90 clockwise to display"
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6
+    buf = io.BytesIO()
+    Image.fromarray(stored).save(buf, "PNG", exif=exif.tobytes())
+    im = transformer.open_image(buf.getvalue())
+    assert im.size == (16, 24)  # W x H: upright is taller than wide
+    assert np.array_equal(np.asarray(im.convert("RGB")), np.rot90(stored, k=-1))  # red on top
