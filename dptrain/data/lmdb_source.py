@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 MAX_READERS = 1024
 """Reader slots per Environment; each stream takes P + T read transactions."""
+PROBE_RECORDS = 16
+"""Records, spread over the training DB, whose colour decides the samples' channels at open."""
 MAX_PARSERS_DEFAULT = 3
 """NVCaffe's default parser count; parsers are cheap, so a few per solver suffice."""
 _PREFIX = re.compile(rb"^(\d{8})_")
@@ -176,15 +178,7 @@ class LmdbSource:
         self._test = LmdbReader(cfg.test_path, rank) if cfg.test_path else None
         self.num_train = len(self._train)
         self.num_test = len(self._test) if self._test is not None else 0
-        handle = self._train.handle()
-        try:
-            key, value = handle.get(0)
-            try:
-                self.channels, first_hw = probe_channels_and_size(parse_datum(value))
-            except DataError as e:
-                raise e.located(path=cfg.path, key=key, rank=rank) from e
-        finally:
-            handle.close()
+        self.channels, first_hw = self._probe(cfg, rank)
         self._stages = {train: build_stages(cfg, train=train, first_hw=first_hw) for train in (True, False)}
         in_spec = SampleSpec(None, None, self.channels)
         out = {train: check_chain(stages, in_spec) for train, stages in self._stages.items()}
@@ -197,6 +191,41 @@ class LmdbSource:
         self.parsers, self.transformers = default_threads(cfg)
         log.info("LMDB input: %d parser + %d transformer threads per solver, samples %s, prefetch %d",
                  self.parsers, self.transformers, self.sample_shape, cfg.prefetch)
+
+    def _probe(self, cfg: DataConfig, rank: int) -> tuple[int, tuple[int, int]]:
+        """(channels, (height, width) of the first good record) from up to PROBE_RECORDS records.
+
+        The records are spread evenly over the DB. The stream is RGB if any of them is in
+        colour, so a grey image at key 0 does not turn a colour DB grey. A bad record here
+        counts against ``data.max_bad_records`` like anywhere else (the stream counts it
+        again, once, when it reaches it).
+        """
+        n = self.num_train
+        picks = sorted({round(i * (n - 1) / max(1, PROBE_RECORDS - 1)) for i in range(min(n, PROBE_RECORDS))})
+        found: list[tuple[int, tuple[int, int]]] = []
+        bad = 0
+        handle = self._train.handle()
+        try:
+            for index in picks:
+                key = f"#{index}".encode()
+                try:
+                    key, value = handle.get(index)
+                    found.append(probe_channels_and_size(parse_datum(value)))
+                except DataError as e:
+                    located = e.located(path=cfg.path, key=key, rank=rank)
+                    bad += 1
+                    if bad > cfg.max_bad_records:
+                        raise located from e
+                    log.warning("%s (skipped: data.max_bad_records = %d)", located, cfg.max_bad_records)
+        finally:
+            handle.close()
+        if not found:
+            raise DataError(f"none of the {len(picks)} records probed is readable", path=cfg.path, rank=rank)
+        gray = sum(1 for c, _ in found if c == 1)
+        channels = 3 if gray < len(found) else 1
+        if 0 < gray < len(found):
+            log.info("%s: %d of %d probed records are grey; every sample is read as RGB", cfg.path, gray, len(found))
+        return channels, found[0][1]
 
     def _resolve_mean(self, cfg: DataConfig) -> tuple[float, ...]:
         if cfg.mean_file:

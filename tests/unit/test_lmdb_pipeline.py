@@ -229,14 +229,37 @@ BAD_RECORDS = {
 def test_bad_record_raises_with_rank_and_key_and_stops_threads(tmp_path, monkeypatch, kind):
     make_value, match = BAD_RECORDS[kind]
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the 40x40 PNG is a bomb, 6x8 records are not
-    values = [raw_value(i) for i in range(12)]
-    values[5] = make_value()
+    values = [raw_value(i) for i in range(40)]
+    values[6] = make_value()  # not among the records probed at open (0, 3, 5, 8, ...): the threads meet it
     src = lmdb_source(make_cfg(write_db(tmp_path / "db", values), shuffle="none", crop_size=4,
                                parser_threads=2, transformer_threads=2), num_classes=NUM_CLASSES, seed=1)
     stream = src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0)
-    with pytest.raises(DataError, match=f"rank 0: LMDB .* key '00000005_r5': {match}"):
+    with pytest.raises(DataError, match=f"rank 0: LMDB .* key '00000006_r6': {match}"):
         collect(stream, 3)
     assert input_threads() == []
+
+
+def test_a_bad_record_probed_at_open_names_its_key_and_respects_the_skip_budget(tmp_path):
+    values = [raw_value(i) for i in range(12)]
+    values[0] = b"\xff\xff"
+    path = write_db(tmp_path / "db", values)
+    with pytest.raises(DataError, match="rank 0: LMDB .* key '00000000_r0': unparsable record"):
+        lmdb_source(make_cfg(path, crop_size=4), num_classes=NUM_CLASSES, seed=1)
+    src = lmdb_source(make_cfg(path, crop_size=4, shuffle="none", max_bad_records=1), num_classes=NUM_CLASSES, seed=1)
+    (images, _, info), = collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), 1)
+    assert ids(images) == [1, 1, 2, 3] and info["bad_records"] == 1  # record 0 replaced by the next one
+
+
+def test_one_grey_image_at_key_0_does_not_make_a_colour_db_grey(tmp_path):
+    grey = np.repeat(pixels(0)[:, :, :1], 3, axis=2)[:, :, 0]
+    values = [png_value(grey)] + [png_value(pixels(i)) for i in range(1, 12)]
+    src = lmdb_source(make_cfg(write_db(tmp_path / "db", values), shuffle="none"), num_classes=NUM_CLASSES, seed=1)
+    assert src.sample_shape == (H, W, 3)
+    (images, _, _), = collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), 1)
+    assert np.array_equal(images[0], np.repeat(grey[:, :, None], 3, axis=2))  # the grey record, as RGB
+    assert ids(images[1:]) == [1, 2, 3]
+    only_grey = write_db(tmp_path / "grey", [png_value(grey)] * 8)
+    assert lmdb_source(make_cfg(only_grey), num_classes=NUM_CLASSES, seed=1).sample_shape == (H, W, 1)
 
 
 def test_skip_budget_substitutes_the_next_record_deterministically(tmp_path, caplog):
