@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +27,10 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from dptrain.data.datum import encode_datum, hwc_to_raw
+from dptrain.data.datum import DataError, encode_datum, hwc_to_raw
+from dptrain.data.transformer import GRAY_MODES, convert_image, open_image
+
+log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 ENCODE_QUALITY = 95
@@ -37,13 +42,23 @@ INITIAL_MAP_BYTES = 1 << 30
 
 
 def list_image_folder(root: str | Path) -> tuple[list[tuple[str, int]], list[str]]:
-    """([(relative path, label)], class names) for ``root/<class>/<image>``, all sorted by name."""
+    """([(relative path, label)], class names) for ``root/<class>/<image>``, all sorted by name.
+
+    Hidden entries (``.ipynb_checkpoints``, ``._x.jpg``) are skipped; a class folder without
+    images is an error, since it would still take a label and shift every class after it.
+    """
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"image folder {str(root)!r} does not exist")
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
-    items = [(f"{c}/{f.name}", label) for label, c in enumerate(classes)
-             for f in sorted((root / c).iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES]
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    items = []
+    for label, c in enumerate(classes):
+        files = [f for f in sorted((root / c).iterdir())
+                 if f.suffix.lower() in IMAGE_SUFFIXES and not f.name.startswith(".")]
+        if not files:
+            raise ValueError(f"class folder {str(root / c)!r} has no images ({', '.join(IMAGE_SUFFIXES)}); "
+                             f"remove it or add its images (labels follow the sorted class folders)")
+        items += [(f"{c}/{f.name}", label) for f in files]
     if not items:
         raise ValueError(f"image folder {str(root)!r} has no images in class subfolders ({', '.join(IMAGE_SUFFIXES)})")
     return items, classes
@@ -70,12 +85,12 @@ def read_list_file(path: str | Path) -> list[tuple[str, int]]:
 def _record(data: bytes, label: int, index: int, *, resize: tuple[int, int] | None, encoded: bool,
             gray: bool) -> bytes:
     """One Datum from an image file's bytes."""
-    im = Image.open(io.BytesIO(data))
-    fmt = im.format
+    im = open_image(data)  # upright (EXIF orientation applied), like OpenCV's imread in convert_imageset
+    fmt = Image.open(io.BytesIO(data)).format if im.format is None else im.format
     if encoded and resize is None and not gray:
-        return encode_datum(label=label, data=data, channels=1 if im.mode in ("1", "L") else 3,
+        return encode_datum(label=label, data=data, channels=1 if im.mode in GRAY_MODES else 3,
                             height=im.size[1], width=im.size[0], encoded=True, record_id=index)
-    im = im.convert("L" if gray else "RGB")
+    im = convert_image(im, "L" if gray else "RGB")
     if resize is not None:
         im = im.resize((resize[1], resize[0]), Image.Resampling.BILINEAR)
     if encoded:
@@ -91,18 +106,30 @@ def _record(data: bytes, label: int, index: int, *, resize: tuple[int, int] | No
 
 
 def write_lmdb(out: str | Path, records: Iterator[tuple[bytes, bytes]], total: int) -> int:
-    """Write (key, value) pairs into a new LMDB at ``out``; returns the count written."""
+    """Write (key, value) pairs into a new LMDB at ``out``; returns the count written.
+
+    The DB is built in ``.<name>.incomplete`` beside ``out`` and renamed into place only
+    when every record is in, so a run that fails part-way leaves no LMDB that looks whole.
+    """
     out = Path(out)
     if (out / "data.mdb").exists():
         raise ValueError(f"{str(out)!r} already holds an LMDB; remove it or choose another output path")
-    out.mkdir(parents=True, exist_ok=True)
-    env = lmdb.open(str(out), map_size=INITIAL_MAP_BYTES, subdir=True, meminit=False)
-    written = 0
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{str(out)!r} exists and is not an empty folder; remove it or choose another output path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.incomplete"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier run that died
+    tmp.mkdir()
+    env = lmdb.open(str(tmp), map_size=INITIAL_MAP_BYTES, subdir=True, meminit=False)
+    written, done = 0, False
     try:
         bar = tqdm(total=total, unit="img", desc=f"make-lmdb {out.name}", disable=not sys.stderr.isatty())
         chunk: list[tuple[bytes, bytes]] = []
-        for item in records:
-            chunk.append(item)
+        for key, value in records:
+            if len(key) > env.max_key_size():
+                raise ValueError(f"key {key[:40].decode('utf-8', 'replace')!r}... is {len(key)} bytes, over "
+                                 f"LMDB's {env.max_key_size()}; shorten the image paths")
+            chunk.append((key, value))
             if len(chunk) == TXN_RECORDS:
                 written += _put_chunk(env, chunk)
                 bar.update(len(chunk))
@@ -110,8 +137,16 @@ def write_lmdb(out: str | Path, records: Iterator[tuple[bytes, bytes]], total: i
         written += _put_chunk(env, chunk)
         bar.update(len(chunk))
         bar.close()
+        done = True
+    except lmdb.Error as e:
+        raise ValueError(f"writing the LMDB {str(out)!r} failed ({e}); check the disk space and the path") from e
     finally:
         env.close()
+        if not done:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    tmp.rename(out)
     return written
 
 
@@ -141,8 +176,9 @@ def make_lmdb(out: str | Path, items: list[tuple[str, int]], *, root: str | Path
             path = root / rel
             try:
                 value = _record(path.read_bytes(), label, i, resize=resize, encoded=encoded, gray=gray)
-            except (OSError, Image.DecompressionBombError) as e:
-                raise ValueError(f"cannot read image {str(path)!r} ({e}); fix or remove it from the input") from e
+            except (OSError, Image.DecompressionBombError, DataError) as e:
+                why = e.reason if isinstance(e, DataError) else str(e)
+                raise ValueError(f"cannot read image {str(path)!r} ({why}); fix or remove it from the input") from e
             yield f"{i:08d}_{rel}".encode(), value
 
     return write_lmdb(out, records(), len(items))

@@ -165,3 +165,54 @@ def test_map_grows_and_bad_options_are_refused(folder, tmp_path, monkeypatch):
     empty.write_text("\n\n")
     with pytest.raises(ValueError, match="lists no images"):
         read_list_file(empty)
+
+
+def test_hidden_folders_are_skipped_and_an_empty_class_folder_is_refused(folder, tmp_path):
+    from dptrain.data.make_lmdb import list_image_folder
+
+    before = list_image_folder(folder)
+    (folder / ".ipynb_checkpoints").mkdir()
+    Image.fromarray(image(0)).save(folder / ".ipynb_checkpoints" / "00.png")
+    Image.fromarray(image(0)).save(folder / "cat" / "._00.png")  # macOS resource-fork litter
+    assert list_image_folder(folder) == before  # labels unchanged: cat 0, dog 1
+    (folder / "bird").mkdir()
+    with pytest.raises(ValueError, match="class folder .*bird' has no images.*remove it or add its images"):
+        list_image_folder(folder)
+
+
+def test_a_failed_conversion_leaves_no_lmdb_and_can_be_rerun(folder, tmp_path):
+    items = [(f"cat/{i:02d}.png", 0) for i in range(3)]
+    (folder / "cat" / "broken.png").write_bytes(b"not a png")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="cannot read image .*broken.png"):
+        make_lmdb(out, items + [("cat/broken.png", 0)], root=folder)
+    assert not out.exists() and list(tmp_path.iterdir()) == [folder.parent / "images"]  # no partial DB, no temp
+    assert make_lmdb(out, items, root=folder) == 3
+    assert len(db_keys_and_values(out)) == 3
+    deep = "cat/" + "/".join(["d" * 120] * 5) + "/00.png"  # a path LMDB cannot take as a key
+    (folder / deep).parent.mkdir(parents=True)
+    Image.fromarray(image(0)).save(folder / deep)
+    with pytest.raises(ValueError, match="is 6.. bytes, over LMDB's 511; shorten the image paths"):
+        make_lmdb(tmp_path / "long", [("cat/00.png", 0), (deep, 0)], root=folder)
+    assert not (tmp_path / "long").exists()
+
+
+def test_sixteen_bit_grey_and_exif_orientation_are_stored_as_opencv_reads_them(tmp_path):
+    from PIL import ExifTags
+
+    root = tmp_path / "in"
+    (root / "a").mkdir(parents=True)
+    ramp = (np.arange(12 * 16, dtype=np.uint32).reshape(12, 16) * 300).astype(np.uint16)
+    Image.fromarray(ramp).save(root / "a" / "deep.png")
+    stored = image(1)  # 12 x 16, tagged "rotate 90 clockwise"
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6
+    Image.fromarray(stored).save(root / "a" / "turned.png", exif=exif.tobytes())
+    make_lmdb(tmp_path / "db", [("a/deep.png", 0), ("a/turned.png", 0)], root=root, gray=False)
+    (_, deep), (_, turned) = db_keys_and_values(tmp_path / "db")
+    d, t = parse_datum(deep), parse_datum(turned)
+    deep_rgb = np.frombuffer(d.data, np.uint8).reshape(3, 12, 16)
+    assert np.array_equal(deep_rgb[0], (ramp >> 8).astype(np.uint8))  # high byte, not clipped to 255
+    assert (t.height, t.width) == (16, 12)
+    bgr = np.frombuffer(t.data, np.uint8).reshape(3, 16, 12)
+    assert np.array_equal(bgr[::-1].transpose(1, 2, 0), np.rot90(stored, k=-1))
