@@ -13,11 +13,16 @@ This module has no thread, device or LMDB logic; it runs anywhere in microsecond
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
+
+from dptrain.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 _F = descriptor_pb2.FieldDescriptorProto
 
@@ -156,33 +161,53 @@ def encode_blob(array_chw_bgr: np.ndarray) -> bytes:
     return b.SerializeToString()
 
 
+MEAN_IMAGE_TOLERANCE = 1.0
+"""Pixel units a mean image may vary by before dptrain warns that it subtracts per-channel means."""
+
+
 def read_mean_file(path: str | Path) -> np.ndarray:
     """Per-channel mean (RGB order, pixel units) from a Caffe binaryproto or a .npy file.
 
     binaryproto: a BlobProto of shape [1, C, H, W] (or num/channels/height/width) in
     Caffe's BGR order, as ``compute_image_mean`` writes it. .npy: shape [C] or [C, H, W] in
     RGB order. A mean *image* is averaged over H and W, because the device-side
-    normalisation subtracts one value per channel (see ``DataSource.mean``).
+    normalisation subtracts one value per channel (see ``DataSource.mean``); Caffe
+    subtracts the image pixel by pixel, so a warning says how far that is off. Errors are
+    ConfigErrors that name ``data.mean_file``.
     """
     p = Path(path)
+
+    def bad(reason: str) -> ConfigError:
+        return ConfigError(f"data.mean_file {str(p)!r}: {reason}")
+
     if not p.is_file():
-        raise DataError(f"mean file {str(p)!r} not found; fix data.mean_file", path=str(p))
+        raise bad("file not found; fix the path or use data.mean_value")
     if p.suffix == ".npy":
-        a = np.load(p).astype(np.float64)
+        try:
+            a = np.load(p, allow_pickle=False).astype(np.float64)
+        except (OSError, ValueError, TypeError) as e:
+            raise bad(f"not a numeric .npy array ({e}); save the mean with numpy.save") from e
         bgr = False
     else:
         b = BlobProto()
         try:
             b.ParseFromString(p.read_bytes())
         except message.DecodeError as e:
-            raise DataError(f"mean file is not a Caffe BlobProto ({e}); fix data.mean_file", path=str(p)) from e
+            raise bad(f"not a Caffe BlobProto ({e}); give a compute_image_mean binaryproto or a .npy") from e
         values = np.asarray(b.double_data or b.data, dtype=np.float64)
         dims = list(b.shape.dim) or [b.num or 1, b.channels, b.height, b.width]
         if values.size == 0 or int(np.prod(dims)) != values.size:
-            raise DataError(f"mean blob has shape {dims} but {values.size} values; fix data.mean_file", path=str(p))
+            raise bad(f"blob has shape {dims} but {values.size} values; re-create it with compute_image_mean")
+        if len(dims) == 4 and dims[0] != 1:
+            raise bad(f"blob holds {dims[0]} images; a mean file holds one ([1, C, H, W])")
         a = values.reshape(dims[-3:]) if len(dims) >= 3 else values
         bgr = True
     if a.ndim not in (1, 3) or a.shape[0] not in (1, 3):
-        raise DataError(f"mean has shape {list(a.shape)}; expected [C] or [C, H, W] with C in (1, 3)", path=str(p))
+        raise bad(f"mean has shape {list(a.shape)}; expected [C] or [C, H, W] with C in (1, 3)")
     per_channel = a.reshape(a.shape[0], -1).mean(axis=1)
+    spread = float(np.abs(a.reshape(a.shape[0], -1) - per_channel[:, None]).max())
+    if spread > MEAN_IMAGE_TOLERANCE:
+        log.warning("data.mean_file %s: the mean image varies by up to %.1f pixel units; dptrain subtracts its "
+                    "per-channel average (Caffe subtracts it pixel by pixel). Set data.mean_value to silence this",
+                    p, spread)
     return per_channel[::-1].copy() if bgr else per_channel

@@ -1,12 +1,14 @@
 """Caffe record codec, sample RNG, transform stages and queue routing: pure CPU, no threads."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
 from dptrain.config import ConfigError, DataConfig
 from dptrain.data.datum import (
-    DataError, encode_blob, encode_datum, hwc_to_raw, parse_datum, raw_to_hwc, read_mean_file,
+    BlobProto, DataError, encode_blob, encode_datum, hwc_to_raw, parse_datum, raw_to_hwc, read_mean_file,
 )
 from dptrain.data.queues import QueueSet
 from dptrain.data.transformer import (
@@ -88,15 +90,30 @@ def test_mean_file_binaryproto_is_bgr_and_npy_is_rgb(tmp_path):
     assert np.allclose(read_mean_file(tmp_path / "mean.npy"), [1.0, 2.0, 3.0])
 
 
-def test_mean_file_errors(tmp_path):
-    with pytest.raises(DataError, match="not found"):
-        read_mean_file(tmp_path / "nope.binaryproto")
-    (tmp_path / "bad.binaryproto").write_bytes(b"\xff\xff")
-    with pytest.raises(DataError, match="not a Caffe BlobProto"):
-        read_mean_file(tmp_path / "bad.binaryproto")
-    np.save(tmp_path / "bad.npy", np.zeros((2, 5)))
-    with pytest.raises(DataError, match=r"expected \[C\]"):
-        read_mean_file(tmp_path / "bad.npy")
+def test_mean_file_errors_name_the_setting_and_the_file(tmp_path):
+    cases = {
+        "nope.binaryproto": (None, "file not found; fix the path or use data.mean_value"),
+        "bad.binaryproto": (b"\xff\xff", "not a Caffe BlobProto"),
+        "two.binaryproto": (BlobProto(num=2, channels=3, height=2, width=2, data=[0.0] * 24).SerializeToString(),
+                            "blob holds 2 images"),
+        "bad.npy": (np.zeros((2, 5)), r"mean has shape \[2, 5\]; expected \[C\]"),
+        "pickled.npy": (np.array([{"a": 1}], dtype=object), "not a numeric .npy array"),
+    }
+    for name, (content, match) in cases.items():
+        if isinstance(content, bytes):
+            (tmp_path / name).write_bytes(content)
+        elif content is not None:
+            np.save(tmp_path / name, content, allow_pickle=True)
+        with pytest.raises(ConfigError, match=f"data.mean_file '.*{name}': {match}"):
+            read_mean_file(tmp_path / name)
+
+
+def test_a_mean_image_that_varies_warns_that_dptrain_subtracts_per_channel(tmp_path, caplog):
+    ramp = np.stack([np.tile(np.linspace(0, 200, 8), (4, 1))] * 3)
+    (tmp_path / "ramp.binaryproto").write_bytes(encode_blob(ramp))
+    with caplog.at_level(logging.WARNING, logger="dptrain.data.datum"):
+        assert np.allclose(read_mean_file(tmp_path / "ramp.binaryproto"), [100.0] * 3)
+    assert "varies by up to 100.0 pixel units" in caplog.text and "data.mean_value" in caplog.text
 
 
 def test_sample_rng_is_a_pure_function_of_its_key():
