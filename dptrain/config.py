@@ -90,7 +90,9 @@ class DataConfig:
     """Per-channel mean in pixel units (0..255), in RGB order (samples are RGB; a Caffe BGR
     mean_file is converted), subtracted on the device. One value applies to every channel."""
     mean_file: str = ""
-    """Caffe binaryproto or .npy mean image; overrides mean_value."""
+    """Caffe binaryproto (BGR) or .npy (RGB) mean, [C] or [C, H, W]; overrides mean_value. A mean
+    image is subtracted pixel by pixel at each sample's crop, as Caffe does (the stored images
+    must have its size); with resize or random_resized_crop its per-channel average is used."""
     scale: float = 1.0
     """Multiplier applied after mean subtraction (Caffe ``scale``), e.g. 1/255 or 0.017."""
     max_bad_records: int = 0

@@ -196,7 +196,8 @@ class Trainer:
     def _feeder_for(self, start_micro_step: int) -> DeviceFeeder:
         stream = self.source.train_batches(self.shard, start_micro_step)
         return DeviceFeeder(stream, device=self.device, dtype=self.dtype, mean=self.source.mean,
-                            scale=self.source.scale, channels_last=self.cfg.model.channels_last)
+                            scale=self.source.scale, channels_last=self.cfg.model.channels_last,
+                            mean_image=self.source.mean_image)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._feeder is None:
@@ -235,7 +236,8 @@ class Trainer:
         counts = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct1, correct5, n
         stream = self.source.test_batches(self.rank, self.world_size, self.cfg.data.test_batch_size)
         feeder = DeviceFeeder(stream, device=self.device, dtype=self.dtype, mean=self.source.mean,
-                              scale=self.source.scale, channels_last=self.cfg.model.channels_last)
+                              scale=self.source.scale, channels_last=self.cfg.model.channels_last,
+                              mean_image=self.source.mean_image)
         try:
             for i, (x, y) in enumerate(feeder):
                 if self.cfg.solver.test_iter and i >= self.cfg.solver.test_iter:

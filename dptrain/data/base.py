@@ -29,6 +29,9 @@ class HostBatch:
     device copy (None on CPU); a ring-buffer pipeline reuses the slot after that event."""
     info: dict[str, int] = field(default_factory=dict)
     """Per-batch counters the pipeline wants in metrics (e.g. bad_records)."""
+    windows: torch.Tensor | None = None
+    """[B, 3] int32 (y0, x0, mirrored) of each sample's crop in its stored image, from sources
+    whose ``mean_image`` is set (Caffe's per-pixel ``mean_file``); None otherwise."""
 
 
 class BatchStream(Protocol):
@@ -46,6 +49,10 @@ class DataSource(Protocol):
     """(H, W, C) of the images the streams yield."""
     mean: tuple[float, ...]
     """Per-channel mean in pixel units, subtracted on the device."""
+    mean_image: torch.Tensor | None
+    """[C or 1, H, W] float32 mean image (RGB, pixel units) of the stored images, or None. When
+    set, each sample has its own crop window of it subtracted instead of ``mean`` (Caffe's
+    ``mean_file``), and the batches carry ``HostBatch.windows``."""
     scale: float
     """Multiplier after mean subtraction."""
 
@@ -65,6 +72,7 @@ class DeviceFeeder:
     compute stream waits on an event, so no host sync happens. The normalisation
     ``(x - mean) * scale``, the cast to ``dtype`` and the NHWC->NCHW change run on the
     device (:func:`normalize_batch`); with ``channels_last`` the NHWC bytes keep their layout.
+    With a ``mean_image``, ``mean`` is each sample's window of it (:func:`window_means`).
     """
 
     def __init__(
@@ -76,6 +84,7 @@ class DeviceFeeder:
         mean: tuple[float, ...],
         scale: float,
         channels_last: bool,
+        mean_image: torch.Tensor | None = None,
     ) -> None:
         self._stream = stream
         self._device = device
@@ -84,27 +93,35 @@ class DeviceFeeder:
         self._mean = torch.tensor(mean or (0.0,), dtype=torch.float32, device=device).view(1, -1, 1, 1)
         self._scale = scale
         self._bias = self._mean * -scale  # [1, C, 1, 1] fp32: the fused form's additive term, made once
+        self._mean_image = None if mean_image is None else mean_image.to(device, torch.float32)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._next: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
+        self._next: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.cuda.Event | None] | None = None
         self.last_info: dict[str, int] = {}
 
     def _stage(self) -> None:
         host = next(self._stream)
         self.last_info = host.info
+        windows = None
+        if self._mean_image is not None and host.windows is None:
+            raise RuntimeError("DeviceFeeder has a mean image but the batch carries no crop windows")
         if self._copy_stream is None:
             # On the CPU .to() returns the ring slot itself. The images are normalised into a new
             # tensor before the next batch is staged, but the labels live on as the loss's saved
             # target through backward, after release() lets a worker refill the slot: copy them.
             images, labels, event = host.images.to(self._device), host.labels.to(self._device, copy=True), None
+            if self._mean_image is not None:
+                windows = host.windows.to(self._device, copy=True)
         else:
             with torch.cuda.stream(self._copy_stream):
                 images = host.images.to(self._device, non_blocking=True)
                 labels = host.labels.to(self._device, non_blocking=True)
+                if self._mean_image is not None:
+                    windows = host.windows.to(self._device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
         if host.release is not None:
             host.release(event)
-        self._next = (images, labels, event)
+        self._next = (images, labels, windows, event)
 
     def __iter__(self) -> DeviceFeeder:
         return self
@@ -114,15 +131,20 @@ class DeviceFeeder:
         if self._next is None:
             self._stage()
         assert self._next is not None, "stage produced no batch"
-        images, labels, event = self._next
+        images, labels, windows, event = self._next
         self._next = None
         if event is not None:
             # The compute stream must not read the batch before its copy lands; the
             # copy stream's buffers are then used on the compute stream, so record it.
             torch.cuda.current_stream(self._device).wait_event(event)
-            images.record_stream(torch.cuda.current_stream(self._device))
-            labels.record_stream(torch.cuda.current_stream(self._device))
-        x = normalize_batch(images, self._mean, self._scale, self._dtype, self._channels_last, bias=self._bias)
+            for t in (images, labels) if windows is None else (images, labels, windows):
+                t.record_stream(torch.cuda.current_stream(self._device))
+        if windows is not None:
+            assert self._mean_image is not None, "windows are only staged with a mean image"
+            mean = window_means(self._mean_image, windows, images.shape[1], images.shape[2])
+            x = normalize_batch(images, mean, self._scale, self._dtype, self._channels_last)
+        else:
+            x = normalize_batch(images, self._mean, self._scale, self._dtype, self._channels_last, bias=self._bias)
         return x, labels
 
     def prefetch(self) -> None:
@@ -135,6 +157,20 @@ class DeviceFeeder:
 
     def close(self) -> None:
         self._stream.close()
+
+
+def window_means(mean_image: torch.Tensor, windows: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[B, C, height, width] fp32: each sample's crop window of ``mean_image`` [C, H, W], mirrored with it.
+
+    Caffe subtracts the mean image at the crop's offset, before mirroring: ``out =
+    mirror(crop(x - M)) = mirror(crop(x)) - mirror(crop(M))``, which is this gather.
+    """
+    y0, x0, flip = windows.to(torch.int64).unbind(1)
+    ys = torch.arange(height, device=windows.device)
+    xs = torch.arange(width, device=windows.device)
+    rows = y0[:, None] + ys  # [B, h]
+    cols = x0[:, None] + torch.where(flip[:, None] != 0, width - 1 - xs, xs)  # [B, w]
+    return mean_image[:, rows[:, :, None], cols[:, None, :]].permute(1, 0, 2, 3)  # [C, B, h, w] -> [B, C, h, w]
 
 
 def normalize_batch(

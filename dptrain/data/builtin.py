@@ -79,6 +79,7 @@ class ArraySource:
         self.num_train, self.num_test = len(train[1]), len(test[1])
         self.sample_shape = tuple(train[0].shape[1:])
         self.mean, self.scale = mean, scale
+        self.mean_image = None
 
     def train_batches(self, plan: ShardPlan, start_step: int) -> _IndexedStream:
         return _IndexedStream(*self._train, _train_indices(self.num_train, plan, start_step))

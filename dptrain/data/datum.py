@@ -13,7 +13,6 @@ This module has no thread, device or LMDB logic; it runs anywhere in microsecond
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Protocol
 
@@ -21,8 +20,6 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
 from dptrain.config import ConfigError
-
-log = logging.getLogger(__name__)
 
 _F = descriptor_pb2.FieldDescriptorProto
 
@@ -161,19 +158,12 @@ def encode_blob(array_chw_bgr: np.ndarray) -> bytes:
     return b.SerializeToString()
 
 
-MEAN_IMAGE_TOLERANCE = 1.0
-"""Pixel units a mean image may vary by before dptrain warns that it subtracts per-channel means."""
-
-
 def read_mean_file(path: str | Path) -> np.ndarray:
-    """Per-channel mean (RGB order, pixel units) from a Caffe binaryproto or a .npy file.
+    """The mean from a Caffe binaryproto or a .npy file: [C] or [C, H, W] float64, RGB order, pixel units.
 
     binaryproto: a BlobProto of shape [1, C, H, W] (or num/channels/height/width) in
     Caffe's BGR order, as ``compute_image_mean`` writes it. .npy: shape [C] or [C, H, W] in
-    RGB order. A mean *image* is averaged over H and W, because the device-side
-    normalisation subtracts one value per channel (see ``DataSource.mean``); Caffe
-    subtracts the image pixel by pixel, so a warning says how far that is off. Errors are
-    ConfigErrors that name ``data.mean_file``.
+    RGB order. Errors are ConfigErrors that name ``data.mean_file``.
     """
     p = Path(path)
 
@@ -204,10 +194,4 @@ def read_mean_file(path: str | Path) -> np.ndarray:
         bgr = True
     if a.ndim not in (1, 3) or a.shape[0] not in (1, 3):
         raise bad(f"mean has shape {list(a.shape)}; expected [C] or [C, H, W] with C in (1, 3)")
-    per_channel = a.reshape(a.shape[0], -1).mean(axis=1)
-    spread = float(np.abs(a.reshape(a.shape[0], -1) - per_channel[:, None]).max())
-    if spread > MEAN_IMAGE_TOLERANCE:
-        log.warning("data.mean_file %s: the mean image varies by up to %.1f pixel units; dptrain subtracts its "
-                    "per-channel average (Caffe subtracts it pixel by pixel). Set data.mean_value to silence this",
-                    p, spread)
-    return per_channel[::-1].copy() if bgr else per_channel
+    return a[::-1].copy() if bgr else a

@@ -16,7 +16,9 @@ Record index -> key. Records are numbered 0..N-1 in key order. Two ways to find 
   one bytes blob plus int64 offsets (about 60 MB for ImageNet-1k's 1.28 M keys).
 
 Samples are HWC **RGB** uint8 (raw Caffe records are BGR and are flipped on read), so
-``data.mean_value`` is given in RGB order; a Caffe ``mean_file`` (BGR) is converted.
+``data.mean_value`` is given in RGB order; a Caffe ``mean_file`` (BGR) is converted. A mean
+image is subtracted per pixel on the device at each sample's crop window (see
+``_resolve_mean`` and ``base.window_means``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import threading
 
 import lmdb
 import numpy as np
+import torch
 
 from dptrain.config import ConfigError, DataConfig
 from dptrain.data.datum import DataError, parse_datum, read_mean_file
@@ -37,6 +40,7 @@ from dptrain.data.pipeline import (
 from dptrain.data.queues import QueueSet
 from dptrain.data.sampling import ShardPlan, eval_range
 from dptrain.data.transformer import (
+    MatchMeanImage,
     RenderOptions,
     SampleSpec,
     build_stages,
@@ -50,6 +54,8 @@ log = logging.getLogger(__name__)
 
 MAX_READERS = 1024
 """Reader slots per Environment; each stream takes P + T read transactions."""
+MEAN_IMAGE_TOLERANCE = 1.0
+"""Pixel units a mean image may vary by before its per-channel average is worth a warning."""
 PROBE_RECORDS = 16
 """Records, spread over the training DB, whose colour decides the samples' channels at open."""
 MAX_PARSERS_DEFAULT = 3
@@ -180,13 +186,16 @@ class LmdbSource:
         self.num_test = len(self._test) if self._test is not None else 0
         self.channels, first_hw = self._probe(cfg, rank)
         self._stages = {train: build_stages(cfg, train=train, first_hw=first_hw) for train in (True, False)}
+        self.mean, self.mean_image = self._resolve_mean(cfg, first_hw)
+        if self.mean_image is not None:
+            for stages in self._stages.values():
+                stages.insert(0, MatchMeanImage(*self.mean_image.shape[1:]))
         in_spec = SampleSpec(None, None, self.channels)
         out = {train: check_chain(stages, in_spec) for train, stages in self._stages.items()}
         if out[True] != out[False]:
             raise ConfigError(f"training samples are {out[True]} but test samples {out[False]}; "
                               f"set data.crop_size or data.resize")
         self.sample_shape = (out[True].height, out[True].width, self.channels)
-        self.mean = self._resolve_mean(cfg)
         self.scale = cfg.scale
         self.parsers, self.transformers = default_threads(cfg)
         log.info("LMDB input: %d parser + %d transformer threads per solver, samples %s, prefetch %d",
@@ -227,16 +236,42 @@ class LmdbSource:
             log.info("%s: %d of %d probed records are grey; every sample is read as RGB", cfg.path, gray, len(found))
         return channels, found[0][1]
 
-    def _resolve_mean(self, cfg: DataConfig) -> tuple[float, ...]:
-        if cfg.mean_file:
-            mean = tuple(float(m) for m in read_mean_file(cfg.mean_file))
-            log.info("data.mean_file %s: per-channel mean %s (RGB)", cfg.mean_file, mean)
-        else:
+    def _resolve_mean(self, cfg: DataConfig, first_hw: tuple[int, int]) -> tuple[tuple[float, ...], torch.Tensor | None]:
+        """(per-channel mean, mean image or None) from data.mean_value / data.mean_file.
+
+        A mean *image* is subtracted pixel by pixel at each sample's crop window, as Caffe
+        does, when the geometry is Caffe's (crop and mirror, no resize or random-resized
+        crop). With a resize the windows no longer map onto the stored image, so its
+        per-channel average is used, with a warning when the image is not flat.
+        """
+        if not cfg.mean_file:
             mean = tuple(cfg.mean_value)
-        if len(mean) not in (0, 1, self.channels):
-            raise ConfigError(f"data mean has {len(mean)} values but the images have {self.channels} "
-                              f"channel(s); give 1 or {self.channels} values")
-        return mean
+            self._check_mean_channels(len(mean))
+            return mean, None
+        a = read_mean_file(cfg.mean_file)  # [C] or [C, H, W], RGB
+        self._check_mean_channels(a.shape[0])
+        per_channel = tuple(float(m) for m in a.reshape(a.shape[0], -1).mean(axis=1))
+        if a.ndim == 1:
+            return per_channel, None
+        if not (cfg.resize or cfg.random_resized_crop):
+            if a.shape[1:] != first_hw:
+                raise ConfigError(f"data.mean_file {cfg.mean_file!r} is {a.shape[1]}x{a.shape[2]} (HxW) but the "
+                                  f"records are {first_hw[0]}x{first_hw[1]}; compute the mean over this DB or "
+                                  f"use data.mean_value")
+            log.info("data.mean_file %s: a %dx%d mean image, subtracted at each crop window", cfg.mean_file,
+                     a.shape[1], a.shape[2])
+            return per_channel, torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+        spread = float(np.abs(a.reshape(a.shape[0], -1) - np.asarray(per_channel)[:, None]).max())
+        if spread > MEAN_IMAGE_TOLERANCE:
+            log.warning("data.mean_file %s: the mean image varies by up to %.1f pixel units, but with data.resize "
+                        "or data.random_resized_crop crops do not map onto it; subtracting its per-channel average "
+                        "%s. Set data.mean_value to silence this", cfg.mean_file, spread, per_channel)
+        return per_channel, None
+
+    def _check_mean_channels(self, n: int) -> None:
+        if n not in (0, 1, self.channels):
+            raise ConfigError(f"data mean has {n} channels/values but the images have {self.channels} "
+                              f"channel(s); give 1 or {self.channels}")
 
     def _stream(self, reader: LmdbReader, sequence: TrainSequence | TestSequence, batch_size: int,
                 rank: int, train: bool) -> PipelineStream:
@@ -248,6 +283,7 @@ class LmdbSource:
             budget=BadRecordBudget(self._cfg.max_bad_records, rank),
             stages=self._stages[train], channels=self.channels, batch_size=batch_size,
             num_classes=self._num_classes, seed=self._seed, rank=rank, render=self._render,
+            windows=self.mean_image is not None,
         )
         return PipelineStream(parts, parsers=p, transformers=t)
 

@@ -118,7 +118,9 @@ class BatchRing:
         self.images = torch.empty((slots, batch_size, *sample_shape), dtype=torch.uint8,
                                   pin_memory=pin)  # [R, B, H, W, C] uint8, pinned for CUDA runs
         self.labels = torch.empty((slots, batch_size), dtype=torch.int64, pin_memory=pin)  # [R, B]
+        self.windows = torch.zeros((slots, batch_size, 3), dtype=torch.int32, pin_memory=pin)  # [R, B, (y0, x0, flip)]
         self._images_np, self._labels_np = self.images.numpy(), self.labels.numpy()
+        self._windows_np = self.windows.numpy()
         self.owner = list(range(slots))
         """Batch each slot currently belongs to; batch b may be written once owner[b % R] == b."""
         self.filled = [0] * slots
@@ -126,8 +128,8 @@ class BatchRing:
         self._events: list[torch.cuda.Event | None] = [None] * slots
         self.cond = threading.Condition()
 
-    def acquire(self, b: int, stop: threading.Event) -> tuple[np.ndarray, np.ndarray] | None:
-        """Worker side: wait until slot b % R belongs to batch b; returns its (images, labels) arrays."""
+    def acquire(self, b: int, stop: threading.Event) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Worker side: wait until slot b % R belongs to batch b; returns its (images, labels, windows) arrays."""
         s = b % self.slots
         with self.cond:
             while self.owner[s] != b:
@@ -137,7 +139,7 @@ class BatchRing:
             event = self._events[s]
         if event is not None:
             event.synchronize()  # the consumer's device copy out of this slot must finish before we overwrite it
-        return self._images_np[s], self._labels_np[s]
+        return self._images_np[s], self._labels_np[s], self._windows_np[s]
 
     def complete(self, b: int, rows: int, bad: int) -> None:
         """Worker side: one row of batch b is written (``bad`` records were skipped for it)."""
@@ -176,6 +178,8 @@ class StreamParts:
     seed: int
     rank: int
     render: RenderOptions = RenderOptions()
+    windows: bool = False
+    """Record each sample's crop window (y0, x0, mirrored) for a per-pixel mean image."""
 
     def batch_rows(self, b: int) -> int:
         """Rows of batch b: batch_size, or fewer in the last batch of a finite stream."""
@@ -236,7 +240,8 @@ class PipelineStream:
         self._bad_total += self._ring.bad[s]
         self._next_batch += 1
         return HostBatch(images=self._ring.images[s, :rows], labels=self._ring.labels[s, :rows],
-                         release=functools.partial(self._release, b), info={"bad_records": self._bad_total})
+                         release=functools.partial(self._release, b), info={"bad_records": self._bad_total},
+                         windows=self._ring.windows[s, :rows] if self._parts.windows else None)
 
     def _wait_ready(self, b: int, rows: int) -> None:
         ring, s = self._ring, b % self._ring.slots

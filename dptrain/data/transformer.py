@@ -131,6 +131,23 @@ class ExpectSize:
         return s
 
 
+class MatchMeanImage:
+    """A per-pixel mean image (data.mean_file) is subtracted at each crop's offset in the stored
+    image, so every stored image must have the mean image's size (Caffe checks the same)."""
+
+    def __init__(self, height: int, width: int) -> None:
+        self.height, self.width = height, width
+
+    def spec(self, in_spec: SampleSpec) -> SampleSpec:
+        return SampleSpec(self.height, self.width, in_spec.channels)
+
+    def __call__(self, s: Sample) -> Sample:
+        if (s.out_h, s.out_w) != (self.height, self.width):
+            raise DataError(f"image is {s.out_h}x{s.out_w} (HxW) but data.mean_file is {self.height}x{self.width}; "
+                            f"compute the mean over this DB or use data.mean_value")
+        return s
+
+
 class Resize:
     """Resize the whole (current) image to height x width (bilinear)."""
 
@@ -400,20 +417,26 @@ def render_raw(hwc: np.ndarray, s: Sample, channels: int, dst: np.ndarray, opts:
 
 
 def transform_datum(datum: DatumLike, stages: list[Stage], rng: SampleRng, channels: int,
-                    dst: np.ndarray, opts: RenderOptions = RenderOptions()) -> None:
-    """Decode, augment and write one parsed Datum into ``dst`` ([H, W, C] uint8 view of a ring slot)."""
+                    dst: np.ndarray, opts: RenderOptions = RenderOptions(), window: np.ndarray | None = None) -> None:
+    """Decode, augment and write one parsed Datum into ``dst`` ([H, W, C] uint8 view of a ring slot).
+
+    ``window`` (int32 [3]), if given, receives the sample's crop in the stored image as
+    (y0, x0, mirrored), for a per-pixel mean image (see ``base.window_means``).
+    """
     if datum.encoded:
         im = open_image(datum.data)
-        s = Sample((0.0, 0.0, float(im.size[0]), float(im.size[1])), im.size[0], im.size[1], rng)
-        for stage in stages:
-            s = stage(s)
-        render_image(im, s, "RGB" if channels == 3 else "L", dst, opts)
+        w, h = im.size
     else:
         hwc = raw_to_hwc(datum)
         h, w = hwc.shape[:2]
-        s = Sample((0.0, 0.0, float(w), float(h)), w, h, rng)
-        for stage in stages:
-            s = stage(s)
+    s = Sample((0.0, 0.0, float(w), float(h)), w, h, rng)
+    for stage in stages:
+        s = stage(s)
+    if window is not None:
+        window[:] = (round(s.box[1]), round(s.box[0]), s.flip)
+    if datum.encoded:
+        render_image(im, s, "RGB" if channels == 3 else "L", dst, opts)
+    else:
         render_raw(hwc, s, channels, dst, opts)
 
 
@@ -429,8 +452,10 @@ def probe_channels_and_size(datum: DatumLike) -> tuple[int, tuple[int, int]]:
 # --------------------------------------------------------------------------- thread
 
 
-def _fill_row(rec: ParsedRecord, dst: np.ndarray, parts: StreamParts, subs: _SubstituteReader) -> tuple[int, int]:
-    """Write record ``rec`` (or its substitutes) into ``dst``; returns (label, bad records met).
+def _fill_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, parts: StreamParts,
+              subs: _SubstituteReader) -> tuple[int, int]:
+    """Write record ``rec`` (or its substitutes) into ``dst`` (and its crop into ``window``); returns
+    (label, bad records met).
 
     Bad-record policy: a record that fails (unparsable, undecodable, label out of range,
     too small, bomb) counts against ``data.max_bad_records`` (distinct records, see
@@ -447,7 +472,7 @@ def _fill_row(rec: ParsedRecord, dst: np.ndarray, parts: StreamParts, subs: _Sub
         if rec.error is None and rec.datum is not None:
             try:
                 transform_datum(rec.datum, parts.stages, SampleRng(parts.seed, rec.epoch, rec.index, attempt),
-                                parts.channels, dst, parts.render)
+                                parts.channels, dst, parts.render, window)
                 return rec.datum.label, bad
             except DataError as e:
                 rec.error = e.located(path=parts.reader.path, key=rec.key, rank=parts.rank)
@@ -513,9 +538,9 @@ def run_transformer(t: int, parts: StreamParts, stop: threading.Event) -> None:
             slot = parts.ring.acquire(b, stop)
             if slot is None:
                 return
-            images, labels = slot
+            images, labels, windows = slot
             try:
-                labels[row], bad = _fill_row(rec, images[row], parts, subs)
+                labels[row], bad = _fill_row(rec, images[row], windows[row] if parts.windows else None, parts, subs)
             except DataError:
                 raise
             except Exception as e:  # a broken invariant, not a bad record: stop the stream

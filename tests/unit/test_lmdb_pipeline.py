@@ -172,8 +172,76 @@ def test_source_attributes_and_means(tmp_path):
     assert src.mean == (3.0, 2.0, 1.0) and src.scale == 0.5 and src.sample_shape == (H, W, 3)
     gray = write_db(tmp_path / "gray", [raw_value(i, image=pixels(i)[:, :, 1]) for i in range(4)])
     assert lmdb_source(make_cfg(gray), num_classes=NUM_CLASSES, seed=1).sample_shape == (H, W, 1)
-    with pytest.raises(ConfigError, match="mean has 3 values but the images have 1 channel"):
+    with pytest.raises(ConfigError, match="mean has 3 channels/values but the images have 1 channel"):
         lmdb_source(make_cfg(gray, mean_value=[1.0, 2.0, 3.0]), num_classes=NUM_CLASSES, seed=1)
+
+
+def _caffe_transform(x_chw: np.ndarray, mean_chw: np.ndarray, h_off: int, w_off: int, size: int, mirror: bool,
+                     scale: float) -> np.ndarray:
+    """Caffe's DataTransformer::Transform, element by element: (x - mean) * scale at the source
+    pixel, written to the mirrored column when mirroring."""
+    c_n = x_chw.shape[0]
+    out = np.empty((c_n, size, size), np.float32)
+    for c in range(c_n):
+        for h in range(size):
+            for w in range(size):
+                top_w = size - 1 - w if mirror else w
+                src = (c, h_off + h, w_off + w)
+                out[c, h, top_w] = (float(x_chw[src]) - mean_chw[src]) * scale
+    return out
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_mean_file_image_is_subtracted_pixel_by_pixel_at_each_crop_as_caffe_does(tmp_path, train):
+    from dptrain.data.base import DeviceFeeder
+
+    rng = np.random.default_rng(0)
+    mean_rgb = rng.uniform(0, 255, (3, H, W))
+    (tmp_path / "mean.binaryproto").write_bytes(encode_blob(mean_rgb[::-1]))  # Caffe stores BGR
+    path = write_db(tmp_path / "db", [raw_value(i) for i in range(8)])
+    cfg = make_cfg(path, test_path=path, mean_file=str(tmp_path / "mean.binaryproto"), crop_size=4, mirror=True,
+                   scale=0.5, shuffle="none")
+    src = lmdb_source(cfg, num_classes=NUM_CLASSES, seed=2)
+    assert src.mean_image is not None and tuple(src.mean_image.shape) == (3, H, W)
+    stream = (src.train_batches(ShardPlan(0, 1, 4, seed=2, shuffle=False), 0) if train
+              else src.test_batches(0, 1, 4))
+    feeder = DeviceFeeder(stream, device=torch.device("cpu"), dtype=torch.float32, mean=src.mean, scale=src.scale,
+                          channels_last=False, mean_image=src.mean_image)
+    try:
+        mirrored = 0
+        for _ in range(2):
+            x, labels = next(feeder)
+            for sample, label in zip(x.numpy(), labels.numpy()):
+                matches = []
+                for i in (j for j in range(8) if j % NUM_CLASSES == label):
+                    for h_off in range(H - 4 + 1):
+                        for w_off in range(W - 4 + 1):
+                            for mirror in (False, True):
+                                ref = _caffe_transform(pixels(i).transpose(2, 0, 1), mean_rgb, h_off, w_off, 4,
+                                                       mirror, 0.5)
+                                if np.allclose(sample, ref, atol=1e-4):
+                                    matches.append((h_off, w_off, mirror))
+                assert matches, "a sample equals no Caffe crop of its record minus the mean at that crop"
+                mirrored += any(m for _, _, m in matches) and not any(not m for _, _, m in matches)
+                if not train:
+                    assert ((H - 4) // 2, (W - 4) // 2, False) in matches
+        assert mirrored > 0 if train else mirrored == 0
+    finally:
+        feeder.close()
+
+
+def test_mean_image_needs_the_stored_size_and_falls_back_to_channels_with_resizes(tmp_path, caplog):
+    path = write_db(tmp_path / "db", [raw_value(i) for i in range(8)])
+    ramp = np.stack([np.tile(np.linspace(0, 200, W), (H, 1))] * 3)
+    (tmp_path / "ramp.binaryproto").write_bytes(encode_blob(ramp))
+    (tmp_path / "small.binaryproto").write_bytes(encode_blob(ramp[:, :4, :4]))
+    with pytest.raises(ConfigError, match=r"data.mean_file .*small.binaryproto' is 4x4 \(HxW\) but the records are 6x8"):
+        lmdb_source(make_cfg(path, mean_file=str(tmp_path / "small.binaryproto"), crop_size=4), num_classes=5, seed=1)
+    with caplog.at_level(logging.WARNING, logger="dptrain.data.lmdb_source"):
+        src = lmdb_source(make_cfg(path, mean_file=str(tmp_path / "ramp.binaryproto"), resize=[3, 4]),
+                          num_classes=5, seed=1)
+    assert src.mean_image is None and np.allclose(src.mean, [100.0] * 3)
+    assert "varies by up to 100.0 pixel units" in caplog.text and "data.mean_value" in caplog.text
 
 
 def test_default_threads_follow_cores_and_local_world_size(monkeypatch):
@@ -365,6 +433,29 @@ def test_device_feeder_reuses_pinned_slots_only_after_their_copy(db29):
     assert input_threads() == []
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (side-stream copy of the windows)")
+def test_mean_image_on_cuda_equals_the_cpu_feeder(tmp_path):
+    from dptrain.data.base import DeviceFeeder
+
+    mean_rgb = np.random.default_rng(3).uniform(0, 255, (3, H, W))
+    np.save(tmp_path / "mean.npy", mean_rgb)
+    cfg = make_cfg(write_db(tmp_path / "db", [raw_value(i) for i in range(16)]), mean_file=str(tmp_path / "mean.npy"),
+                   crop_size=4, mirror=True, scale=0.25)
+    out = {}
+    for device in ("cpu", "cuda"):
+        src = lmdb_source(cfg, num_classes=NUM_CLASSES, seed=5, pin_memory=device == "cuda")
+        feeder = DeviceFeeder(src.train_batches(ShardPlan(0, 1, 4, seed=5), 0), device=torch.device(device),
+                              dtype=torch.float32, mean=src.mean, scale=src.scale, channels_last=True,
+                              mean_image=src.mean_image)
+        try:
+            out[device] = [next(feeder)[0].cpu() for _ in range(6)]
+        finally:
+            feeder.close()
+    for a, b in zip(out["cpu"], out["cuda"]):
+        torch.testing.assert_close(a, b)  # the fused CUDA form is one fp32 rounding from the CPU form
+
+
 def test_shard_with_only_bad_records_fails_even_within_budget(tmp_path):
     values = [raw_value(i) for i in range(8)]
     for i in (2, 3, 6, 7):  # rank 1's shard with world 2, batch 2, record order
@@ -440,6 +531,23 @@ def test_normalize_batch_matches_the_formula_and_leaves_the_source(channels_last
     kept = normalize_batch(images, mean, 0.017, dtype, channels_last, fused=True, bias=mean * -0.017)
     assert torch.equal(kept, fused)  # the feeder's precomputed bias changes nothing
     assert torch.equal(images, before)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_window_means_gather_each_samples_mirrored_crop_for_both_normalize_forms(channels_last):
+    from dptrain.data.base import normalize_batch, window_means
+
+    g = torch.Generator().manual_seed(1)
+    mean_image = torch.rand((3, 9, 11), generator=g) * 255
+    windows = torch.tensor([[0, 0, 0], [2, 5, 1], [4, 6, 0], [1, 3, 1]], dtype=torch.int32)
+    got = window_means(mean_image, windows, 5, 5)
+    for b, (y0, x0, flip) in enumerate(windows.tolist()):
+        crop = mean_image[:, y0:y0 + 5, x0:x0 + 5]
+        assert torch.equal(got[b], crop.flip(-1) if flip else crop), b
+    images = torch.randint(0, 256, (4, 5, 5, 3), dtype=torch.uint8, generator=g)
+    exact = (images.permute(0, 3, 1, 2).float() - got) * 0.5
+    assert torch.equal(normalize_batch(images, got, 0.5, torch.float32, channels_last), exact)
+    torch.testing.assert_close(normalize_batch(images, got, 0.5, torch.float32, channels_last, fused=True), exact)
 
 
 def test_batch_ring_pins_only_when_asked():

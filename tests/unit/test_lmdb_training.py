@@ -31,3 +31,18 @@ def test_lmdb_and_builtin_digits_train_identically(tmp_path):
     # a ring slot refilled while its labels were still needed by backward) breaks equality.
     for name, w in builtin.items():
         assert torch.equal(w, from_lmdb[name]), name
+
+
+def test_a_flat_mean_image_trains_exactly_like_the_same_mean_value(tmp_path):
+    """The per-pixel mean path (crop windows through the ring, gathered in DeviceFeeder) is wired into
+    training: a mean image that equals mean_value everywhere changes no bit."""
+    import numpy as np
+
+    make_digits_lmdb(tmp_path / "lmdb", encoded=True)
+    np.save(tmp_path / "mean.npy", np.full((1, 32, 32), 77.75))
+    lmdb = ["data.source=lmdb", f"data.path={json.dumps(str(tmp_path / 'lmdb/train'))}",
+            f"data.test_path={json.dumps(str(tmp_path / 'lmdb/test'))}", "data.prefetch=1"]
+    by_value = _train(tmp_path, "value", *lmdb)
+    by_image = _train(tmp_path, "image", *lmdb, f"data.mean_file={json.dumps(str(tmp_path / 'mean.npy'))}")
+    for name, w in by_value.items():
+        assert torch.equal(w, by_image[name]), name
