@@ -61,6 +61,15 @@ def test_torch_resample_matches_pillow_crop_then_bilinear_on_whole_pixel_boxes(m
     assert not calls
 
 
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+@pytest.mark.parametrize("box, out_w, out_h", [((13, 7, 164, 104), 64, 48), ((3, 2, 40, 31), 57, 45), ((0, 0, 200, 150), 97, 61)])
+def test_mirroring_before_the_torch_resample_equals_mirroring_after(mode, box, out_w, out_h):
+    """The transformer flips the crop, then resamples; that must be the mirror image of the unflipped sample."""
+    img = _photo(150, 200, mode)
+    plain = _render(img, box, out_w, out_h, False, RenderOptions())
+    assert np.array_equal(_render(img, box, out_w, out_h, True, RenderOptions()), plain[:, ::-1])
+
+
 @pytest.mark.parametrize("width, height, out", [(99, 97, 6), (99, 97, 12), (130, 75, 30), (96, 72, 12)])
 def test_draft_decode_keeps_the_box_on_the_image_when_sides_are_not_multiples_of_the_scale(width, height, out):
     """A 1/s draft decode is ceil(w/s) wide, but the image covers only w/s of it: the box must scale by 1/s."""
