@@ -75,12 +75,23 @@ def _open_env(path: str, rank: int) -> lmdb.Environment:
             return cached[1]
         if not os.path.exists(path):
             raise DataError("LMDB path does not exist; fix data.path / data.test_path", path=path, rank=rank)
+        subdir = os.path.isdir(path)
+        data_file = os.path.join(path, "data.mdb") if subdir else path
+        if not subdir and not os.path.isfile(path):  # a FIFO or device would block lmdb.open forever
+            raise DataError("not an LMDB (neither a directory nor a file); point data.path at a Caffe LMDB "
+                            "directory", path=path, rank=rank)
         try:
             env = lmdb.open(path, readonly=True, lock=False, readahead=False, max_readers=MAX_READERS,
-                            subdir=os.path.isdir(path), meminit=False)
+                            subdir=subdir, meminit=False)
+            need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
         except lmdb.Error as e:
             raise DataError(f"not an LMDB ({e}); point data.path at a Caffe LMDB directory",
                             path=path, rank=rank) from e
+        have = os.path.getsize(data_file)
+        if have < need:  # reading past the end of the mapped file would kill the process with SIGBUS
+            env.close()
+            raise DataError(f"LMDB is truncated: {os.path.basename(data_file)} holds {have} bytes but its pages "
+                            f"need {need}; copy the DB again", path=path, rank=rank)
         _envs[real] = (os.getpid(), env)
         return env
 
@@ -121,17 +132,21 @@ class LmdbReader:
     def __init__(self, path: str, rank: int = 0) -> None:
         self.path, self.rank = path, rank
         self.env = _open_env(path, rank)
-        with self.env.begin() as txn:
-            self.num_records = txn.stat()["entries"]
-            if self.num_records == 0:
-                raise DataError("LMDB has no records; fill it with dptrain make-lmdb", path=path, rank=rank)
-            cur = txn.cursor()
-            first = cur.key() if cur.first() else b""
-            last = cur.key() if cur.last() else b""
-            self.key_blob: bytes | None = None
-            self._key_offsets = np.zeros(1, dtype=np.int64)
-            if not (self._prefix_number(first) == 0 and self._prefix_number(last) == self.num_records - 1):
-                self._build_key_table(cur)
+        self.key_blob: bytes | None = None
+        self._key_offsets = np.zeros(1, dtype=np.int64)
+        try:
+            with self.env.begin() as txn:
+                self.num_records = txn.stat()["entries"]
+                if self.num_records == 0:
+                    raise DataError("LMDB has no records; fill it with dptrain make-lmdb", path=path, rank=rank)
+                cur = txn.cursor()
+                first = cur.key() if cur.first() else b""
+                last = cur.key() if cur.last() else b""
+                if not (self._prefix_number(first) == 0 and self._prefix_number(last) == self.num_records - 1):
+                    self._build_key_table(cur)
+        except lmdb.Error as e:
+            raise DataError(f"LMDB is damaged ({e}); re-create it with dptrain make-lmdb or copy it again",
+                            path=path, rank=rank) from e
         log.info("opened LMDB %s: %d records, %s", path, self.num_records,
                  "prefix seek" if self.key_blob is None else "key table")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import io
-import logging
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -29,8 +29,6 @@ from tqdm import tqdm
 
 from dptrain.data.datum import DataError, encode_datum, hwc_to_raw
 from dptrain.data.transformer import GRAY_MODES, convert_image, open_image
-
-log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 ENCODE_QUALITY = 95
@@ -69,12 +67,17 @@ def read_list_file(path: str | Path) -> list[tuple[str, int]]:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"list file {str(p)!r} does not exist")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"list file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); give an image "
+                         f"folder or a list of 'path label' lines") from e
     items = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         parts = line.rsplit(maxsplit=1)
-        if len(parts) != 2 or not parts[1].isdigit():
+        if len(parts) != 2 or not (parts[1].isascii() and parts[1].isdigit()):
             raise ValueError(f"{p}:{n}: expected 'path label' with an integer label >= 0, got {line!r}")
         items.append((parts[0], int(parts[1])))
     if not items:
@@ -116,6 +119,9 @@ def write_lmdb(out: str | Path, records: Iterator[tuple[bytes, bytes]], total: i
         raise ValueError(f"{str(out)!r} already holds an LMDB; remove it or choose another output path")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{str(out)!r} exists and is not an empty folder; remove it or choose another output path")
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"cannot create {str(out)!r}: {str(blocker)!r} is a file; choose another output path")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.incomplete"
     shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier run that died
@@ -167,6 +173,8 @@ def make_lmdb(out: str | Path, items: list[tuple[str, int]], *, root: str | Path
     """Write ``items`` ([(path relative to root, label)]) as Datums to a new LMDB ``out``; returns the count."""
     if resize is not None and min(resize) <= 0:
         raise ValueError(f"--resize needs positive H W, got {list(resize)}")
+    if seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {seed}")
     order = np.random.default_rng(seed).permutation(len(items)) if shuffle else np.arange(len(items))
     root = Path(root)
 
@@ -179,7 +187,7 @@ def make_lmdb(out: str | Path, items: list[tuple[str, int]], *, root: str | Path
             except (OSError, Image.DecompressionBombError, DataError) as e:
                 why = e.reason if isinstance(e, DataError) else str(e)
                 raise ValueError(f"cannot read image {str(path)!r} ({why}); fix or remove it from the input") from e
-            yield f"{i:08d}_{rel}".encode(), value
+            yield b"%08d_" % i + os.fsencode(rel), value  # fsencode: file names need not be UTF-8
 
     return write_lmdb(out, records(), len(items))
 

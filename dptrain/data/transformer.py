@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import ExifTags, Image, ImageOps
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from dptrain.config import ConfigError, DataConfig
 from dptrain.data.datum import DataError, DatumLike, raw_to_hwc
@@ -346,6 +346,8 @@ def open_image(data: bytes) -> Image.Image:
         im = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
         raise DataError(f"decompression bomb: {e}") from e
+    except UnidentifiedImageError as e:  # its text shows only the BytesIO's repr
+        raise DataError("undecodable image (not a format Pillow recognises)") from e
     except (OSError, SyntaxError, ValueError) as e:
         raise DataError(f"undecodable image ({e})") from e
     limit = Image.MAX_IMAGE_PIXELS

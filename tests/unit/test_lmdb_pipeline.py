@@ -265,6 +265,29 @@ def test_missing_and_non_lmdb_paths(tmp_path):
         lmdb_source(make_cfg(str(tmp_path / "notdb")), num_classes=NUM_CLASSES, seed=1)
 
 
+def test_damaged_truncated_and_non_file_paths_fail_with_one_line_not_a_crash(tmp_path):
+    import os
+    import shutil
+
+    good = write_db(tmp_path / "good", [raw_value(i) for i in range(200)])
+    data = (tmp_path / "good" / "data.mdb").read_bytes()
+    shutil.copytree(good, tmp_path / "trunc")
+    (tmp_path / "trunc" / "data.mdb").write_bytes(data[: len(data) // 3])  # an interrupted copy: SIGBUS if read
+    with pytest.raises(DataError, match=r"rank 0: LMDB .*trunc': LMDB is truncated: data.mdb holds \d+ bytes"):
+        lmdb_source(make_cfg(str(tmp_path / "trunc")), num_classes=NUM_CLASSES, seed=1)
+    damaged = bytearray(data)
+    rng = np.random.default_rng(0)
+    for off in range(4096 * 2, len(damaged), 4096):  # every page after the two meta pages
+        damaged[off:off + 64] = rng.integers(0, 256, 64, dtype=np.uint8).tobytes()
+    shutil.copytree(good, tmp_path / "damaged")
+    (tmp_path / "damaged" / "data.mdb").write_bytes(bytes(damaged))
+    with pytest.raises(DataError, match=r"LMDB .*damaged': LMDB is damaged \(.*\); re-create it"):
+        lmdb_source(make_cfg(str(tmp_path / "damaged")), num_classes=NUM_CLASSES, seed=1)
+    os.mkfifo(tmp_path / "fifo")  # lmdb.open would block on it forever
+    with pytest.raises(DataError, match="neither a directory nor a file"):
+        lmdb_source(make_cfg(str(tmp_path / "fifo")), num_classes=NUM_CLASSES, seed=1)
+
+
 def test_empty_db(tmp_path):
     path = write_db(tmp_path / "empty", [])
     with pytest.raises(DataError, match="empty.*no records"):

@@ -216,3 +216,22 @@ def test_sixteen_bit_grey_and_exif_orientation_are_stored_as_opencv_reads_them(t
     assert (t.height, t.width) == (16, 12)
     bgr = np.frombuffer(t.data, np.uint8).reshape(3, 16, 12)
     assert np.array_equal(bgr[::-1].transpose(1, 2, 0), np.rot90(stored, k=-1))
+
+
+def test_inputs_that_used_to_crash_or_mislead_get_one_line_errors(folder, tmp_path):
+    import os
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="afile' is a file; choose another output path"):
+        make_lmdb(tmp_path / "afile" / "sub", [("cat/00.png", 0)], root=folder)
+    with pytest.raises(ValueError, match="--seed must be >= 0, got -1"):
+        make_lmdb(tmp_path / "s", [("cat/00.png", 0)], root=folder, shuffle=True, seed=-1)
+    with pytest.raises(ValueError, match="list file .*00.png' is not UTF-8 text"):
+        read_list_file(folder / "cat" / "00.png")  # an image given where the list file goes
+    (tmp_path / "sup.txt").write_text("cat/00.png \u00b2\n")  # a superscript two: isdigit() but not a label
+    with pytest.raises(ValueError, match="sup.txt:1: expected 'path label'"):
+        read_list_file(tmp_path / "sup.txt")
+    odd = os.fsdecode(b"img\xff.png")  # a file name that is not UTF-8
+    Image.fromarray(image(0)).save(folder / "cat" / odd, format="PNG")
+    assert make_lmdb(tmp_path / "odd", [(f"cat/{odd}", 0)], root=folder) == 1
+    assert db_keys_and_values(tmp_path / "odd")[0][0] == b"00000000_cat/img\xff.png"
