@@ -60,7 +60,9 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a torn or foreign file
-        raise ValueError(f"snapshot {str(p)!r} cannot be read ({type(e).__name__}: {e}); use an older snapshot") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""  # torch's texts run to many lines
+        raise ValueError(f"snapshot {str(p)!r} cannot be read ({type(e).__name__}: {first}); it is torn or not a "
+                         f"dptrain snapshot, use an older one") from e
     for key in ("iteration", "model", "solver", "rng", "config"):
         if key not in state:
             raise ValueError(f"snapshot {str(p)!r} lacks {key!r}; it was not written by dptrain")

@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dptrain.comm import Communicator
-from dptrain.config import TrainConfig, config_to_dict, dump_toml
+from dptrain.config import ConfigError, TrainConfig, config_to_dict, dump_toml
 from dptrain.data import build_source
 from dptrain.data.base import DeviceFeeder
 from dptrain.data.sampling import ShardPlan, batches_per_epoch
 from dptrain.flat import FlatParams
 from dptrain.metrics import MetricsWriter
-from dptrain.models import build_model
+from dptrain.models import build_model, check_input
 from dptrain.precision import DTYPES, LossScaler, apply_precision, warn_if_slow_on_cpu
 from dptrain.reducer import Reducer
 from dptrain.snapshot import load_snapshot, save_snapshot, snapshot_path
@@ -87,7 +87,8 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.device) -> tuple[nn.Module, FlatParams]:
+def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.device,
+                           in_channels: int = 3) -> tuple[nn.Module, FlatParams]:
     """The model in its storage dtype with flat buffers, initialised identically on every rank.
 
     Rank 0's fp32 weights are broadcast *before* the cast, so the fp32 masters start from
@@ -95,7 +96,8 @@ def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.d
     """
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
-    model = build_model(m.name, num_classes=m.num_classes, width=m.width, channels_last=m.channels_last).to(device)
+    model = build_model(m.name, num_classes=m.num_classes, width=m.width, in_channels=in_channels,
+                        channels_last=m.channels_last).to(device)
     comm.broadcast_module(model)
     fp32_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_precision(model, cfg.precision)
@@ -103,6 +105,15 @@ def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.d
     flat = FlatParams(model, momentum_dtype=momentum_dtype)
     flat.load_master_state(fp32_weights)
     return model, flat
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """train.run_dir must be a folder or creatable as one (every rank checks; rank 0 creates it)."""
+    for p in (run_dir, *run_dir.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ConfigError(f"train.run_dir {str(run_dir)!r}: {str(p)!r} is a file; choose another run_dir")
+            return
 
 
 class PhaseTimer:
@@ -167,12 +178,20 @@ class Trainer:
         elif self.rank == 0:
             warn_if_slow_on_cpu(cfg.precision.storage, self.device)
         self.tracer = tracer or NullTracer(self.rank)
-        self.model, self.flat = build_model_and_params(cfg, comm, self.device)
+        self.run_dir = Path(cfg.train.run_dir)
+        _check_run_dir(self.run_dir)
+        self.source = build_source(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed, device=self.device)
+        m = cfg.model
+        why = check_input(m.name, num_classes=m.num_classes, width=m.width, sample_shape=self.source.sample_shape)
+        if why is not None:
+            h, w, c = self.source.sample_shape
+            raise ConfigError(f"model.name {m.name!r} cannot take the data's {h}x{w} samples with {c} channel(s) "
+                              f"({why}); set data.crop_size / data.resize (or data.image_size) to a size it takes")
+        self.model, self.flat = build_model_and_params(cfg, comm, self.device, in_channels=self.source.sample_shape[2])
         ls_mode = cfg.precision.resolved_loss_scale_mode()
         self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
         self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer)
         self.solver = MasterSGD(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor)
-        self.source = build_source(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed, device=self.device)
         self.shard = ShardPlan(self.rank, self.world_size, cfg.data.batch_size, cfg.train.seed,
                                cfg.data.shuffle == "epoch")
         self.plan = RunPlan(
@@ -188,7 +207,6 @@ class Trainer:
         self.phases = PhaseTimer(self.device, self.tracer, time_phases or self.tracer.enabled)
         self._feeder: DeviceFeeder | None = None
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.run_dir = Path(cfg.train.run_dir)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if self.rank == 0 else None)
 
     # ------------------------------------------------------------------ data
@@ -282,6 +300,12 @@ class Trainer:
         if missing.unexpected_keys:
             raise ValueError(f"snapshot has keys this model lacks: {missing.unexpected_keys[:5]}; "
                              "was it written for another model.name?")
+        for name, p in self.model.named_parameters():
+            saved = state["model"].get(name)
+            if saved is None or saved.shape != p.shape:
+                got = "missing" if saved is None else f"{list(saved.shape)}"
+                raise ValueError(f"snapshot's {name!r} is {got} but this model's is {list(p.shape)}; was it written "
+                                 f"with another model.num_classes / model.width / input channels?")
         self.flat.load_master_state(state["model"])
         self.solver.load_state_dict(state["solver"])
         rng = state["rng"][self.rank] if self.rank < len(state["rng"]) else state["rng"][0]
@@ -343,6 +367,9 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
         log.info("%s", self.plan.describe())
         log.info("bytes per parameter: %s (%d parameters)", self.flat.bytes_per_param(), self.flat.num_params)
+        if self.iteration >= s.max_iter:
+            log.warning("iteration %d is already at solver.max_iter = %d: nothing to train; raise solver.max_iter "
+                        "to continue", self.iteration, s.max_iter)
         flag, last, bar = _StopFlag(), {}, _progress(self.rank, s.max_iter, self.iteration)
         t_last, it_last = time.perf_counter(), self.iteration
         with flag.installed():
@@ -373,6 +400,8 @@ class Trainer:
         return last
 
     def _test_and_log(self) -> dict[str, Any]:
+        if self.source.num_test == 0:  # no data.test_path (or an empty one): no test phase, no made-up 0 %
+            return {}
         res = self.test()
         self.metrics.write({"iter": self.iteration, **res})
         log.info("iter %d test top-1 %.4f top-5 %.4f (%d samples)", self.iteration, res["test_top1"],

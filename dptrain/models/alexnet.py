@@ -18,10 +18,10 @@ DROPOUT_P = 0.5
 class AlexNet(nn.Module):
     """Five convs (ReLU, three 3x3/2 max-pools), 6x6 pool, three fully connected layers."""
 
-    def __init__(self, num_classes: int = 1000, dropout: float = DROPOUT_P) -> None:
+    def __init__(self, num_classes: int = 1000, dropout: float = DROPOUT_P, in_channels: int = 3) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 64, 11, stride=4, padding=2), nn.ReLU(inplace=True),  # [B, 64, 55, 55] at 224
+            nn.Conv2d(in_channels, 64, 11, stride=4, padding=2), nn.ReLU(inplace=True),  # [B, 64, 55, 55] at 224
             nn.MaxPool2d(3, stride=2),  # [B, 64, 27, 27]
             nn.Conv2d(64, 192, 5, padding=2), nn.ReLU(inplace=True),
             nn.MaxPool2d(3, stride=2),  # [B, 192, 13, 13]
@@ -41,7 +41,7 @@ class AlexNet(nn.Module):
         return self.classifier(self.pool(self.features(x)).flatten(1))  # [B, num_classes]
 
 
-def alexnet(*, num_classes: int = 1000, width: int = 64) -> AlexNet:
+def alexnet(*, num_classes: int = 1000, width: int = 64, in_channels: int = 3) -> AlexNet:
     """One-GPU AlexNet for 224x224 input; ``width`` is ignored (fixed widths)."""
     del width
-    return AlexNet(num_classes)
+    return AlexNet(num_classes, in_channels=in_channels)

@@ -52,7 +52,8 @@ class Inception(nn.Module):
 class GoogLeNet(nn.Module):
     """Stem (7x7/2 conv, pool, 1x1, 3x3, pool), Inception 3a-b, 4a-e, 5a-b, avg-pool, dropout, fc."""
 
-    def __init__(self, num_classes: int = 1000, *, branch5_kernel: int = 5, dropout: float = DROPOUT_P) -> None:
+    def __init__(self, num_classes: int = 1000, *, branch5_kernel: int = 5, dropout: float = DROPOUT_P,
+                 in_channels: int = 3) -> None:
         super().__init__()
         if branch5_kernel not in (3, 5):
             raise ValueError(f"branch5_kernel must be 5 (paper) or 3 (torchvision layout), got {branch5_kernel}")
@@ -61,7 +62,7 @@ class GoogLeNet(nn.Module):
             return [Inception(*s, branch5_kernel=branch5_kernel) for s in specs]
 
         self.stem = nn.Sequential(
-            _conv_bn_relu(3, 64, 7, stride=2), _max_pool(),  # [B, 64, 56, 56] at 224
+            _conv_bn_relu(in_channels, 64, 7, stride=2), _max_pool(),  # [B, 64, 56, 56] at 224
             _conv_bn_relu(64, 64, 1), _conv_bn_relu(64, 192, 3), _max_pool(),  # [B, 192, 28, 28]
         )
         self.inception3 = nn.Sequential(*stage(_STAGE3), _max_pool())  # [B, 480, 14, 14]
@@ -79,7 +80,7 @@ class GoogLeNet(nn.Module):
         return self.fc(self.dropout(self.pool(x).flatten(1)))  # [B, num_classes]
 
 
-def googlenet(*, num_classes: int = 1000, width: int = 64, branch5_kernel: int = 5) -> GoogLeNet:
+def googlenet(*, num_classes: int = 1000, width: int = 64, in_channels: int = 3, branch5_kernel: int = 5) -> GoogLeNet:
     """GoogLeNet with BN for 224x224 input; ``width`` is ignored (fixed widths)."""
     del width
-    return GoogLeNet(num_classes, branch5_kernel=branch5_kernel)
+    return GoogLeNet(num_classes, branch5_kernel=branch5_kernel, in_channels=in_channels)

@@ -30,7 +30,7 @@ class LeNet(nn.Module):
         return self.classifier(self.features(x))
 
 
-def lenet(*, num_classes: int = 10, width: int = 64) -> LeNet:
+def lenet(*, num_classes: int = 10, width: int = 64, in_channels: int = 3) -> LeNet:
     """LeNet; ``width`` is ignored (fixed Caffe widths)."""
     del width
-    return LeNet(num_classes)
+    return LeNet(num_classes, in_channels)

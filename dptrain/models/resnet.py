@@ -90,12 +90,13 @@ class ResNet(nn.Module):
     """
 
     def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: list[int], *, num_classes: int,
-                 width: int = IMAGENET_WIDTH, cifar_stem: bool = False, zero_init_residual: bool = True) -> None:
+                 width: int = IMAGENET_WIDTH, cifar_stem: bool = False, zero_init_residual: bool = True,
+                 in_channels: int = 3) -> None:
         super().__init__()
         if cifar_stem:
-            self.stem = nn.Sequential(_conv3x3(3, width), nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+            self.stem = nn.Sequential(_conv3x3(in_channels, width), nn.BatchNorm2d(width), nn.ReLU(inplace=True))
         else:
-            self.stem = nn.Sequential(nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(width),
+            self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(width),
                                       nn.ReLU(inplace=True), nn.MaxPool2d(3, stride=2, padding=1))
         stages, cin = [], width
         for i, n_blocks in enumerate(layers):
@@ -123,31 +124,36 @@ class ResNet(nn.Module):
         return self.fc(self.pool(x).flatten(1))  # [B, num_classes]
 
 
-def resnet18_cifar(*, num_classes: int = 10, width: int = 64, zero_init_residual: bool = True) -> ResNet:
+def resnet18_cifar(*, num_classes: int = 10, width: int = 64, in_channels: int = 3,
+                   zero_init_residual: bool = True) -> ResNet:
     """ResNet-18 for 32x32 input; ``width`` is the first stage's channel count (64 is the standard net)."""
     return ResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes, width=width, cifar_stem=True,
-                  zero_init_residual=zero_init_residual)
+                  zero_init_residual=zero_init_residual, in_channels=in_channels)
 
 
-def resnet18(*, num_classes: int = 1000, width: int = 64, zero_init_residual: bool = True) -> ResNet:
+def resnet18(*, num_classes: int = 1000, width: int = 64, in_channels: int = 3,
+             zero_init_residual: bool = True) -> ResNet:
     """ResNet-18 for 224x224 input; ``width`` is ignored (standard channel counts)."""
     del width
-    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes, zero_init_residual=zero_init_residual)
+    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes, zero_init_residual=zero_init_residual, in_channels=in_channels)
 
 
-def resnet34(*, num_classes: int = 1000, width: int = 64, zero_init_residual: bool = True) -> ResNet:
+def resnet34(*, num_classes: int = 1000, width: int = 64, in_channels: int = 3,
+             zero_init_residual: bool = True) -> ResNet:
     """ResNet-34 for 224x224 input; ``width`` is ignored (standard channel counts)."""
     del width
-    return ResNet(BasicBlock, [3, 4, 6, 3], num_classes=num_classes, zero_init_residual=zero_init_residual)
+    return ResNet(BasicBlock, [3, 4, 6, 3], num_classes=num_classes, zero_init_residual=zero_init_residual, in_channels=in_channels)
 
 
-def resnet50(*, num_classes: int = 1000, width: int = 64, zero_init_residual: bool = True) -> ResNet:
+def resnet50(*, num_classes: int = 1000, width: int = 64, in_channels: int = 3,
+             zero_init_residual: bool = True) -> ResNet:
     """ResNet-50 v1.5 for 224x224 input; ``width`` is ignored (standard channel counts)."""
     del width
-    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes=num_classes, zero_init_residual=zero_init_residual)
+    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes=num_classes, zero_init_residual=zero_init_residual, in_channels=in_channels)
 
 
-def resnet101(*, num_classes: int = 1000, width: int = 64, zero_init_residual: bool = True) -> ResNet:
+def resnet101(*, num_classes: int = 1000, width: int = 64, in_channels: int = 3,
+              zero_init_residual: bool = True) -> ResNet:
     """ResNet-101 v1.5 for 224x224 input; ``width`` is ignored (standard channel counts)."""
     del width
-    return ResNet(Bottleneck, [3, 4, 23, 3], num_classes=num_classes, zero_init_residual=zero_init_residual)
+    return ResNet(Bottleneck, [3, 4, 23, 3], num_classes=num_classes, zero_init_residual=zero_init_residual, in_channels=in_channels)

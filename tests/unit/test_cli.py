@@ -73,3 +73,68 @@ def test_make_lmdb_prints_one_json_line(tmp_path, capsys):
     assert len(lines) == 1
     assert json.loads(lines[0]) == {"out": str(tmp_path / "digits"), "records": {"train": 1500, "test": 297},
                                     "encoded": False}
+
+
+def _tiny_lmdb(path, n: int = 24, size: int = 32, channels: int = 3) -> str:
+    import numpy as np
+
+    from dptrain.data.datum import encode_datum, hwc_to_raw
+    from dptrain.data.make_lmdb import write_lmdb
+
+    rng = np.random.default_rng(0)
+    values = []
+    for i in range(n):
+        raw, c, h, w = hwc_to_raw(rng.integers(0, 256, (size, size, channels), dtype=np.uint8))
+        values.append(encode_datum(label=i % 10, data=raw, channels=c, height=h, width=w))
+    write_lmdb(path, iter(zip([f"{i:08d}_r{i}".encode() for i in range(n)], values)), n)
+    return str(path)
+
+
+def _lmdb_cfg(cfg, tmp_path, db: str, extra: str = "") -> str:
+    return cfg(f'[model]\nname = "lenet"\n[data]\nsource = "lmdb"\npath = "{db}"\nbatch_size = 4\n{extra}'
+               f'[solver]\nmax_iter = 4\ndisplay = 2\nsnapshot = 2\n[train]\nrun_dir = "{tmp_path / "run"}"\n')
+
+
+def test_a_grey_lmdb_trains_and_no_test_db_means_no_test_phase(cfg, tmp_path, capsys):
+    import json
+
+    db = _tiny_lmdb(tmp_path / "grey", channels=1)  # make-lmdb --gray output: the model takes 1 channel
+    assert main(["train", "--config", _lmdb_cfg(cfg, tmp_path, db)]) == 0
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records and not any("test_top1" in r for r in records)  # no data.test_path: no made-up 0 % accuracy
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ("crop_size = 28\n", "model.name 'lenet' cannot take the data's 28x28 samples with 3 channel(s)"),
+    ("resize = [64, 64]\n", "model.name 'lenet' cannot take the data's 64x64 samples"),
+])
+def test_samples_the_model_cannot_take_are_a_config_error(cfg, tmp_path, capsys, extra, fragment):
+    db = _tiny_lmdb(tmp_path / "db")
+    assert main(["train", "--config", _lmdb_cfg(cfg, tmp_path, db, extra)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0] and "set data.crop_size / data.resize" in err[0], err
+
+
+def test_run_dir_on_a_file_and_resume_into_another_model_are_one_line_errors(cfg, tmp_path, capsys):
+    db = _tiny_lmdb(tmp_path / "db")
+    (tmp_path / "afile").write_text("x")
+    bad = cfg(f'[model]\nname = "lenet"\n[data]\nsource = "lmdb"\npath = "{db}"\nbatch_size = 4\n'
+              f'[train]\nrun_dir = "{tmp_path / "afile" / "sub"}"\n')
+    assert main(["train", "--config", bad]) == 2
+    assert "afile' is a file; choose another run_dir" in capsys.readouterr().err
+    good = _lmdb_cfg(cfg, tmp_path, db)
+    assert main(["train", "--config", good]) == 0
+    capsys.readouterr()
+    snap = str(tmp_path / "run" / "snapshot_iter_2.pt")
+    assert main(["train", "--config", good, "--set=model.num_classes=12", "--resume", snap]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "snapshot's 'classifier.3.weight' is [10, 500] but this model's is [12, 500]" in err[0]
+    (tmp_path / "junk.pt").write_bytes(bytes(range(256)) * 20)
+    assert main(["train", "--config", good, "--resume", str(tmp_path / "junk.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "junk.pt' cannot be read" in err[0] and "use an older one" in err[0], err
+
+
+def test_demo_refuses_a_negative_process_count(capsys):
+    assert main(["demo", "--builtin", "--nproc", "-1"]) == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err
