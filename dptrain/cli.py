@@ -20,6 +20,7 @@ from dptrain.config import ConfigError, load_config
 log = logging.getLogger("dptrain")
 
 EXIT_USER_ERROR = 2
+EXIT_PEER_FAILED = 1
 
 
 def _rank_env() -> tuple[int, int, int]:
@@ -160,10 +161,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         sets = ['data.source="lmdb"', f'data.path="{lmdb_dir / "train"}"', f'data.test_path="{lmdb_dir / "test"}"',
                 *sets]
     cfg = load_config(args.config, sets)
+    if args.nproc < 0:
+        raise ValueError(f"--nproc must be >= 1 (0: one per GPU, or 2 on CPU), got {args.nproc}")
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     run_dir = Path(cfg.train.run_dir)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "dptrain.torchrun", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "dptrain", "train", "--config", args.config, *[f"--set={s}" for s in sets]]
     env = dict(os.environ)
     if not torch.cuda.is_available():
@@ -205,5 +208,16 @@ def main(argv: list[str] | None = None) -> int:
         where = f" (rank {rank})" if world > 1 else ""
         print(f"dptrain: error{where}: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except Exception as e:  # noqa: BLE001 - only the two peer-failure types; anything else re-raises
+        from torch.distributed import DistError
+
+        from dptrain.comm import PeerFailure
+
+        if not isinstance(e, (PeerFailure, DistError)):
+            raise
+        rank, _, _ = _rank_env()
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"dptrain: error (rank {rank}): another rank failed first, see its error: {text}", file=sys.stderr)
+        return EXIT_PEER_FAILED
     except KeyboardInterrupt:
         return 130

@@ -39,6 +39,11 @@ WATCH_IDLE_POLL_S = 0.02
 """Poll interval when only timeouts are watched (cupy-nccl)."""
 
 
+class PeerFailure(RuntimeError):
+    """A collective failed or timed out: another rank probably died or hung. The message names
+    this rank; the CLI prints it as one line and exits 1 (the failed rank has its own error)."""
+
+
 class Work(Protocol):
     """Handle of an async collective."""
 

@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from dptrain.comm import Communicator, CompletionWatcher
+from dptrain.comm import Communicator, CompletionWatcher, PeerFailure
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class CupyNcclCommunicator:
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
-            raise RuntimeError(self._error)
+            raise PeerFailure(self._error)
 
     def close(self) -> None:
         self.watcher.close()

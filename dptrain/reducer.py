@@ -41,7 +41,7 @@ import torch
 
 from dptrain.buckets import Bucket, BucketPlan, GroupSpec, SegmentSpec, build_bucket_plan, explain_difference, \
     order_from_ready, plan_from_ready_order
-from dptrain.comm import AsyncAllreduce, Communicator, Work
+from dptrain.comm import AsyncAllreduce, Communicator, PeerFailure, Work
 from dptrain.config import ReducerConfig
 from dptrain.flat import FlatParams
 from dptrain.trace import Tracer, now_us
@@ -195,8 +195,8 @@ class Reducer:
         self.tracer.complete("allreduce", rec.start_us, end_us, tid="comm", bucket=rec.bucket.index,
                              bytes=rec.bucket.nbytes)
 
-    def _failure(self, b: Bucket, e: Exception) -> RuntimeError:
-        return RuntimeError(
+    def _failure(self, b: Bucket, e: Exception) -> PeerFailure:
+        return PeerFailure(
             f"rank {self.comm.rank}: allreduce of bucket {b.index} ({b.nbytes} B) failed or timed out "
             f"(reducer.timeout_s = {self.cfg.timeout_s}): {e}; a peer rank probably died or hung, see its log"
         )

@@ -25,3 +25,32 @@ def test_run_local_two_cpu_solvers(tmp_path):
     final = [r for r in lines if "test_top1" in r][-1]
     assert final["test_samples"] == 297 and final["test_top1"] > 0.9
     assert (tmp_path / "run" / "snapshot_iter_120.pt").is_file()
+
+
+def test_a_bad_record_on_one_rank_ends_the_job_with_one_line_per_rank_and_exit_2(tmp_path):
+    """The failing rank names the LMDB key, the other says a peer failed first, and the launcher
+    (dptrain.torchrun) exits 2 without torchrun's traceback."""
+    import numpy as np
+
+    from dptrain.data.datum import encode_datum, hwc_to_raw
+    from dptrain.data.make_lmdb import write_lmdb
+
+    rng = np.random.default_rng(0)
+    values = []
+    for i in range(64):
+        raw, c, h, w = hwc_to_raw(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))
+        values.append(encode_datum(label=i % 10, data=raw, channels=c, height=h, width=w))
+    values[1] = b"\xff\xff\xff"  # rank 0's second sample; not among the records probed at open
+    write_lmdb(tmp_path / "db", iter(zip([f"{i:08d}_r{i}".encode() for i in range(64)], values)), 64)
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(f'[model]\nname = "lenet"\n[data]\nsource = "lmdb"\npath = "{tmp_path / "db"}"\nbatch_size = 4\n'
+                   f'shuffle = "none"\n[solver]\nmax_iter = 5\n[train]\nrun_dir = "{tmp_path / "run"}"\n')
+    env = {**os.environ, "PYTHON": sys.executable, "NPROC": "2", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(REPO / "launch" / "run-local"), "train", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "dptrain: error (rank 0): rank 0: LMDB" in proc.stderr and "key '00000001_r1'" in proc.stderr
+    rank1 = [ln for ln in proc.stderr.splitlines() if ln.startswith("dptrain: error (rank 1)")]
+    assert all("another rank failed first" in ln for ln in rank1)  # when it speaks before torchrun stops it
+    assert "dptrain: 2 solver process(es) failed" in proc.stderr
