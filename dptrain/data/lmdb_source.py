@@ -40,7 +40,7 @@ from dptrain.data.pipeline import (
 from dptrain.data.queues import QueueSet
 from dptrain.data.sampling import ShardPlan, eval_range
 from dptrain.data.transformer import (
-    MatchMeanImage,
+    ExpectSize,
     RenderOptions,
     SampleSpec,
     build_stages,
@@ -204,7 +204,8 @@ class LmdbSource:
         self.mean, self.mean_image = self._resolve_mean(cfg, first_hw)
         if self.mean_image is not None:
             for stages in self._stages.values():
-                stages.insert(0, MatchMeanImage(*self.mean_image.shape[1:]))
+                stages.insert(0, ExpectSize(*self.mean_image.shape[1:], source="data.mean_file",
+                                            fix="compute the mean over this DB or use data.mean_value"))
         in_spec = SampleSpec(None, None, self.channels)
         out = {train: check_chain(stages, in_spec) for train, stages in self._stages.items()}
         if out[True] != out[False]:

@@ -116,35 +116,21 @@ class Stage(Protocol):
 
 
 class ExpectSize:
-    """No resize or crop configured: every record must have the first record's size."""
+    """Every stored image must have one size: the first record's when no resize or crop is set,
+    or a per-pixel mean image's (data.mean_file is subtracted at each crop's offset in the
+    stored image, so Caffe checks the same)."""
 
-    def __init__(self, height: int, width: int) -> None:
-        self.height, self.width = height, width
-
-    def spec(self, in_spec: SampleSpec) -> SampleSpec:
-        return SampleSpec(self.height, self.width, in_spec.channels)
-
-    def __call__(self, s: Sample) -> Sample:
-        if (s.out_h, s.out_w) != (self.height, self.width):
-            raise DataError(f"image is {s.out_h}x{s.out_w} (HxW) but the first record is "
-                            f"{self.height}x{self.width}; set data.resize or data.crop_size")
-        return s
-
-
-class MatchMeanImage:
-    """A per-pixel mean image (data.mean_file) is subtracted at each crop's offset in the stored
-    image, so every stored image must have the mean image's size (Caffe checks the same)."""
-
-    def __init__(self, height: int, width: int) -> None:
-        self.height, self.width = height, width
+    def __init__(self, height: int, width: int, *, source: str = "the first record",
+                 fix: str = "set data.resize or data.crop_size") -> None:
+        self.height, self.width, self.source, self.fix = height, width, source, fix
 
     def spec(self, in_spec: SampleSpec) -> SampleSpec:
         return SampleSpec(self.height, self.width, in_spec.channels)
 
     def __call__(self, s: Sample) -> Sample:
         if (s.out_h, s.out_w) != (self.height, self.width):
-            raise DataError(f"image is {s.out_h}x{s.out_w} (HxW) but data.mean_file is {self.height}x{self.width}; "
-                            f"compute the mean over this DB or use data.mean_value")
+            raise DataError(f"image is {s.out_h}x{s.out_w} (HxW) but {self.source} is "
+                            f"{self.height}x{self.width}; {self.fix}")
         return s
 
 
