@@ -91,6 +91,7 @@ def _record(data: bytes, label: int, index: int, *, resize: tuple[int, int] | No
     im = open_image(data)  # upright (EXIF orientation applied), like OpenCV's imread in convert_imageset
     fmt = Image.open(io.BytesIO(data)).format if im.format is None else im.format
     if encoded and resize is None and not gray:
+        im.load()  # decode once, as convert_imageset does: a truncated or corrupt file fails here, not in training
         return encode_datum(label=label, data=data, channels=1 if im.mode in GRAY_MODES else 3,
                             height=im.size[1], width=im.size[0], encoded=True, record_id=index)
     im = convert_image(im, "L" if gray else "RGB")

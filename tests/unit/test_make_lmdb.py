@@ -235,3 +235,11 @@ def test_inputs_that_used_to_crash_or_mislead_get_one_line_errors(folder, tmp_pa
     Image.fromarray(image(0)).save(folder / "cat" / odd, format="PNG")
     assert make_lmdb(tmp_path / "odd", [(f"cat/{odd}", 0)], root=folder) == 1
     assert db_keys_and_values(tmp_path / "odd")[0][0] == b"00000000_cat/img\xff.png"
+
+
+def test_encoded_records_are_decoded_once_so_a_truncated_jpeg_is_refused(folder, tmp_path):
+    data = (folder / "cat" / "00.jpg").read_bytes()
+    (folder / "cat" / "cut.jpg").write_bytes(data[: len(data) // 2])  # e.g. an interrupted download
+    with pytest.raises(ValueError, match="cannot read image .*cut.jpg'.*fix or remove it"):
+        make_lmdb(tmp_path / "enc", [("cat/00.jpg", 0), ("cat/cut.jpg", 0)], root=folder, encoded=True)
+    assert not (tmp_path / "enc").exists()
