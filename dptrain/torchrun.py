@@ -4,6 +4,7 @@ torchrun reports a failed worker by raising ``ChildFailedError``: a Python trace
 table on stderr, and exit code 1 whatever the workers exited with. dptrain's solvers have
 already printed their one-line errors by then, so this wrapper prints one summary line
 and exits 2 when any solver exited 2 (a user error), else with the first failure's code.
+A SIGTERM/SIGINT to the launcher (which torchrun forwards) ends in one line and 128 + signal.
 Everything else (arguments, rendezvous, signals, restarts) is torchrun's own; the launch
 scripts and ``dptrain demo`` call it in torchrun's place.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
@@ -28,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USER_ERROR
         first = next(iter(codes.values()))
         return first if 0 < first < 256 else 1
+    except SignalException as e:  # torchrun forwarded it and waited for the solvers, which snapshot on it
+        print(f"dptrain: launcher got {e.sigval.name}; the solvers were told to snapshot and stop", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0
 
 

@@ -207,6 +207,8 @@ class Trainer:
         self.phases = PhaseTimer(self.device, self.tracer, time_phases or self.tracer.enabled)
         self._feeder: DeviceFeeder | None = None
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._loss_from = 0
+        """Iteration since which _loss_sum accumulates (the last display); saved in snapshots."""
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if self.rank == 0 else None)
 
     # ------------------------------------------------------------------ data
@@ -289,6 +291,8 @@ class Trainer:
             "rng": self.comm.allgather_object(rng),
             "data": {"micro_step": self.iteration * self.plan.iter_size, "world_size": self.world_size,
                      "batch_size": self.plan.batch_size, "seed": self.cfg.train.seed},
+            "display": {"loss_from": self._loss_from,
+                        "loss_sum": self.comm.allgather_object(float(self._loss_sum))},
             "config": config_to_dict(self.cfg),
         }
 
@@ -314,6 +318,27 @@ class Trainer:
             torch.cuda.set_rng_state(rng["cuda"], self.device)
         self.iteration = int(state["iteration"])
         self._feeder = None
+        display = state.get("display")  # snapshots before this field restart the running loss
+        if display is not None and self.rank < len(display["loss_sum"]):
+            self._loss_from = int(display["loss_from"])
+            self._loss_sum.fill_(display["loss_sum"][self.rank])
+        else:
+            self._loss_from = self.iteration
+        self._warn_if_data_setup_changed(state.get("data", {}), len(state["rng"]))
+
+    def _warn_if_data_setup_changed(self, data: dict[str, Any], ranks_saved: int) -> None:
+        """Resuming with another batch size, world size, iter_size or seed is allowed, but the run
+        no longer continues the interrupted one sample for sample: say so."""
+        now = {"world_size": self.world_size, "batch_size": self.plan.batch_size, "seed": self.cfg.train.seed,
+               "micro_step": self.iteration * self.plan.iter_size}
+        changed = [f"{k} {data[k]} -> {v}" for k, v in now.items() if k in data and data[k] != v]
+        if changed and self.rank == 0:
+            log.warning("resuming with another data setup than the snapshot's (%s): training goes on, but the sample "
+                        "order (and, for more ranks, the RNG streams) differ from an uninterrupted run",
+                        ", ".join(changed))
+        if self.rank >= ranks_saved:
+            log.warning("rank %d: the snapshot holds RNG states for %d rank(s); this rank starts from rank 0's",
+                        self.rank, ranks_saved)
 
     def save(self) -> Path | None:
         """Write snapshot_iter_<iteration>.pt (rank 0) after every rank contributed its RNG state."""
@@ -327,19 +352,24 @@ class Trainer:
     def resume(self, path: Path) -> None:
         state = load_snapshot(path)
         self.load_state_dict(state)
-        log.info("resumed from %s at iteration %d", path, self.iteration)
+        dropped = self.metrics.drop_after(self.iteration)  # lines a crashed run wrote past its last snapshot
+        log.info("resumed from %s at iteration %d%s", path, self.iteration,
+                 f"; dropped {dropped} metrics.jsonl line(s) past it" if dropped else "")
 
     # ------------------------------------------------------------------ loop
 
     def _display(self, t_last: float, it_last: int) -> dict[str, Any]:
+        """The display record: loss averaged since the last display (across a resume, too),
+        images/s over the iterations this process timed since ``t_last`` / ``it_last``."""
         loss = self._loss_sum.clone()
         self.comm.allreduce_sum_(loss)
+        loss_iters = max(self.iteration - self._loss_from, 1)
         iters = max(self.iteration - it_last, 1)
         elapsed = max(time.perf_counter() - t_last, 1e-9)
         rec = {
             "iter": self.iteration,
             "epoch": round(self.iteration * self.plan.iter_size / self.plan.micro_steps_per_epoch, 4),
-            "loss": float(loss) / (iters * self.world_size),
+            "loss": float(loss) / (loss_iters * self.world_size),
             "lr": self.lr,
             "images_per_s": round(self.plan.global_batch * iters / elapsed, 2),
             **self.scaler.stats(),
@@ -347,6 +377,7 @@ class Trainer:
         if self._feeder is not None and "bad_records" in self._feeder.last_info:
             rec["bad_records"] = self._feeder.last_info["bad_records"]  # skipped under data.max_bad_records
         self._loss_sum.zero_()
+        self._loss_from = self.iteration
         self.scaler.check_floor()
         return rec
 
@@ -367,9 +398,10 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
         log.info("%s", self.plan.describe())
         log.info("bytes per parameter: %s (%d parameters)", self.flat.bytes_per_param(), self.flat.num_params)
-        if self.iteration >= s.max_iter:
+        if self.iteration >= s.max_iter:  # e.g. --resume auto on a finished run: its final test and snapshot exist
             log.warning("iteration %d is already at solver.max_iter = %d: nothing to train; raise solver.max_iter "
                         "to continue", self.iteration, s.max_iter)
+            return {}
         flag, last, bar = _StopFlag(), {}, _progress(self.rank, s.max_iter, self.iteration)
         t_last, it_last = time.perf_counter(), self.iteration
         with flag.installed():
@@ -393,10 +425,11 @@ class Trainer:
                                 self.rank, flag.signum, it)
                     self.save()
                     return {**last, "stopped_by_signal": True}
-        bar.close()
-        self.scaler.check_floor()
-        last = {**last, **self._test_and_log()}
-        self.save()
+            bar.close()
+            # still under the handlers: a SIGTERM now only sets the flag, and this save is the snapshot it asks for
+            self.scaler.check_floor()
+            last = {**last, **self._test_and_log()}
+            self.save()
         return last
 
     def _test_and_log(self) -> dict[str, Any]:

@@ -125,3 +125,70 @@ def test_signal_writes_snapshot_and_resume_continues(tmp_path):
     again.fit()
     again.close()
     assert list_snapshots(tmp_path)[0][0] == stopped_at + 3
+
+
+def test_resume_after_a_crash_keeps_metrics_identical_to_an_uninterrupted_run(tmp_path):
+    """metrics.jsonl after crash + resume equals the straight run's, line for line (images_per_s aside):
+    lines past the snapshot are dropped, and the running loss of a display interval cut by the
+    snapshot (display 5, snapshot 7) is carried in the snapshot."""
+    from dptrain.metrics import read_metrics
+
+    def strip(path: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "images_per_s"} for r in read_metrics(path / "metrics.jsonl")]
+
+    sets = ["solver.max_iter=20", "solver.snapshot=7", "solver.test_interval=10"]
+    straight = make_trainer(tmp_path / "a", *sets)
+    straight.fit()
+    straight.close()
+    crashed = make_trainer(tmp_path / "b", *sets, "solver.max_iter=13")  # writes snapshot 7, lines 5 and 10, then dies
+    for _ in range(13):
+        crashed.train_step()
+        it = crashed.iteration
+        if it % 5 == 0:
+            crashed.metrics.write(crashed._display(0.0, it - 5))
+        if it % 10 == 0:
+            crashed.metrics.write({"iter": it, **crashed.test()})
+        if it % 7 == 0:
+            crashed.save()
+    crashed.close()
+    resumed = make_trainer(tmp_path / "b", *sets)
+    resumed.resume(tmp_path / "b" / "snapshot_iter_7.pt")
+    resumed.fit()
+    resumed.close()
+    assert strip(tmp_path / "b") == strip(tmp_path / "a")
+    again = make_trainer(tmp_path / "b", *sets)  # --resume auto on the finished run: nothing to do, nothing written
+    again.resume(resolve_resume("auto", tmp_path / "b"))
+    assert again.fit() == {}
+    again.close()
+    assert strip(tmp_path / "b") == strip(tmp_path / "a")
+
+
+def test_a_signal_during_the_final_test_still_writes_the_final_snapshot(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    t = make_trainer(tmp_path, "solver.max_iter=4", "solver.display=0")
+    real_test = Trainer.test
+
+    def test_then_preempted(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # e.g. a preemption notice during the final test
+        return real_test(self)
+
+    monkeypatch.setattr(Trainer, "test", test_then_preempted)
+    result = t.fit()
+    t.close()
+    assert "test_top1" in result and [n for n, _ in list_snapshots(tmp_path)] == [4]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_resuming_with_another_batch_setup_says_the_run_no_longer_continues_sample_for_sample(tmp_path, caplog):
+    import logging
+
+    t = make_trainer(tmp_path, "solver.max_iter=2")
+    t.fit()
+    t.close()
+    other = make_trainer(tmp_path, "solver.max_iter=3", "data.batch_size=16", "solver.iter_size=2")
+    with caplog.at_level(logging.WARNING, logger="dptrain.train"):
+        other.resume(tmp_path / "snapshot_iter_2.pt")
+    other.close()
+    assert "batch_size 32 -> 16" in caplog.text and "micro_step 2 -> 4" in caplog.text
