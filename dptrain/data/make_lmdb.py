@@ -66,7 +66,8 @@ def read_list_file(path: str | Path) -> list[tuple[str, int]]:
     """[(path, label)] from ``path label`` lines; blank lines are skipped."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"list file {str(p)!r} does not exist")
+        what = "is not a regular file" if p.exists() else "does not exist"
+        raise ValueError(f"list file {str(p)!r} {what}; give an image folder or a file of 'path label' lines")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -226,6 +226,9 @@ def test_inputs_that_used_to_crash_or_mislead_get_one_line_errors(folder, tmp_pa
         make_lmdb(tmp_path / "afile" / "sub", [("cat/00.png", 0)], root=folder)
     with pytest.raises(ValueError, match="--seed must be >= 0, got -1"):
         make_lmdb(tmp_path / "s", [("cat/00.png", 0)], root=folder, shuffle=True, seed=-1)
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(ValueError, match="list file .*pipe' is not a regular file; give an image folder"):
+        read_list_file(tmp_path / "pipe")
     with pytest.raises(ValueError, match="list file .*00.png' is not UTF-8 text"):
         read_list_file(folder / "cat" / "00.png")  # an image given where the list file goes
     (tmp_path / "sup.txt").write_text("cat/00.png \u00b2\n")  # a superscript two: isdigit() but not a label
