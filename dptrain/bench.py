@@ -123,9 +123,8 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         "step_ms_median": round(statistics.median(step_ms), 3),
         "step_ms_p90": round(_percentile(step_ms, 0.9), 3),
     }
-    n = max(phase_steps, 1)
-    for ph in PHASES:
-        rec[f"{ph}_ms"] = round(trainer.phases.totals_ms.get(ph, 0.0) / n, 3)
+    for ph in PHASES:  # None when --phase-steps 0 measured no phase (not 0.0, which would read as free)
+        rec[f"{ph}_ms"] = round(trainer.phases.totals_ms.get(ph, 0.0) / phase_steps, 3) if phase_steps else None
     rec.update({
         "peak_mem_bytes": peak_mem_bytes(device),
         "bytes_per_param": trainer.flat.bytes_per_param(),

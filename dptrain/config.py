@@ -7,6 +7,7 @@ choices, so the CLI can print one line and exit 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -108,6 +109,7 @@ class DataConfig:
         _positive("data.prefetch", self.prefetch)
         _positive("data.crop_size", self.crop_size, allow_zero=True)
         _positive("data.max_bad_records", self.max_bad_records, allow_zero=True)
+        _positive("data.scale", self.scale)
         if self.source == "lmdb" and not self.path:
             raise ConfigError("data.path must name a training LMDB when data.source = \"lmdb\"")
         if self.resize and (len(self.resize) != 2 or min(self.resize) <= 0):
@@ -180,6 +182,7 @@ class SolverConfig:
             raise ConfigError(f"solver.momentum must be in [0, 1), got {self.momentum}")
         _positive("solver.weight_decay", self.weight_decay, allow_zero=True)
         _positive("solver.gamma", self.gamma)
+        _positive("solver.power", self.power)
         _positive("solver.stepsize", self.stepsize)
         _positive("solver.max_iter", self.max_iter)
         _positive("solver.iter_size", self.iter_size)
@@ -326,10 +329,14 @@ def _check_value(key: str, tp: Any, value: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(value):  # TOML has nan and inf; no setting means either
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key} must be an integer, got {value!r}")
+        if not -(2**63) <= value < 2**63:
+            raise ConfigError(f"{key} must fit in a signed 64-bit integer, got {value}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -403,7 +410,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} not found; pass an existing TOML file to --config")
         try:
-            table = tomllib.loads(p.read_text())
+            table = tomllib.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                              f"pass a TOML file to --config") from e
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
     table = apply_overrides(table, overrides or [])

@@ -67,3 +67,13 @@ def test_throughput_dry_run_lists_every_case_and_its_peer():
     sweep = subprocess.run([sys.executable, str(script), "--dry-run", "--allow-slow-dtypes", "--only", "bucket sweep"],
                            capture_output=True, text=True, check=True).stdout.splitlines()
     assert [ln.split("reducer.bucket_mb=")[1].split()[0] for ln in sweep] == ["1", "5", "25", "100"]
+
+
+def test_no_phase_steps_means_no_phase_times_rather_than_zeros(tmp_path, capsys):
+    cfg = tmp_path / "b.toml"
+    cfg.write_text(f'[model]\nname = "lenet"\n[data]\nbatch_size = 4\nimage_size = 32\n[train]\nrun_dir = "{tmp_path}"\n')
+    assert main(["bench", "--config", str(cfg), "--synthetic", "--steps", "1", "--warmup", "0",
+                 "--phase-steps", "0"]) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert all(rec[k] is None for k in ("data_wait_ms", "forward_ms", "backward_ms", "exposed_comm_ms", "update_ms"))
+    assert rec["images_per_s"] > 0

@@ -104,3 +104,24 @@ def test_loss_scale_auto_resolves_by_storage():
 def test_shipped_recipes_load(path):
     cfg = load_config(path)
     assert cfg.model.num_classes > 0
+
+
+@pytest.mark.parametrize("override, match", [
+    ("solver.base_lr=nan", r"solver\.base_lr must be a finite number, got nan"),
+    ("reducer.timeout_s=inf", r"reducer\.timeout_s must be a finite number, got inf"),
+    ("data.mean_value=[nan]", r"data\.mean_value\[0\] must be a finite number"),
+    ("data.rrc_ratio=[1.0, inf]", r"data\.rrc_ratio\[1\] must be a finite number"),
+    ("solver.power=-1", r"solver\.power must be > 0, got -1"),
+    ("data.scale=-1", r"data\.scale must be > 0, got -1"),
+    ("train.seed=18446744073709551616", r"train\.seed must fit in a signed 64-bit integer"),
+])
+def test_non_finite_out_of_range_and_oversized_values_are_refused(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+def test_a_config_file_that_is_not_text_names_the_file(tmp_path):
+    p = tmp_path / "binary.toml"
+    p.write_bytes(b"\xff\xfe\x00[solver]")
+    with pytest.raises(ConfigError, match=r"config file '.*binary\.toml' is not UTF-8 text"):
+        load_config(p)
