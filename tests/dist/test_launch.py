@@ -54,3 +54,14 @@ def test_a_bad_record_on_one_rank_ends_the_job_with_one_line_per_rank_and_exit_2
     rank1 = [ln for ln in proc.stderr.splitlines() if ln.startswith("dptrain: error (rank 1)")]
     assert all("another rank failed first" in ln for ln in rank1)  # when it speaks before torchrun stops it
     assert "dptrain: 2 solver process(es) failed" in proc.stderr
+
+
+def test_run_multinode_refuses_bad_topology_flags_in_one_line_before_launching():
+    """Each would otherwise be a torchrun traceback, a usage dump, or (node rank >= nnodes) a hang."""
+    script = str(REPO / "launch" / "run-multinode")
+    for flags, fragment in ((["--master-port", "abc"], "must be a port number 1-65535"),
+                            (["--node-rank", "5"], "must be 0..0 for --nnodes 1, got '5'"),
+                            (["--max-restarts", "x"], "must be an integer >= 0, got 'x'")):
+        proc = subprocess.run([script, "--nnodes", "1", "--master-addr", "localhost", *flags, "train", "--config", "x"],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
