@@ -327,11 +327,20 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from dptrain.config import ConfigError, load_config
 
+    for name in ("steps", "repeats", "batch_size", "global_batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(f"scaling.py: --{name.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
+            return 2
+    if args.warmup < 0:
+        print(f"scaling.py: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, args.set)
         world_sizes = parse_world_sizes(args.world_sizes) if args.world_sizes else _default_world_sizes()
-        batch = args.batch_size or cfg.data.batch_size
-        global_batch = args.global_batch or cfg.data.batch_size * world_sizes[-1] * cfg.solver.iter_size
+        batch = cfg.data.batch_size if args.batch_size is None else args.batch_size
+        global_batch = (cfg.data.batch_size * world_sizes[-1] * cfg.solver.iter_size if args.global_batch is None
+                        else args.global_batch)
         modes: list[Mode] = ["weak", "strong"] if args.mode == "both" else [args.mode]
         runs = plan_runs(modes, world_sizes, batch_size=batch, global_batch=global_batch,
                          iter_size=cfg.solver.iter_size, config=args.config, steps=args.steps,

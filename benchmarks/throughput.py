@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import re
 import statistics
@@ -162,7 +163,8 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     device = raw[0]["device"]
-    hw = "cpu2" if args.suite == "cpu" else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
+    hw = (f"cpu{len(os.sched_getaffinity(0))}" if args.suite == "cpu"
+          else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_"))
     machine = f"{device}; {platform.platform()}; torch {raw[0]['versions']['torch']}"
     date = datetime.date.today().strftime("%Y%m%d")
     suffix = f"_{args.tag}" if args.tag else ""

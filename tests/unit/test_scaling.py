@@ -48,6 +48,15 @@ def test_dry_run_rejects_a_global_batch_that_does_not_divide(tmp_path, capsys):
     assert "--global-batch 6 is not divisible by world_size*iter_size (4*1)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, fragment", [
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"), (["--steps", "0"], "--steps must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"), (["--global-batch", "0"], "--global-batch must be >= 1"),
+])
+def test_counts_below_one_are_refused_not_replaced_by_the_config(capsys, flags, fragment):
+    assert scaling.main(["--dry-run", *flags]) == 2
+    assert fragment in capsys.readouterr().err
+
+
 def test_per_solver_batch_weak_is_fixed_and_strong_divides():
     assert scaling.per_solver_batch("weak", 8, batch_size=32, global_batch=0) == 32
     assert scaling.per_solver_batch("strong", 4, batch_size=0, global_batch=256, iter_size=2) == 32  # 256/(4*2)
