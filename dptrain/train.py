@@ -181,13 +181,8 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         _check_run_dir(self.run_dir)
         self.source = build_source(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed, device=self.device)
-        m = cfg.model
-        why = check_input(m.name, num_classes=m.num_classes, width=m.width, sample_shape=self.source.sample_shape)
-        if why is not None:
-            h, w, c = self.source.sample_shape
-            raise ConfigError(f"model.name {m.name!r} cannot take the data's {h}x{w} samples with {c} channel(s) "
-                              f"({why}); set data.crop_size / data.resize (or data.image_size) to a size it takes")
         self.model, self.flat = build_model_and_params(cfg, comm, self.device, in_channels=self.source.sample_shape[2])
+        self._input_ok = False
         ls_mode = cfg.precision.resolved_loss_scale_mode()
         self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
         self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer)
@@ -225,6 +220,25 @@ class Trainer:
         with self.phases("data_wait"):
             return next(self._feeder)
 
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output. If the first call fails, a sample shape the model cannot take
+        becomes a ConfigError naming the data settings; the diagnosis (a forward on the meta
+        device, whose first use costs ~2 s of imports) runs only then, not at every startup."""
+        if self._input_ok:
+            return self.model(x)
+        try:
+            out = self.model(x)
+        except RuntimeError as e:
+            m = self.cfg.model
+            why = check_input(m.name, num_classes=m.num_classes, width=m.width, sample_shape=self.source.sample_shape)
+            if why is None:
+                raise
+            h, w, c = self.source.sample_shape
+            raise ConfigError(f"model.name {m.name!r} cannot take the data's {h}x{w} samples with {c} channel(s) "
+                              f"({why}); set data.crop_size / data.resize (or data.image_size) to a size it takes") from e
+        self._input_ok = True
+        return out
+
     # ------------------------------------------------------------------ step
 
     def train_step(self) -> None:
@@ -235,7 +249,7 @@ class Trainer:
             x, y = self._next_batch()
             self.reducer.begin(sync=micro == n - 1)
             with self.phases("forward"):
-                loss = F.cross_entropy(self.model(x).float(), y) / n
+                loss = F.cross_entropy(self._forward(x).float(), y) / n
             if micro == n - 1 and self._feeder is not None:
                 self._feeder.prefetch()  # next batch's H2D copy overlaps this backward
             with self.phases("backward"):
@@ -262,7 +276,7 @@ class Trainer:
             for i, (x, y) in enumerate(feeder):
                 if self.cfg.solver.test_iter and i >= self.cfg.solver.test_iter:
                     break
-                top5 = self.model(x).float().topk(min(5, self.cfg.model.num_classes), dim=1).indices
+                top5 = self._forward(x).float().topk(min(5, self.cfg.model.num_classes), dim=1).indices
                 hit = top5 == y[:, None]
                 counts[0] += hit[:, 0].sum()
                 counts[1] += hit.any(dim=1).sum()
