@@ -186,6 +186,36 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def torchrun_main(argv: list[str] | None = None) -> int:
+    """``python -m dptrain.torchrun …``: torchrun, exiting with the solvers' code and without its traceback.
+
+    torchrun reports a failed worker by raising ``ChildFailedError`` (a Python traceback and
+    a table, exit code 1 whatever the workers exited with). The solvers have already printed
+    their one-line errors, so this prints one summary line and exits 2 when any solver exited
+    2 (a user error), else with the first failure's code. A signal to the launcher, which
+    torchrun forwards to the solvers (they snapshot and stop), ends in one line and 128 +
+    signal. Everything else (arguments, rendezvous, restarts) is torchrun's own.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as run
+
+    try:
+        run(argv)
+    except ChildFailedError as e:
+        codes = {rank: f.exitcode for rank, f in sorted(e.failures.items())}
+        listed = ", ".join(f"rank {r} exit {c}" for r, c in codes.items())
+        print(f"dptrain: {len(codes)} solver process(es) failed ({listed}); their errors are above", file=sys.stderr)
+        if EXIT_USER_ERROR in codes.values():
+            return EXIT_USER_ERROR
+        first = next(iter(codes.values()))
+        return first if 0 < first < 256 else 1
+    except SignalException as e:
+        print(f"dptrain: launcher got {e.sigval.name}; the solvers were told to snapshot and stop", file=sys.stderr)
+        return 128 + int(e.sigval)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)

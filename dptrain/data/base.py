@@ -110,7 +110,7 @@ class DeviceFeeder:
             # target through backward, after release() lets a worker refill the slot: copy them.
             images, labels, event = host.images.to(self._device), host.labels.to(self._device, copy=True), None
             if self._mean_image is not None:
-                windows = host.windows.to(self._device, copy=True)
+                windows = host.windows.to(self._device)  # read in __next__ with the images: no copy needed
         else:
             with torch.cuda.stream(self._copy_stream):
                 images = host.images.to(self._device, non_blocking=True)

@@ -431,7 +431,7 @@ def transform_datum(datum: DatumLike, stages: list[Stage], rng: SampleRng, chann
 
 
 def probe_channels_and_size(datum: DatumLike) -> tuple[int, tuple[int, int]]:
-    """(channels, (height, width)) of a record; fixes the stream's colour mode from the first record."""
+    """(channels, (height, width)) of a record; LmdbSource probes a few to fix the stream's colour mode."""
     if datum.encoded:
         im = open_image(datum.data)
         return (1 if im.mode in GRAY_MODES else 3), (im.size[1], im.size[0])
