@@ -85,3 +85,19 @@ def test_compiled_cpu_update_matches_reference():
     skipped = _clone(fused)
     sgd_update_cpu_fused(*skipped, lr=0.1, **{**kw, "found_inf": torch.ones(1)})
     assert torch.equal(skipped[1], fused[1]) and torch.equal(skipped[3], fused[3])
+
+
+def test_compiled_cpu_update_rounds_fp16_momentum_like_the_reference():
+    """With fp16 momentum the rule is h = half(m*h + g); w -= lr * float(h). inductor used to
+    drop the rounding, so the master moved by the unrounded history (off by ~1e-4)."""
+    from dptrain.kernels import sgd_update_cpu_fused
+
+    state = _state(torch.float16, torch.float16)
+    kw = dict(lr=0.1, momentum_coef=0.9, weight_decay=5e-4, decoupled=False, grad_coef=torch.tensor([0.25]),
+              found_inf=torch.zeros(1))
+    ref, fused = _clone(state), _clone(state)
+    sgd_update_reference(*ref, **kw)
+    sgd_update_cpu_fused(*fused, **kw)
+    assert torch.equal(fused[3], ref[3])
+    torch.testing.assert_close(fused[1], ref[1], rtol=0, atol=5e-7)
+    assert torch.equal(fused[2], fused[1].to(torch.float16))
