@@ -230,6 +230,11 @@ class LossScaleConfig:
             raise ConfigError(
                 f"precision.loss_scale.min_scale ({self.min_scale}) exceeds max_scale ({self.max_scale})"
             )
+        if self.mode in ("auto", "dynamic") and not self.min_scale <= self.init_scale <= self.max_scale:
+            raise ConfigError(  # the first growth would lower it to max_scale, the first backoff raise it to min_scale
+                f"precision.loss_scale.init_scale ({self.init_scale:g}) is outside [min_scale, max_scale] = "
+                f"[{self.min_scale:g}, {self.max_scale:g}]; set it inside, or widen the range"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -170,8 +170,9 @@ class LossScaler:
                 "overflow at every scale; lower solver.base_lr, add solver.clip_gradients, or use bf16 storage"
             )
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, torch.Tensor | str]:
         return {
+            "mode": self.mode,
             "scale": self.scale.clone(),
             "growth": self._growth.clone(),
             "streak": self._streak.clone(),
@@ -179,9 +180,21 @@ class LossScaler:
             "floor_hit": self._floor_hit.clone(),
         }
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.scale.copy_(state["scale"])
-        self._growth.copy_(state["growth"])
-        self._streak.copy_(state["streak"])
+    def load_state_dict(self, state: dict[str, torch.Tensor | str]) -> None:
+        """Restore the scaler. Only a snapshot taken in the same mode restores the scale: one
+        resumed with other precision settings starts from this config's scale (1 with no
+        scaling), since a stale 65536 with scaling off would divide every gradient by it.
+        A static scale always comes from the config. Skipped steps are counted on."""
         self._skipped.copy_(state["skipped"])
-        self._floor_hit.copy_(state["floor_hit"])
+        saved = state.get("mode")
+        if saved is None:  # a snapshot from before this field: assume the mode is unchanged unless the scale says not
+            saved = self.mode if self.enabled or float(state["scale"].item()) == 1.0 else "on"
+        if saved != self.mode:
+            log.warning("the snapshot's loss scaling is %s, this run's is %s: the scale restarts at %g",
+                        saved, self.mode, float(self.scale.item()))
+            return
+        if self.mode == "dynamic":
+            self.scale.copy_(state["scale"])
+            self._growth.copy_(state["growth"])
+            self._streak.copy_(state["streak"])
+            self._floor_hit.copy_(state["floor_hit"])

@@ -118,6 +118,45 @@ def test_scaler_state_round_trips():
     assert a.stats() == b.stats() == {"loss_scale": 32.0, "skipped_steps": 2}
 
 
+def test_resume_with_scaling_off_does_not_keep_the_saved_scale(caplog):
+    """An fp16 snapshot (scale 65536) resumed with bf16/fp32 storage: no loss scaling, so the
+    gradients must not be divided by the stale scale (every update was 65536x too small)."""
+    fp16 = _scaler()
+    _step(fp16, overflow=True)
+    off = _scaler("none")
+    off.load_state_dict(fp16.state_dict())
+    assert float(off.inv_scale(2)) == 0.5 and _scale(off) == 1.0
+    assert off.stats()["skipped_steps"] == 1
+    assert "loss scaling is dynamic, this run's is none" in caplog.text
+
+
+def test_resume_into_dynamic_or_static_starts_from_the_config_scale():
+    off = _scaler("none")
+    dyn = _scaler(init_scale=1024.0)
+    dyn.load_state_dict(off.state_dict())
+    assert _scale(dyn) == 1024.0  # not the disabled scaler's 1.0
+    grown = _scaler(init_scale=64.0, growth_interval=1)
+    _step(grown, overflow=False)
+    static = _scaler("static", init_scale=128.0)
+    static.load_state_dict(grown.state_dict())
+    assert _scale(static) == 128.0  # a static scale is the config's, always
+    same = _scaler("static", init_scale=256.0)
+    same.load_state_dict(_scaler("static", init_scale=128.0).state_dict())
+    assert _scale(same) == 256.0
+
+
+def test_resume_of_a_snapshot_without_the_mode_field():
+    fp16 = _scaler()
+    _step(fp16, overflow=True)
+    old = {k: v for k, v in fp16.state_dict().items() if k != "mode"}
+    again = _scaler()
+    again.load_state_dict(old)
+    assert _scale(again) == 32768.0
+    off = _scaler("none")
+    off.load_state_dict(old)
+    assert _scale(off) == 1.0
+
+
 # ----------------------------------------------------------------------------- precision policy
 
 
