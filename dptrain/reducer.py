@@ -23,6 +23,13 @@ over ranks. The solver unscales by ``1 / (S * grad_divisor)`` in fp32:
 Every rank then holds the bit-identical reduced gradient, so the overflow decision taken
 on it is identical everywhere without another collective.
 
+Running statistics (BatchNorm's running mean and variance) are averaged over the ranks
+once per iteration, by one small allreduce launched right behind the first bucket and
+waited for in ``wait()``. Every rank then holds the same statistics, so the test phase
+evaluates one model and a snapshot (rank 0's) holds the whole state: a resumed run
+continues bit-exactly on every rank. DDP instead broadcasts rank 0's buffers before each
+forward, which discards the other ranks' batches and puts a collective before compute.
+
 Streams (CUDA): hooks run on autograd's device thread; a launch enqueues the collective
 behind everything already on that thread's current stream (see ``Communicator.allreduce_async``
 and ``nccl_cupy``), and ``wait()`` makes the training thread's current stream wait for
@@ -71,8 +78,12 @@ class _Launched:
 class Reducer:
     """Overlaps the gradient allreduce with backward; see the module docstring."""
 
-    def __init__(self, flat: FlatParams, cfg: ReducerConfig, comm: Communicator, tracer: Tracer) -> None:
+    def __init__(self, flat: FlatParams, cfg: ReducerConfig, comm: Communicator, tracer: Tracer,
+                 running_stats: list[torch.Tensor] | None = None) -> None:
         self.flat, self.cfg, self.comm, self.tracer = flat, cfg, comm, tracer
+        self.running_stats = list(running_stats or [])
+        """Buffers averaged over ranks every synced iteration (BatchNorm's running mean/var)."""
+        self._stats_flight: tuple[Work, torch.Tensor] | None = None
         self.world_size = comm.world_size
         self.fp32_reduce = cfg.reduce_dtype == "fp32"
         self.grad_divisor = 1 if (self.fp32_reduce or self.world_size == 1) else self.world_size
@@ -89,6 +100,7 @@ class Reducer:
         self._set_plan(build_bucket_plan(group_specs(flat), cfg.bucket_mb, cfg.first_bucket_mb))
         self._check_plan_agreement()
         self._replan_pending = cfg.replan and self.world_size > 1
+        self._ready_order: list[str] = []
         # One solver reduces nothing, but a traced run still records when each bucket would be
         # ready: that single-solver profile is what benchmarks/scaling_model.py extrapolates from.
         self._hooked = self.world_size > 1 or tracer.enabled
@@ -185,11 +197,42 @@ class Reducer:
             raise self._failure(b, e) from e
         self._next_launch += 1
         self.launch_log.append((b.index, t))
+        if self._next_launch == 1 and self.running_stats:
+            self._launch_stats()
         rec = _Launched(b, work, upcast, start_us)
         if self.tracer.enabled:  # CPU: the event is written at wait(); CUDA: by the watcher, at completion
             work.on_complete(rec.end_us.append if self._host_completion else
                              lambda end_us, rec=rec: self._trace(rec, end_us))
         self._launched.append(rec)
+
+    def _launch_stats(self) -> None:
+        """Start the running-statistics average, right behind the first bucket (caller holds the
+        lock). Every forward of the iteration is done by then, so it overlaps the rest of backward."""
+        stats = torch.cat([t.detach().reshape(-1).float() for t in self.running_stats])
+        try:
+            self._stats_flight = (self._collective.allreduce_async(stats), stats)
+        except Exception as e:
+            raise self._stats_failure(e) from e
+
+    def _finish_stats(self) -> None:
+        """Wait for the running-statistics sum and write the rank average back into the buffers."""
+        if self._stats_flight is None:
+            return
+        work, stats = self._stats_flight
+        self._stats_flight = None
+        try:
+            work.wait()
+        except Exception as e:
+            raise self._stats_failure(e) from e
+        stats.div_(self.world_size)
+        with torch.no_grad():
+            for t, avg in zip(self.running_stats, stats.split([t.numel() for t in self.running_stats])):
+                t.copy_(avg.view_as(t))
+
+    def _stats_failure(self, e: Exception) -> PeerFailure:
+        return PeerFailure(f"rank {self.comm.rank}: allreduce of the running statistics failed or timed out "
+                           f"(reducer.timeout_s = {self.cfg.timeout_s}): {e}; a peer rank probably died or hung, "
+                           "see its log")
 
     def _trace(self, rec: _Launched, end_us: float) -> None:
         self.tracer.complete("allreduce", rec.start_us, end_us, tid="comm", bucket=rec.bucket.index,
@@ -231,6 +274,7 @@ class Reducer:
             if self.tracer.enabled and self._host_completion:
                 self._trace(rec, rec.end_us[0] if rec.end_us else now_us())
         self._launched = []
+        self._finish_stats()
         if self._replan_pending:
             self._replan()
 
@@ -253,9 +297,15 @@ class Reducer:
         """
         self._replan_pending = False
         order = self.comm.broadcast_object(list(self._ready), src=0)
+        old = self.plan.describe()
+        self._apply_ready_order(order)
+        if self.comm.rank == 0:
+            log.info("reducer re-planned from the observed gradient order: %s (was %s)", self.plan.describe(), old)
+
+    def _apply_ready_order(self, order: list[str]) -> None:
+        """Re-lay out the flat buffers and re-plan the buckets for gradient-ready ``order`` (collective)."""
         per_group, predicted = plan_from_ready_order(group_specs(self.flat), order, self.cfg.bucket_mb,
                                                      self.cfg.first_bucket_mb)
-        old = self.plan.describe()
         for g, names in zip(self.flat.groups, per_group):
             if [s.name for s in g.segments] != names:
                 g.relayout(names)
@@ -264,8 +314,26 @@ class Reducer:
         assert plan.digest() == predicted.digest(), "relayout does not match the planned layout"
         self._set_plan(plan)
         self._check_plan_agreement()
-        if self.comm.rank == 0:
-            log.info("reducer re-planned from the observed gradient order: %s (was %s)", plan.describe(), old)
+        self._ready_order = list(order)
+
+    def state_dict(self) -> dict[str, list[str]]:
+        """The gradient-ready order a ``reducer.replan`` laid the buffers out by (empty before it ran)."""
+        return {"ready_order": list(self._ready_order)}
+
+    def load_state_dict(self, state: dict[str, list[str]]) -> None:
+        """Re-apply a snapshot's replanned layout at once (collective), so a resumed run reduces
+        in the same buckets as the interrupted one from its first iteration: bucket boundaries
+        decide gloo's summation order with 3+ ranks, so the default plan for that one
+        iteration made a resume differ in the last bits."""
+        order = list(state.get("ready_order", []))
+        if not (order and self._replan_pending):
+            return
+        if set(order) - {n for n in self.flat.layout_order}:
+            log.warning("rank %d: the snapshot's bucket layout names parameters this model lacks; re-planning "
+                        "from this run's gradient order instead", self.comm.rank)
+            return
+        self._replan_pending = False
+        self._apply_ready_order(order)
 
     def close(self) -> None:
         """Remove the gradient hooks (the model stays usable without a reducer) and release a

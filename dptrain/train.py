@@ -107,6 +107,12 @@ def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.d
     return model, flat
 
 
+def running_stats(model: nn.Module) -> list[torch.Tensor]:
+    """The model's normalisation running statistics (``running_mean`` / ``running_var`` buffers)."""
+    return [b for name, b in model.named_buffers()
+            if name.rsplit(".", 1)[-1] in ("running_mean", "running_var") and b.is_floating_point()]
+
+
 def _check_run_dir(run_dir: Path) -> None:
     """train.run_dir must be a folder or creatable as one (every rank checks; rank 0 creates it)."""
     for p in (run_dir, *run_dir.parents):
@@ -185,7 +191,7 @@ class Trainer:
         self._input_ok = False
         ls_mode = cfg.precision.resolved_loss_scale_mode()
         self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
-        self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer)
+        self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer, running_stats(self.model))
         self.solver = MasterSGD(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor)
         self.shard = ShardPlan(self.rank, self.world_size, cfg.data.batch_size, cfg.train.seed,
                                cfg.data.shuffle == "epoch")
@@ -302,6 +308,7 @@ class Trainer:
             "iteration": self.iteration,
             "model": model_state,
             "solver": self.solver.state_dict(),
+            "reducer": self.reducer.state_dict(),
             "rng": self.comm.allgather_object(rng),
             "data": {"micro_step": self.iteration * self.plan.iter_size, "world_size": self.world_size,
                      "batch_size": self.plan.batch_size, "seed": self.cfg.train.seed},
@@ -324,6 +331,7 @@ class Trainer:
                 got = "missing" if saved is None else f"{list(saved.shape)}"
                 raise ValueError(f"snapshot's {name!r} is {got} but this model's is {list(p.shape)}; was it written "
                                  f"with another model.num_classes / model.width / input channels?")
+        self.reducer.load_state_dict(state.get("reducer", {}))  # may re-lay out the flat buffers: first
         self.flat.load_master_state(state["model"])
         self.solver.load_state_dict(state["solver"])
         rng = state["rng"][self.rank] if self.rank < len(state["rng"]) else state["rng"][0]

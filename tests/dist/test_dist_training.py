@@ -67,3 +67,45 @@ def test_three_ranks_iter_size_and_replan_match_reference(tmp_path):
     for name, w in _masters(ref).items():
         assert all(torch.equal(ranks[0][name], r[name]) for r in ranks[1:]), name
         torch.testing.assert_close(ranks[0][name], w, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# ---------------------------------------------------------------- resume and running statistics
+
+BN_NET = ["model.name=resnet18_cifar", "model.width=4", "data.batch_size=4", "reducer.replan=true",
+          "reducer.bucket_mb=0.005", "reducer.first_bucket_mb=0.001"]
+
+
+def _resume_rank(rank, world, out, overrides, steps):
+    whole = _trainer(overrides, f"{out}/whole", world)
+    for _ in range(steps):
+        whole.train_step()
+    first = _trainer(overrides, f"{out}/first", world)
+    for _ in range(steps // 2):
+        first.train_step()
+    state = [first.state_dict()]
+    torch.distributed.broadcast_object_list(state, src=0)  # what save() writes: rank 0's copy
+    second = _trainer(overrides, f"{out}/second", world)
+    second.load_state_dict(state[0])
+    for _ in range(steps - steps // 2):
+        second.train_step()
+    stats = {k: v for k, v in second.model.state_dict().items() if "running" in k}
+    torch.save({"whole": {**_masters(whole), **whole.flat.momentum_state(),
+                          **{k: v for k, v in whole.model.state_dict().items() if "running" in k}},
+                "resumed": {**_masters(second), **second.flat.momentum_state(), **stats},
+                "layouts_equal": whole.flat.layout_order == second.flat.layout_order}, Path(out) / f"rank{rank}.pt")
+
+
+def test_three_rank_resume_with_replan_and_batchnorm_is_bit_exact(tmp_path):
+    """The resumed run re-applies the replanned bucket layout at once (with 3 ranks the bucket
+    boundaries decide gloo's summation order), and BatchNorm statistics are averaged over the
+    ranks every iteration, so rank 0's snapshot is every rank's state."""
+    run_ranks(3, _resume_rank, str(tmp_path), BN_NET, 4)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    stats = [k for k in ranks[0]["whole"] if "running" in k]
+    assert stats, "the test model must have BatchNorm statistics"
+    for r in ranks:
+        assert r["layouts_equal"]
+        for name, w in r["whole"].items():
+            assert torch.equal(r["resumed"][name], w), f"{name}: resumed differs from uninterrupted"
+    for name in stats:  # one set of statistics on every rank
+        assert all(torch.equal(ranks[0]["whole"][name], r["whole"][name]) for r in ranks[1:]), name

@@ -82,6 +82,34 @@ def check_grads(flat: FlatParams, expect: float, divisor: int, what: str) -> Non
             assert torch.all(g.grads[s.offset + s.numel : s.offset + s.padded_numel] == 0), f"{what}: padding"
 
 
+# ---------------------------------------------------------------- running statistics
+
+
+def _stats_rank(rank: int, world: int, out: str) -> None:
+    comm = comm_of()
+    torch.manual_seed(0)
+    model = Tiny()
+    mean, var = torch.full((6,), float(rank)), torch.full((2, 3), 2.0 ** rank)  # any shapes, distinct per rank
+    flat = FlatParams(model, momentum_dtype=torch.float32)
+    reducer = Reducer(flat, ReducerConfig(bucket_mb=5 * KIB, first_bucket_mb=1 * KIB), comm, NullTracer(rank),
+                      running_stats=[mean, var])
+    reducer.begin(sync=True)
+    model(torch.randn(4, 16)).sum().backward()
+    reducer.wait()
+    torch.save({"mean": mean, "var": var}, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_running_stats_are_averaged_over_ranks(tmp_path, world):
+    run_ranks(world, _stats_rank, str(tmp_path))
+    expect_mean = sum(range(world)) / world
+    expect_var = sum(2.0 ** r for r in range(world)) / world
+    for r in range(world):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert torch.equal(got["mean"], torch.full((6,), expect_mean)), got["mean"]
+        assert torch.equal(got["var"], torch.full((2, 3), expect_var)), got["var"]
+
+
 # ---------------------------------------------------------------- averaging, dtypes, iter_size
 
 CASES = [("fp32", "storage"), ("fp16", "storage"), ("bf16", "storage"), ("fp16", "fp32"), ("bf16", "fp32")]
