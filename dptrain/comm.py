@@ -17,7 +17,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -205,6 +206,19 @@ class Communicator:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @contextmanager
+    def _blocking(self, what: str) -> Iterator[None]:
+        """Turn a blocking collective's backend error (gloo: "Connection closed by peer", a
+        timeout) into :class:`PeerFailure` naming this rank, so the CLI prints one line."""
+        try:
+            yield
+        except PeerFailure:
+            raise
+        except RuntimeError as e:  # DistError is one too
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PeerFailure(f"rank {self.rank}: {what} failed or timed out (timeout {self.timeout_s:g} s): "
+                              f"{first}; a peer rank probably died or hung, see its log") from e
+
     def broadcast_module(self, module: nn.Module) -> None:
         """Copy rank 0's parameters and buffers into every rank's module, in place.
 
@@ -241,7 +255,8 @@ class Communicator:
         wire = torch.cat([t.detach().reshape(-1) for t in tensors])  # [sum numel], one dtype
         if wire.dtype == torch.bool:  # not every backend reduces/broadcasts bool; bytes do
             wire = wire.to(torch.uint8)
-        dist.broadcast(wire, src=0)
+        with self._blocking("broadcast of the initial weights"):
+            dist.broadcast(wire, src=0)
         offset = 0
         for t in tensors:
             t.copy_(wire[offset : offset + t.numel()].view(t.shape))  # copy_ honours t's strides
@@ -250,7 +265,8 @@ class Communicator:
     def allreduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all ranks in place and wait for it (test scores, stop flags)."""
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            with self._blocking("allreduce"):
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
     def allreduce_async(self, tensor: torch.Tensor) -> Work:
@@ -278,7 +294,8 @@ class Communicator:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with self._blocking("allgather"):
+            dist.all_gather_object(out, obj)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -286,12 +303,14 @@ class Communicator:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        with self._blocking("broadcast"):
+            dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            with self._blocking("barrier"):
+                dist.barrier()
 
     def close(self) -> None:
         """Stop the watcher and leave the process group (only if this communicator created it)."""

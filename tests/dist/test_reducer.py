@@ -329,3 +329,40 @@ def test_peer_failure_fails_this_rank_fast_with_its_rank_named(tmp_path, mode):
                 p.kill()
             p.join(timeout=5)
         tmp.cleanup()
+
+
+def _blocking_fails_rank(rank: int, world: int, out: str, collective: str) -> None:
+    from dptrain.comm import PeerFailure
+
+    comm = comm_of(timeout_s=6)
+    comm.barrier()
+    if rank == 1:
+        raise RuntimeError("injected failure on rank 1")
+    calls = {"allreduce_sum_": lambda: comm.allreduce_sum_(torch.ones(4)),
+             "allgather_object": lambda: comm.allgather_object({"rank": rank}),
+             "broadcast_module": lambda: comm.broadcast_module(Tiny())}
+    try:
+        calls[collective]()
+    except PeerFailure as e:
+        Path(out, "rank0.txt").write_text(str(e))
+        raise
+
+
+@pytest.mark.parametrize("collective", ["allreduce_sum_", "allgather_object", "broadcast_module"])
+def test_blocking_collective_with_a_dead_peer_is_a_peer_failure(tmp_path, collective):
+    """The test phase, snapshots and startup use blocking collectives: a dead peer there must
+    be the same one-line PeerFailure as in the reducer, not gloo's traceback."""
+    procs, tmp = start_ranks(2, _blocking_fails_rank, str(tmp_path), collective, timeout_s=6)
+    try:
+        for p in procs:
+            p.join(timeout=45)
+        assert all(p.exitcode not in (None, 0) for p in procs), [p.exitcode for p in procs]
+        msg = (tmp_path / "rank0.txt").read_text()
+        assert msg.startswith("rank 0: ") and "failed or timed out" in msg and "a peer rank probably died" in msg, msg
+        assert "\n" not in msg
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        tmp.cleanup()
