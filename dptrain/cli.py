@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model (one process per GPU under torchrun)",
                        description="Train from a TOML recipe. Writes config.toml, metrics.jsonl and "
-                                   "snapshot_iter_<N>.pt into train.run_dir. SIGTERM/SIGUSR1 snapshot and exit 0.")
+                                   "snapshot_iter_<N>.pt into train.run_dir. SIGTERM/SIGUSR1/Ctrl-C snapshot and exit 0.")
     _add_config_args(t)
     t.add_argument("--resume", metavar="PATH|auto",
                    help="continue bit-exactly from a snapshot; 'auto' picks the newest one in train.run_dir")
@@ -118,7 +118,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             if path is not None:
                 trainer.resume(path)
             else:
-                log.info("--resume auto: no snapshot in %s; starting fresh", cfg.train.run_dir)
+                dropped = trainer.metrics.drop_after(0)  # the crashed run's lines: this run writes them again
+                log.info("--resume auto: no snapshot in %s; starting fresh%s", cfg.train.run_dir,
+                         f" (dropped {dropped} metrics.jsonl line(s) of the earlier run)" if dropped else "")
+            trainer.check_same_start()
         result = trainer.fit()
     finally:
         trainer.close()

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
@@ -18,10 +21,14 @@ class MetricsWriter:
         """Append one record (no-op on ranks other than 0); the file is created on first use."""
         if self._path is None:
             return
-        if self._file is None:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self._path, "a", buffering=1)
-        self._file.write(json.dumps(record) + "\n")
+        try:
+            if self._file is None:
+                self._path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self._path, "a", buffering=1)
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as e:
+            raise ValueError(f"cannot append to {str(self._path)!r} ({e.strerror or e}); free space on its "
+                             f"filesystem or choose another train.run_dir, then --resume auto") from e
 
     def drop_after(self, iteration: int) -> int:
         """Remove the records of iterations after ``iteration`` (a resumed run writes them again);
@@ -29,21 +36,41 @@ class MetricsWriter:
         if self._path is None or not self._path.is_file():
             return 0
         self.close()
-        records = read_metrics(self._path)
+        lines = [line for line in self._path.read_text(errors="replace").splitlines() if line.strip()]
+        records, torn = [], 0
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # e.g. the line a crash (or a full disk) cut short
+                torn += 1
+        if torn:
+            log.warning("%s: dropping %d unreadable line(s)", self._path, torn)
         keep = [r for r in records if r.get("iter", 0) <= iteration]
-        if len(keep) < len(records):
+        if len(keep) < len(lines):
             tmp = self._path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
             os.replace(tmp, self._path)
-        return len(records) - len(keep)
+        return len(lines) - len(keep)
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as e:  # the buffered tail of a failed write: the error was already raised
+                log.warning("closing %s: %s", self._path, e)
             self._file = None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl file."""
+    """All records of a metrics.jsonl file; ValueError names the file and line of a broken one."""
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{str(path)!r} line {n} is not JSON ({e.msg}); a crash may have cut it "
+                                 f"short: delete that line") from e
+    return records

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,17 @@ def snapshot_path(run_dir: str | Path, iteration: int) -> Path:
 
 def save_snapshot(state: dict[str, Any], path: Path) -> Path:
     """Write ``state`` to ``path`` atomically (temp file, fsync, rename, fsync dir)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError from its zip writer
+        raise ValueError(f"cannot write snapshot {str(path)!r} ({_first_line(e)}; {_free(path.parent)}); free space "
+                         f"or choose another train.run_dir, then --resume auto") from e
     finally:
         tmp.unlink(missing_ok=True)
     dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -41,6 +45,41 @@ def save_snapshot(state: dict[str, Any], path: Path) -> Path:
     finally:
         os.close(dir_fd)
     return path
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _free(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free there"
+    except OSError:
+        return "its folder is gone"
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> int:
+    """Delete the temporary files of snapshot writes that were killed (their process is gone)."""
+    d, removed = Path(run_dir), 0
+    if not d.is_dir():
+        return 0
+    for p in d.glob(".snapshot_iter_*.pt.*.tmp"):
+        pid = p.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            p.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def list_snapshots(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -60,8 +99,7 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a torn or foreign file
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""  # torch's texts run to many lines
-        raise ValueError(f"snapshot {str(p)!r} cannot be read ({type(e).__name__}: {first}); it is torn or not a "
+        raise ValueError(f"snapshot {str(p)!r} cannot be read ({_first_line(e)}); it is torn or not a "
                          f"dptrain snapshot, use an older one") from e
     for key in ("iteration", "model", "solver", "rng", "config"):
         if key not in state:

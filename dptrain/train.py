@@ -39,7 +39,7 @@ from dptrain.metrics import MetricsWriter
 from dptrain.models import build_model, check_input
 from dptrain.precision import DTYPES, LossScaler, apply_precision, warn_if_slow_on_cpu
 from dptrain.reducer import Reducer
-from dptrain.snapshot import load_snapshot, save_snapshot, snapshot_path
+from dptrain.snapshot import load_snapshot, remove_stale_temporaries, save_snapshot, snapshot_path
 from dptrain.solver import MasterSGD
 from dptrain.trace import NullTracer, Tracer, now_us
 
@@ -119,6 +119,9 @@ def _check_run_dir(run_dir: Path) -> None:
         if p.exists():
             if not p.is_dir():
                 raise ConfigError(f"train.run_dir {str(run_dir)!r}: {str(p)!r} is a file; choose another run_dir")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise ConfigError(f"train.run_dir {str(run_dir)!r}: {str(p)!r} is not writable (a read-only "
+                                  f"filesystem or folder); choose another run_dir")
             return
 
 
@@ -149,19 +152,26 @@ class PhaseTimer:
 
 
 class _StopFlag:
-    """Set by SIGTERM/SIGUSR1; the trainer snapshots at the next iteration boundary and exits 0."""
+    """Set by SIGTERM, SIGUSR1 or SIGINT (Ctrl-C); the trainer snapshots at the next agreed
+    iteration boundary and exits 0, as Caffe does on SIGINT. A second Ctrl-C stops at once,
+    without a snapshot."""
 
     def __init__(self) -> None:
         self.requested = False
         self.signum = 0
 
     def __call__(self, signum: int, frame: object) -> None:
-        self.requested, self.signum = True, signum
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            log.warning("Ctrl-C: snapshot at the next agreed iteration and stop; press it again to stop at once")
+        self.requested = True
+        self.signum = self.signum or signum
 
     @contextmanager
     def installed(self) -> Iterator[None]:
         if threading.current_thread() is threading.main_thread():
-            old = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGUSR1)}
+            old = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
             try:
                 yield
             finally:
@@ -371,6 +381,15 @@ class Trainer:
         log.info("snapshot %s", path)
         return path
 
+    def check_same_start(self) -> None:
+        """Every rank must start at the same iteration (collective): a node that found no
+        snapshot (node-local run dirs) would otherwise train from scratch beside resumed ones."""
+        starts = self.comm.allgather_object(self.iteration)
+        if len(set(starts)) > 1:
+            listed = ", ".join(f"rank {r}: {it}" for r, it in enumerate(starts))
+            raise ValueError(f"the ranks resumed at different iterations ({listed}); every rank must read the "
+                             f"same snapshot: use a train.run_dir all nodes share, or pass --resume PATH")
+
     def resume(self, path: Path) -> None:
         state = load_snapshot(path)
         self.load_state_dict(state)
@@ -416,8 +435,14 @@ class Trainer:
         """Train to solver.max_iter (or until SIGTERM/SIGUSR1); return the last metrics."""
         s = self.cfg.solver
         if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
+            except OSError as e:
+                raise ValueError(f"cannot write {str(self.run_dir / 'config.toml')!r} ({e.strerror or e}); "
+                                 f"choose another train.run_dir") from e
+            if removed := remove_stale_temporaries(self.run_dir):
+                log.info("removed %d temporary file(s) of interrupted snapshot writes", removed)
         log.info("%s", self.plan.describe())
         log.info("bytes per parameter: %s (%d parameters)", self.flat.bytes_per_param(), self.flat.num_params)
         if self.iteration >= s.max_iter:  # e.g. --resume auto on a finished run: its final test and snapshot exist
@@ -443,8 +468,9 @@ class Trainer:
                     self.scaler.check_floor()
                     self.save()
                 if self._stop_agreed(flag):
-                    log.warning("rank %d: signal %d received; snapshot at iteration %d and stop",
-                                self.rank, flag.signum, it)
+                    why = f"signal {signal.Signals(flag.signum).name} received" if flag.signum else \
+                        "another rank received a stop signal"
+                    log.warning("rank %d: %s; snapshot at iteration %d and stop", self.rank, why, it)
                     self.save()
                     return {**last, "stopped_by_signal": True}
             bar.close()

@@ -109,3 +109,20 @@ def test_three_rank_resume_with_replan_and_batchnorm_is_bit_exact(tmp_path):
             assert torch.equal(r["resumed"][name], w), f"{name}: resumed differs from uninterrupted"
     for name in stats:  # one set of statistics on every rank
         assert all(torch.equal(ranks[0]["whole"][name], r["whole"][name]) for r in ranks[1:]), name
+
+
+def _start_rank(rank, world, out):
+    t = _trainer([], out, world)
+    if rank == 0:
+        t.iteration = 100  # as if only rank 0's node-local run dir held snapshot_iter_100.pt
+    try:
+        t.check_same_start()
+    except ValueError as e:
+        Path(out, f"rank{rank}.txt").write_text(str(e))
+
+
+def test_ranks_resuming_at_different_iterations_all_stop(tmp_path):
+    run_ranks(2, _start_rank, str(tmp_path))
+    for r in range(2):
+        msg = (tmp_path / f"rank{r}.txt").read_text()
+        assert "the ranks resumed at different iterations (rank 0: 100, rank 1: 0)" in msg, msg

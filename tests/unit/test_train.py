@@ -86,7 +86,7 @@ def test_torn_snapshot_never_replaces_good_one(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ValueError, match="cannot write snapshot .*disk full"):
         save_snapshot({"iteration": 2}, tmp_path / "snapshot_iter_1.pt")
     assert load_snapshot(good)["iteration"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["snapshot_iter_1.pt"]  # no temp file left
@@ -192,3 +192,78 @@ def test_resuming_with_another_batch_setup_says_the_run_no_longer_continues_samp
         other.resume(tmp_path / "snapshot_iter_2.pt")
     other.close()
     assert "batch_size 32 -> 16" in caplog.text and "micro_step 2 -> 4" in caplog.text
+
+
+def test_ctrl_c_asks_for_a_snapshot_and_a_second_one_stops_at_once():
+    import signal
+
+    from dptrain.train import _StopFlag
+
+    flag = _StopFlag()
+    flag(signal.SIGINT, None)
+    assert flag.requested and flag.signum == signal.SIGINT
+    flag(signal.SIGTERM, None)  # torchrun forwards a SIGTERM after the terminal's SIGINT: still a snapshot
+    with pytest.raises(KeyboardInterrupt):
+        flag(signal.SIGINT, None)
+
+
+def test_stale_snapshot_temporaries_are_removed_and_write_errors_are_one_line(tmp_path, monkeypatch):
+    import os
+
+    import torch
+
+    from dptrain.snapshot import remove_stale_temporaries, save_snapshot
+
+    dead = tmp_path / ".snapshot_iter_5.pt.999999999.tmp"  # no such pid
+    mine = tmp_path / f".snapshot_iter_6.pt.{os.getpid()}.tmp"
+    for p in (dead, mine):
+        p.write_bytes(b"partial")
+    assert remove_stale_temporaries(tmp_path) == 1 and not dead.exists() and mine.exists()
+
+    def full_disk(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 4000")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(ValueError, match=r"cannot write snapshot .*snapshot_iter_7\.pt' \(RuntimeError: \[enforce.*"
+                                         r"MiB free there\); free space or choose another train\.run_dir"):
+        save_snapshot({"x": 1}, tmp_path / "snapshot_iter_7.pt")
+    assert not list(tmp_path.glob(".snapshot_iter_7*"))
+
+
+def test_run_dir_that_is_not_writable_is_a_config_error(tmp_path, monkeypatch):
+    import os
+
+    from dptrain.config import ConfigError
+    from dptrain.train import _check_run_dir
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    with pytest.raises(ConfigError, match=r"train\.run_dir .*run': .* is not writable"):
+        _check_run_dir(tmp_path / "run")
+
+
+def test_torn_metrics_line_is_dropped_on_resume_and_named_when_read(tmp_path):
+    from dptrain.metrics import MetricsWriter, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iter": 10, "loss": 1.0}\n{"iter": 20, "loss": 0.5}\n{"iter": 30, "images_pe')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl' line 3 is not JSON"):
+        read_metrics(path)
+    assert MetricsWriter(path).drop_after(20) == 1
+    assert read_metrics(path) == [{"iter": 10, "loss": 1.0}, {"iter": 20, "loss": 0.5}]
+
+
+def test_resume_auto_without_a_snapshot_drops_the_crashed_runs_metrics(tmp_path):
+    from dptrain.cli import main
+    from dptrain.metrics import read_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"iter": 10, "loss": 9.0}\n{"iter": 20, "loss": 9.0}\n')
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("")
+    args = ["train", "--config", str(cfg), "--resume", "auto", "--set", "model.name=\"lenet\"", "--set", "data.source=\"digits\"",
+            "--set", "solver.max_iter=4", "--set", "solver.display=2", "--set", "solver.snapshot=0",
+            "--set", f"train.run_dir={json.dumps(str(run))}", "--set", "data.batch_size=16"]
+    assert main(args) == 0
+    assert [r["iter"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [2, 4]
