@@ -32,7 +32,7 @@ from torch import nn
 from dptrain.comm import Communicator
 from dptrain.config import ConfigError, TrainConfig, config_to_dict, dump_toml
 from dptrain.data import build_source
-from dptrain.data.base import DeviceFeeder
+from dptrain.data.base import DROPPED_LABEL, DeviceFeeder
 from dptrain.data.sampling import ShardPlan, batches_per_epoch
 from dptrain.flat import FlatParams
 from dptrain.metrics import MetricsWriter
@@ -283,7 +283,7 @@ class Trainer:
     def test(self) -> dict[str, float]:
         """Top-1/top-5 over the whole test set; every sample counts once across ranks."""
         self.model.eval()
-        counts = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct1, correct5, n
+        counts = torch.zeros(4, dtype=torch.float64, device=self.device)  # correct1, correct5, n, bad records
         stream = self.source.test_batches(self.rank, self.world_size, self.cfg.data.test_batch_size)
         feeder = DeviceFeeder(stream, device=self.device, dtype=self.dtype, mean=self.source.mean,
                               scale=self.source.scale, channels_last=self.cfg.model.channels_last,
@@ -293,16 +293,19 @@ class Trainer:
                 if self.cfg.solver.test_iter and i >= self.cfg.solver.test_iter:
                     break
                 top5 = self._forward(x).float().topk(min(5, self.cfg.model.num_classes), dim=1).indices
-                hit = top5 == y[:, None]
+                kept = y != DROPPED_LABEL  # a bad record skipped under data.max_bad_records scores nothing
+                hit = (top5 == y[:, None]) & kept[:, None]
                 counts[0] += hit[:, 0].sum()
                 counts[1] += hit.any(dim=1).sum()
-                counts[2] += len(y)
+                counts[2] += kept.sum()
+            counts[3] += feeder.last_info.get("bad_records", 0)
         finally:
             feeder.close()
         self.comm.allreduce_sum_(counts)
-        c1, c5, total = counts.tolist()
+        c1, c5, total, bad = counts.tolist()
         self.model.train()
-        return {"test_top1": c1 / max(total, 1), "test_top5": c5 / max(total, 1), "test_samples": int(total)}
+        res = {"test_top1": c1 / max(total, 1), "test_top5": c5 / max(total, 1), "test_samples": int(total)}
+        return {**res, "test_bad_records": int(bad)} if bad else res
 
     # ------------------------------------------------------------------ snapshots
 

@@ -16,6 +16,11 @@ import torch
 from dptrain.data.sampling import ShardPlan
 
 
+DROPPED_LABEL = -1
+"""Label of a test-batch row whose record was bad and skipped (data.max_bad_records): it holds
+no sample, and the test phase does not score it."""
+
+
 @dataclass
 class HostBatch:
     """One solver's batch as the pipeline produced it."""
@@ -23,7 +28,7 @@ class HostBatch:
     images: torch.Tensor
     """[B, H, W, C] uint8; pinned CPU memory where the pipeline can, or already on the device."""
     labels: torch.Tensor
-    """[B] int64."""
+    """[B] int64; ``DROPPED_LABEL`` marks a skipped bad record in a test batch."""
     release: Callable[[torch.cuda.Event | None], None] | None = None
     """Called once the batch has been consumed, with the event that marks the end of its
     device copy (None on CPU); a ring-buffer pipeline reuses the slot after that event."""

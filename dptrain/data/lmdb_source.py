@@ -296,10 +296,10 @@ class LmdbSource:
             reader=reader, sequence=sequence,
             queues=QueueSet(p, t, capacity=max(2, math.ceil(batch_size / (p * t)))),
             ring=BatchRing(self._cfg.prefetch + 2, batch_size, self.sample_shape, pin=self._pin),
-            budget=BadRecordBudget(self._cfg.max_bad_records, rank),
+            budget=BadRecordBudget(self._cfg.max_bad_records, rank, substitutes=train),
             stages=self._stages[train], channels=self.channels, batch_size=batch_size,
             num_classes=self._num_classes, seed=self._seed, rank=rank, render=self._render,
-            windows=self.mean_image is not None,
+            windows=self.mean_image is not None, drop_bad=not train,
         )
         return PipelineStream(parts, parsers=p, transformers=t)
 

@@ -89,8 +89,9 @@ class BadRecordBudget:
     substitution still shows up in ``HostBatch.info["bad_records"]``.
     """
 
-    def __init__(self, limit: int, rank: int) -> None:
+    def __init__(self, limit: int, rank: int, *, substitutes: bool = True) -> None:
         self.limit, self.rank = limit, rank
+        self._fate = "replaced by the next record of the shard" if substitutes else "dropped from the test"
         self._seen: set[int] = set()
         self._lock = threading.Lock()
 
@@ -106,8 +107,8 @@ class BadRecordBudget:
         if count > self.limit:
             raise DataError(f"{error.reason}; {count} bad records exceed data.max_bad_records = {self.limit}",
                             path=error.path, key=error.key, rank=error.rank) from error
-        log.warning("rank %d: skipping bad record %d of %d allowed, replaced by the next record of the "
-                    "shard: %s", self.rank, count, self.limit, error)
+        log.warning("rank %d: skipping bad record %d of %d allowed, %s: %s", self.rank, count, self.limit,
+                    self._fate, error)
 
 
 class BatchRing:
@@ -180,6 +181,9 @@ class StreamParts:
     render: RenderOptions = RenderOptions()
     windows: bool = False
     """Record each sample's crop window (y0, x0, mirrored) for a per-pixel mean image."""
+    drop_bad: bool = False
+    """Test streams: a skipped bad record leaves its row empty with label ``DROPPED_LABEL``
+    (scored by nobody) instead of a substitute, so every test sample counts once."""
 
     def batch_rows(self, b: int) -> int:
         """Rows of batch b: batch_size, or fewer in the last batch of a finite stream."""

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from dptrain.config import ConfigError, DataConfig
+from dptrain.data.base import DROPPED_LABEL
 from dptrain.data.datum import DataError, DatumLike, raw_to_hwc
 from dptrain.data.parser import ParsedRecord, RecordHandle, parse_record
 
@@ -456,6 +457,8 @@ def _fill_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, par
     key) and overwrites the whole row, so no stale pixels survive.
     """
     bad = 0
+    if parts.drop_bad and (rec.error is not None or rec.datum is None):  # the test's bad records: drop, never substitute
+        return _drop_row(rec, dst, window, parts)
     for attempt in range(parts.sequence.span):
         if attempt:
             rec = subs.read(rec.pos, attempt)
@@ -466,11 +469,23 @@ def _fill_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, par
                 return rec.datum.label, bad
             except DataError as e:
                 rec.error = e.located(path=parts.reader.path, key=rec.key, rank=parts.rank)
+                if parts.drop_bad:
+                    return _drop_row(rec, dst, window, parts)
         assert rec.error is not None, "a record without a datum must carry its error"
         bad += 1
         parts.budget.spend(rec.index, rec.error)
     raise DataError(f"all {parts.sequence.span} records of this solver's shard are bad",
                     path=parts.reader.path, rank=parts.rank)
+
+
+def _drop_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, parts: StreamParts) -> tuple[int, int]:
+    """A bad test record under data.max_bad_records: an empty row that no score counts."""
+    assert rec.error is not None, "a record without a datum must carry its error"
+    parts.budget.spend(rec.index, rec.error)
+    dst[...] = 0
+    if window is not None:
+        window[:] = 0
+    return DROPPED_LABEL, 1
 
 
 class _SubstituteReader:

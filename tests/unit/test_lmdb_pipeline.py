@@ -376,6 +376,27 @@ def test_skip_budget_substitutes_the_next_record_deterministically(tmp_path, cap
     assert input_threads() == []
 
 
+def test_bad_test_records_are_dropped_not_substituted(tmp_path, caplog):
+    """In a test stream a skipped record leaves an empty row labelled DROPPED_LABEL: a substitute
+    would be scored twice. Every P, T gives the same rows."""
+    from dptrain.data.base import DROPPED_LABEL
+
+    values = [raw_value(i) for i in range(10)]
+    values[2], values[5] = b"\xff", raw_value(5, label=99)
+    path = write_db(tmp_path / "db", values)
+    for p, t in ((1, 1), (2, 3)):
+        src = lmdb_source(make_cfg(path, test_path=path, max_bad_records=2, parser_threads=p, transformer_threads=t),
+                          num_classes=NUM_CLASSES, seed=1)
+        out = collect(src.test_batches(0, 1, 4), 3)
+        labels = [int(v) for _, y, _ in out for v in y]
+        assert labels == [0, 1, DROPPED_LABEL, 3, 4, DROPPED_LABEL, 1, 2, 3, 4]  # label = i % 5
+        dropped = out[0][0][2]
+        assert not dropped.any()  # an empty row, never stale pixels
+        assert out[-1][2]["bad_records"] == 2
+    assert "dropped from the test" in caplog.text
+    assert input_threads() == []
+
+
 def test_close_mid_stream_and_release_misuse_leave_no_thread(db29):
     src = lmdb_source(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=3),
                       num_classes=NUM_CLASSES, seed=1)

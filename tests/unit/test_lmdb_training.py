@@ -46,3 +46,26 @@ def test_a_flat_mean_image_trains_exactly_like_the_same_mean_value(tmp_path):
     by_image = _train(tmp_path, "image", *lmdb, f"data.mean_file={json.dumps(str(tmp_path / 'mean.npy'))}")
     for name, w in by_value.items():
         assert torch.equal(w, by_image[name]), name
+
+
+def test_a_bad_test_record_is_not_scored(tmp_path):
+    """With data.max_bad_records the test phase drops a bad record instead of scoring a substitute
+    twice: test_samples counts the records actually scored, test_bad_records the dropped ones."""
+    import lmdb
+
+    make_digits_lmdb(tmp_path / "lmdb", encoded=True)
+    test_db = tmp_path / "lmdb/test"
+    with lmdb.open(str(test_db), subdir=True) as env, env.begin(write=True) as txn:
+        key = next(iter(txn.cursor().iternext(values=False)))
+        total = txn.stat()["entries"]
+        txn.put(key, b"\xff\xff")  # unparsable
+    cfg = load_config(None, ["model.name=lenet", "data.source=lmdb", "data.mean_value=[77.75]",
+                             f"data.path={json.dumps(str(tmp_path / 'lmdb/train'))}",
+                             f"data.test_path={json.dumps(str(test_db))}", "data.max_bad_records=1",
+                             f"train.run_dir={json.dumps(str(tmp_path / 'run'))}"])
+    t = Trainer(cfg, Communicator.from_env(60, torch.device("cpu")))
+    try:
+        res = t.test()
+    finally:
+        t.close()
+    assert res["test_samples"] == total - 1 and res["test_bad_records"] == 1
