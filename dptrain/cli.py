@@ -28,6 +28,27 @@ def _rank_env() -> tuple[int, int, int]:
             int(os.environ.get("WORLD_SIZE", "1")))
 
 
+def stop_with_the_launcher() -> None:
+    """Under torchrun, ask Linux for a SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``).
+
+    torchrun stops its solvers when it is signalled, but a launcher killed with SIGKILL (an
+    OOM kill, a lost node agent) leaves them training as orphans. With this, each solver
+    snapshots at the next agreed iteration and exits, as on any SIGTERM.
+    """
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
+        log.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+        return
+    if os.getppid() != launcher:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def setup_logging() -> None:
     rank, _, world = _rank_env()
     fmt = f"%(asctime)s {'rank%d ' % rank if world > 1 else ''}%(levelname).1s %(name)s: %(message)s"
@@ -103,6 +124,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dptrain.train import Trainer, local_threads, pick_device
 
     cfg = load_config(args.config, args.set)
+    stop_with_the_launcher()
     _, local_rank, _ = _rank_env()
     device = pick_device(cfg.train.device, local_rank)
     if device.type == "cpu":

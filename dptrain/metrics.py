@@ -22,6 +22,9 @@ class MetricsWriter:
         if self._path is None:
             return
         try:
+            if self._file is not None and os.fstat(self._file.fileno()).st_nlink == 0:
+                log.warning("%s was deleted during the run; starting a new one", self._path)
+                self.close()
             if self._file is None:
                 self._path.parent.mkdir(parents=True, exist_ok=True)
                 self._file = open(self._path, "a", buffering=1)

@@ -65,3 +65,44 @@ def test_run_multinode_refuses_bad_topology_flags_in_one_line_before_launching()
         proc = subprocess.run([script, "--nnodes", "1", "--master-addr", "localhost", *flags, "train", "--config", "x"],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
+
+
+def _parent_of(proc: Path) -> int:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_solvers_with_it(tmp_path):
+    """PR_SET_PDEATHSIG: a SIGKILLed torchrun leaves no orphans training; each solver gets a
+    SIGTERM, so they snapshot at an agreed iteration and exit."""
+    import signal
+    import time
+
+    cfg = tmp_path / "long.toml"
+    cfg.write_text(f'[model]\nname = "lenet"\n[data]\nsource = "digits"\nbatch_size = 16\n'
+                   f'[solver]\nmax_iter = 1000000\ndisplay = 10\nsnapshot = 0\n[train]\nrun_dir = "{tmp_path / "run"}"\n')
+    env = {**os.environ, "PYTHON": sys.executable, "NPROC": "2", "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen([str(REPO / "launch" / "run-local"), "train", "--config", str(cfg)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.stat().st_size) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    solvers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent_of(p) == launcher.pid]
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    try:
+        assert len(solvers) == 2, solvers
+        deadline = time.monotonic() + 60
+        while any(Path(f"/proc/{p}").exists() for p in solvers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(Path(f"/proc/{p}").exists() for p in solvers), "solvers outlived their launcher"
+        assert list((tmp_path / "run").glob("snapshot_iter_*.pt")), "no snapshot on the way out"
+    finally:
+        for p in solvers:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

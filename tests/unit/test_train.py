@@ -267,3 +267,16 @@ def test_resume_auto_without_a_snapshot_drops_the_crashed_runs_metrics(tmp_path)
             "--set", f"train.run_dir={json.dumps(str(run))}", "--set", "data.batch_size=16"]
     assert main(args) == 0
     assert [r["iter"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [2, 4]
+
+
+def test_metrics_file_deleted_mid_run_is_started_again(tmp_path):
+    from dptrain.metrics import MetricsWriter, read_metrics
+
+    w = MetricsWriter(tmp_path / "run" / "metrics.jsonl")
+    w.write({"iter": 1})
+    import shutil
+
+    shutil.rmtree(tmp_path / "run")
+    w.write({"iter": 2})
+    w.close()
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl") == [{"iter": 2}]
