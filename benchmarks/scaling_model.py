@@ -227,11 +227,12 @@ MACHINES: dict[str, Machine] = {
     "dgx-h100": Machine(
         "DGX H100 (8x H100 SXM, NVLink4 + 4th-gen NVSwitch, 8x ConnectX-7 NDR 400 Gb/s)", 8,
         nvlink=Link(370.0, 3.4, "NVLink4: 450 GB/s per direction; ~370 GB/s NCCL ring allreduce busbw for large "
-                                "messages (docs/REFERENCE.md; NVIDIA DGX H100 user guide); alpha: "
+                                "messages (NVIDIA's NCCL figures for DGX H100 as collected in shared/REFERENCE.md, the "
+                                "project's reference notes; NVIDIA DGX H100 user guide); alpha: "
                                 + _NCCL_TUNING.format("NVLINK")),
         network=Link(400.0, 14.0, "8x ConnectX-7 InfiniBand NDR 400 Gb/s = 8 x 50 GB/s per node, one NIC per GPU "
                                   "(NVIDIA DGX H100 user guide), line rate; alpha: " + _NCCL_TUNING.format("NET")),
-        nvls=Link(480.0, 23.0, "NVLS (NVLink SHARP) allreduce ~480 GB/s busbw (docs/REFERENCE.md); alpha: NCCL "
+        nvls=Link(480.0, 23.0, "NVLS (NVLink SHARP) allreduce ~480 GB/s busbw (shared/REFERENCE.md); alpha: NCCL "
                                "tuning.cc hwLat[NVLINK][NVLS][SIMPLE]"),
         launch_us=8.4),
     "dgx-a100": Machine(
@@ -384,10 +385,10 @@ def fit_alpha_beta(sizes_bytes: list[float], times_s: list[float], n: int, relat
 
 REFERENCE_RATES = {
     "dgx-h100": (7050.0, 3350.0, "compute at MLPerf Training v3.1 DGX H100 ResNet-50 speed, ~7.05k img/s per GPU "
-                                 "(docs/REFERENCE.md; heavily tuned, so a hard case for overlap); update at "
+                                 "(MLPerf Training v3.1 results, MXNet + DALI; heavily tuned, so a hard case for overlap); update at "
                                  "H100 SXM HBM3 3.35 TB/s"),
     "dgx-a100": (2470.0, 2039.0, "compute at NVIDIA's PyTorch ResNet-50 AMP speed, 2470 img/s on 1 A100 "
-                                 "(docs/REFERENCE.md); update at A100 80GB SXM HBM2e 2.04 TB/s"),
+                                 "(NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5 AMP); update at A100 80GB SXM HBM2e 2.04 TB/s"),
 }
 UPDATE_BYTES_PER_PARAM = 20
 """Master SGD traffic per parameter: fp32 master and momentum read+write (16 B), fp16 grad read and weight write (4 B)."""

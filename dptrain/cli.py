@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     d.add_argument("--lmdb", default="runs/digits_lmdb", metavar="DIR",
                    help="train from Caffe LMDBs of the digits in DIR/train and DIR/test, written by "
-                        "`make-lmdb --digits DIR` if missing (default: %(default)s)")
+                        "`make-lmdb --digits --encoded DIR` if missing (default: %(default)s)")
     d.add_argument("--builtin", action="store_true", help="train from the in-memory digits instead of the LMDB")
 
     try:
@@ -117,6 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _earlier_run(run_dir: Path) -> list[str]:
+    """Files of an earlier run in ``run_dir``: its metrics and snapshots."""
+    from dptrain.snapshot import list_snapshots
+
+    found = [p.name for _, p in list_snapshots(run_dir)]
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        found.insert(0, metrics.name)
+    return found
+
+
+def _refuse_earlier_run(run_dir: Path) -> None:
+    """A fresh run would append to the earlier run's metrics.jsonl and overwrite its snapshots."""
+    if found := _earlier_run(run_dir):
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        raise ValueError(f"train.run_dir {str(run_dir)!r} holds an earlier run ({', '.join(found[:3])}{more}); "
+                         f"continue it with --resume auto, or choose another train.run_dir")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from dptrain.comm import Communicator
     from dptrain.snapshot import resolve_resume
@@ -124,6 +143,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dptrain.train import Trainer, local_threads, pick_device
 
     cfg = load_config(args.config, args.set)
+    if not args.resume:
+        _refuse_earlier_run(Path(cfg.train.run_dir))
     stop_with_the_launcher()
     _, local_rank, _ = _rank_env()
     device = pick_device(cfg.train.device, local_rank)
@@ -190,7 +211,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc must be >= 1 (0: one per GPU, or 2 on CPU), got {args.nproc}")
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     run_dir = Path(cfg.train.run_dir)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    earlier = _earlier_run(run_dir)  # the demo starts over each time: its own earlier outputs go
+    for name in earlier:
+        (run_dir / name).unlink()
+    if earlier:
+        log.info("removed the previous demo run's %s from %s", ", ".join(earlier), run_dir)
     cmd = [sys.executable, "-m", "dptrain.torchrun", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "dptrain", "train", "--config", args.config, *[f"--set={s}" for s in sets]]
     env = dict(os.environ)
@@ -263,14 +288,18 @@ def main(argv: list[str] | None = None) -> int:
         where = f" (rank {rank})" if world > 1 else ""
         print(f"dptrain: error{where}: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except Exception as e:  # noqa: BLE001 - only the two peer-failure types; anything else re-raises
+    except Exception as e:  # noqa: BLE001 - only the types below; anything else re-raises
         from torch.distributed import DistError
 
         from dptrain.comm import PeerFailure
+        from dptrain.precision import LossScaleError
 
+        rank, _, world = _rank_env()
+        if isinstance(e, LossScaleError):  # the recipe's fault (lr, clipping, storage): the user's to fix
+            print(f"dptrain: error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
+            return EXIT_USER_ERROR
         if not isinstance(e, (PeerFailure, DistError)):
             raise
-        rank, _, _ = _rank_env()
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"dptrain: error (rank {rank}): another rank failed first, see its error: {text}", file=sys.stderr)
         return EXIT_PEER_FAILED

@@ -6,6 +6,7 @@ free, so the number is the pipeline's ceiling on this machine. It prints one JSO
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -27,6 +28,7 @@ def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: i
     ``cpu_ms_per_image`` is the process's CPU time (all threads) per image over the same
     windows: it shows the pipeline's cost even on a machine shared with other work.
     """
+    cfg = dataclasses.replace(cfg, test_path="")  # the training stream alone: the test DB need not exist here
     src = LmdbSource(cfg, num_classes=num_classes, seed=seed, render=render, rank=int(os.environ.get("RANK", "0")))
     stream = src.train_batches(ShardPlan(0, 1, cfg.batch_size, seed, cfg.shuffle == "epoch"), 0)
     rates, cpu_ms = [], []

@@ -52,6 +52,9 @@ __all__ = ["DataError", "LmdbReader", "LmdbSource", "default_threads", "lmdb_sou
 
 log = logging.getLogger(__name__)
 
+DAMAGED_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError, lmdb.InvalidError, lmdb.PanicError)
+"""py-lmdb's errors for pages that are not what they should be (the DB file is corrupt)."""
+
 MAX_READERS = 1024
 """Reader slots per Environment; each stream takes P + T read transactions."""
 MEAN_IMAGE_TOLERANCE = 1.0
@@ -116,6 +119,8 @@ class _Handle:
                 return self._cursor.key(), self._cursor.value()
             key = r.key(index)
             value = self._txn.get(key)
+        except DAMAGED_ERRORS as e:
+            raise DataError(f"LMDB is damaged ({e}); re-create it with dptrain make-lmdb or copy it again") from e
         except lmdb.Error as e:
             raise DataError(f"LMDB read failed ({e})") from e
         if value is None:

@@ -138,3 +138,38 @@ def test_run_dir_on_a_file_and_resume_into_another_model_are_one_line_errors(cfg
 def test_demo_refuses_a_negative_process_count(capsys):
     assert main(["demo", "--builtin", "--nproc", "-1"]) == 2
     assert "--nproc must be >= 1" in capsys.readouterr().err
+
+
+def test_loss_scale_floor_is_one_line_and_exit_2(cfg, capsys, tmp_path, monkeypatch):
+    from dptrain.precision import LossScaleError
+    from dptrain.train import Trainer
+
+    def floor(self):
+        raise LossScaleError("loss scale fell to precision.loss_scale.min_scale = 1.0: gradients overflow")
+
+    monkeypatch.setattr(Trainer, "fit", floor)
+    args = ["train", "--config", cfg(""), f"--set=train.run_dir=\"{tmp_path / 'run'}\""]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dptrain: error: loss scale fell to precision.loss_scale.min_scale = 1.0: gradients overflow"]
+
+
+def test_a_fresh_run_refuses_a_run_dir_holding_an_earlier_run(cfg, capsys, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "snapshot_iter_400.pt").write_bytes(b"x")
+    (run / "metrics.jsonl").write_text('{"iter": 400}\n')
+    assert main(["train", "--config", cfg(""), f"--set=train.run_dir=\"{run}\""]) == 2
+    err = capsys.readouterr().err
+    assert "holds an earlier run (metrics.jsonl, snapshot_iter_400.pt); continue it with --resume auto" in err
+    assert (run / "snapshot_iter_400.pt").read_bytes() == b"x"  # untouched
+
+
+def test_data_bench_does_not_need_the_test_lmdb(cfg, capsys, tmp_path):
+    from dptrain.data.make_lmdb import make_digits_lmdb
+
+    make_digits_lmdb(tmp_path / "lmdb", encoded=True)
+    text = (f'[model]\nname = "lenet"\n[data]\nsource = "lmdb"\npath = "{tmp_path / "lmdb" / "train"}"\n'
+            f'test_path = "{tmp_path / "missing"}"\nbatch_size = 16\n')
+    assert main(["data-bench", "--config", cfg(text), "--batches", "2", "--warmup", "0", "--repeats", "1"]) == 0
+    assert '"images_per_s"' in capsys.readouterr().out

@@ -288,6 +288,26 @@ def test_damaged_truncated_and_non_file_paths_fail_with_one_line_not_a_crash(tmp
         lmdb_source(make_cfg(str(tmp_path / "fifo")), num_classes=NUM_CLASSES, seed=1)
 
 
+def test_a_page_damaged_past_the_open_checks_is_named_damaged_when_read(tmp_path):
+    """Open reads the first and last keys and probes a few records; a corrupt page elsewhere
+    is met by a parser, and must say "damaged" with the advice, not a bare MDB error code."""
+    import lmdb
+
+    from dptrain.data.lmdb_source import _Handle
+
+    src = lmdb_source(make_cfg(write_db(tmp_path / "db", [raw_value(i) for i in range(8)])),
+                      num_classes=NUM_CLASSES, seed=1)
+    handle = _Handle(src._train)
+
+    class CorruptCursor:  # what py-lmdb raises when a page is not what its parent says
+        def set_range(self, key):
+            raise lmdb.CorruptedError("mdb_cursor_get: MDB_CORRUPTED: Located page was wrong type")
+
+    handle._cursor = CorruptCursor()
+    with pytest.raises(DataError, match=r"LMDB is damaged \(mdb_cursor_get: MDB_CORRUPTED.*\); re-create it"):
+        handle.get(3)
+
+
 def test_empty_db(tmp_path):
     path = write_db(tmp_path / "empty", [])
     with pytest.raises(DataError, match="empty.*no records"):
