@@ -3,6 +3,8 @@ dtypes, iter_size, launch order and overlap, plan agreement, replan, failure pro
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -311,8 +313,7 @@ def _fails_rank(rank: int, world: int, out: str, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["dies", "hangs"])
 def test_peer_failure_fails_this_rank_fast_with_its_rank_named(tmp_path, mode):
     start = time.monotonic()
-    procs, tmp = start_ranks(2, _fails_rank, str(tmp_path), mode, timeout_s=6)
-    try:
+    with _started_ranks(2, _fails_rank, str(tmp_path), mode, timeout_s=6) as procs:
         procs[0].join(timeout=45)
         elapsed = time.monotonic() - start
         assert procs[0].exitcode not in (None, 0), f"rank 0 exit code {procs[0].exitcode}"
@@ -323,6 +324,14 @@ def test_peer_failure_fails_this_rank_fast_with_its_rank_named(tmp_path, mode):
         if mode == "dies":
             procs[1].join(timeout=10)
             assert procs[1].exitcode not in (None, 0)
+
+
+@contextmanager
+def _started_ranks(world: int, fn, *args, timeout_s: float) -> Iterator[list]:
+    """start_ranks, and on the way out kill whatever still runs and remove the rendezvous folder."""
+    procs, tmp = start_ranks(world, fn, *args, timeout_s=timeout_s)
+    try:
+        yield procs
     finally:
         for p in procs:
             if p.is_alive():
@@ -352,17 +361,10 @@ def _blocking_fails_rank(rank: int, world: int, out: str, collective: str) -> No
 def test_blocking_collective_with_a_dead_peer_is_a_peer_failure(tmp_path, collective):
     """The test phase, snapshots and startup use blocking collectives: a dead peer there must
     be the same one-line PeerFailure as in the reducer, not gloo's traceback."""
-    procs, tmp = start_ranks(2, _blocking_fails_rank, str(tmp_path), collective, timeout_s=6)
-    try:
+    with _started_ranks(2, _blocking_fails_rank, str(tmp_path), collective, timeout_s=6) as procs:
         for p in procs:
             p.join(timeout=45)
         assert all(p.exitcode not in (None, 0) for p in procs), [p.exitcode for p in procs]
         msg = (tmp_path / "rank0.txt").read_text()
         assert msg.startswith("rank 0: ") and "failed or timed out" in msg and "a peer rank probably died" in msg, msg
         assert "\n" not in msg
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
-        tmp.cleanup()
