@@ -117,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_writable(run_dir: Path) -> None:
+    """train.run_dir must be creatable and writable, checked before anything is built."""
+    for p in (run_dir, *run_dir.parents):
+        if p.exists():
+            if p.is_dir() and not os.access(p, os.W_OK | os.X_OK):
+                raise ConfigError(f"train.run_dir {str(run_dir)!r}: {str(p)!r} is not writable (a read-only "
+                                  f"filesystem or folder); choose another run_dir")
+            return
+
+
 def _earlier_run(run_dir: Path) -> list[str]:
     """Files of an earlier run in ``run_dir``: its metrics and snapshots."""
     from dptrain.snapshot import list_snapshots
@@ -143,6 +153,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dptrain.train import Trainer, local_threads, pick_device
 
     cfg = load_config(args.config, args.set)
+    if _rank_env()[0] == 0:  # rank 0 writes config.toml, metrics.jsonl and the snapshots
+        check_writable(Path(cfg.train.run_dir))
     if not args.resume:
         _refuse_earlier_run(Path(cfg.train.run_dir))
     stop_with_the_launcher()
@@ -159,12 +171,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.resume:
             path = resolve_resume(args.resume, cfg.train.run_dir)
             if path is not None:
-                trainer.resume(path)
+                trainer.resume(path)  # checks first that every rank starts at the snapshot's iteration
             else:
+                trainer.check_same_start(0)
                 dropped = trainer.metrics.drop_after(0)  # the crashed run's lines: this run writes them again
                 log.info("--resume auto: no snapshot in %s; starting fresh%s", cfg.train.run_dir,
                          f" (dropped {dropped} metrics.jsonl line(s) of the earlier run)" if dropped else "")
-            trainer.check_same_start()
         result = trainer.fit()
     finally:
         trainer.close()
@@ -190,13 +202,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_RUN_DIR = "runs/demo"
+DEMO_MARK = ".dptrain-demo"
+"""Marks a run_dir the demo wrote: only there does it delete an earlier run's outputs."""
+
+
+def _start_demo_run(run_dir: Path) -> None:
+    """The demo starts over each time: it removes the outputs of its own earlier run, and
+    refuses a folder holding a run it did not write."""
+    earlier = _earlier_run(run_dir)
+    if earlier and not (run_dir / DEMO_MARK).exists():
+        _refuse_earlier_run(run_dir)
+    for name in earlier:
+        (run_dir / name).unlink()
+    if earlier:
+        log.info("removed the previous demo run's %s from %s", ", ".join(earlier), run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / DEMO_MARK).touch()
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the digits recipe under torchrun with ``nproc`` solvers; print wall time and top-1."""
     import torch
 
     from dptrain.metrics import read_metrics
 
-    sets = list(args.set)
+    sets = [f'train.run_dir="{DEMO_RUN_DIR}"', *args.set]  # its own folder (a --set may move it)
     if not args.builtin:
         lmdb_dir = Path(args.lmdb)
         if not (lmdb_dir / "train").exists():
@@ -211,11 +242,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc must be >= 1 (0: one per GPU, or 2 on CPU), got {args.nproc}")
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     run_dir = Path(cfg.train.run_dir)
-    earlier = _earlier_run(run_dir)  # the demo starts over each time: its own earlier outputs go
-    for name in earlier:
-        (run_dir / name).unlink()
-    if earlier:
-        log.info("removed the previous demo run's %s from %s", ", ".join(earlier), run_dir)
+    _start_demo_run(run_dir)
     cmd = [sys.executable, "-m", "dptrain.torchrun", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "dptrain", "train", "--config", args.config, *[f"--set={s}" for s in sets]]
     env = dict(os.environ)

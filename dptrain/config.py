@@ -230,11 +230,6 @@ class LossScaleConfig:
             raise ConfigError(
                 f"precision.loss_scale.min_scale ({self.min_scale}) exceeds max_scale ({self.max_scale})"
             )
-        if self.mode in ("auto", "dynamic") and not self.min_scale <= self.init_scale <= self.max_scale:
-            raise ConfigError(  # the first growth would lower it to max_scale, the first backoff raise it to min_scale
-                f"precision.loss_scale.init_scale ({self.init_scale:g}) is outside [min_scale, max_scale] = "
-                f"[{self.min_scale:g}, {self.max_scale:g}]; set it inside, or widen the range"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,6 +244,14 @@ class PrecisionConfig:
     """Module type names or qualified-name globs kept in fp32 (inputs cast in, outputs cast back)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """[precision.loss_scale] table."""
+
+    def __post_init__(self) -> None:
+        ls = self.loss_scale
+        if self.resolved_loss_scale_mode() == "dynamic" and not ls.min_scale <= ls.init_scale <= ls.max_scale:
+            raise ConfigError(  # the first growth would lower it to max_scale, the first backoff raise it to min_scale
+                f"precision.loss_scale.init_scale ({ls.init_scale:g}) is outside [min_scale, max_scale] = "
+                f"[{ls.min_scale:g}, {ls.max_scale:g}]; set it inside, or widen the range"
+            )
 
     def resolved_loss_scale_mode(self) -> str:
         """The loss-scale mode after "auto" is resolved against the storage dtype."""

@@ -187,8 +187,9 @@ class LossScaler:
         A static scale always comes from the config. Skipped steps are counted on."""
         self._skipped.copy_(state["skipped"])
         saved = state.get("mode")
-        if saved is None:  # a snapshot from before this field: assume the mode is unchanged unless the scale says not
-            saved = self.mode if self.enabled or float(state["scale"].item()) == 1.0 else "on"
+        if saved is None:  # a snapshot from before this field: a scale of 1 means no scaling (a dynamic
+            # scale at 1 is at its floor, which stops the run); any other, scaling in this run's mode
+            saved = "none" if float(state["scale"].item()) == 1.0 else (self.mode if self.enabled else "on")
         if saved != self.mode:
             log.warning("the snapshot's loss scaling is %s, this run's is %s: the scale restarts at %g",
                         saved, self.mode, float(self.scale.item()))

@@ -119,9 +119,6 @@ def _check_run_dir(run_dir: Path) -> None:
         if p.exists():
             if not p.is_dir():
                 raise ConfigError(f"train.run_dir {str(run_dir)!r}: {str(p)!r} is a file; choose another run_dir")
-            if not os.access(p, os.W_OK | os.X_OK):
-                raise ConfigError(f"train.run_dir {str(run_dir)!r}: {str(p)!r} is not writable (a read-only "
-                                  f"filesystem or folder); choose another run_dir")
             return
 
 
@@ -161,8 +158,8 @@ class _StopFlag:
         self.signum = 0
 
     def __call__(self, signum: int, frame: object) -> None:
-        if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if self.signum == signal.SIGINT and signum in (signal.SIGINT, signal.SIGTERM):
+            raise KeyboardInterrupt  # a second Ctrl-C; torchrun turns its own second one into a SIGTERM
         if signum == signal.SIGINT:
             log.warning("Ctrl-C: snapshot at the next agreed iteration and stop; press it again to stop at once")
         self.requested = True
@@ -384,10 +381,11 @@ class Trainer:
         log.info("snapshot %s", path)
         return path
 
-    def check_same_start(self) -> None:
-        """Every rank must start at the same iteration (collective): a node that found no
-        snapshot (node-local run dirs) would otherwise train from scratch beside resumed ones."""
-        starts = self.comm.allgather_object(self.iteration)
+    def check_same_start(self, iteration: int) -> None:
+        """Every rank must start at the same iteration (collective; before any other collective
+        of a resume): a node that found no snapshot (node-local run dirs) would otherwise train
+        from scratch beside resumed ones."""
+        starts = self.comm.allgather_object(iteration)
         if len(set(starts)) > 1:
             listed = ", ".join(f"rank {r}: {it}" for r, it in enumerate(starts))
             raise ValueError(f"the ranks resumed at different iterations ({listed}); every rank must read the "
@@ -395,6 +393,7 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         state = load_snapshot(path)
+        self.check_same_start(int(state["iteration"]))
         self.load_state_dict(state)
         dropped = self.metrics.drop_after(self.iteration)  # lines a crashed run wrote past its last snapshot
         log.info("resumed from %s at iteration %d%s", path, self.iteration,

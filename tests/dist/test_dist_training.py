@@ -112,11 +112,16 @@ def test_three_rank_resume_with_replan_and_batchnorm_is_bit_exact(tmp_path):
 
 
 def _start_rank(rank, world, out):
-    t = _trainer([], out, world)
-    if rank == 0:
-        t.iteration = 100  # as if only rank 0's node-local run dir held snapshot_iter_100.pt
-    try:
-        t.check_same_start()
+    first = _trainer(["reducer.replan=true"], f"{out}/first", world)  # replan: resume runs collectives
+    first.train_step()
+    first.train_step()
+    first.save()
+    t = _trainer(["reducer.replan=true"], out, world)
+    try:  # as if only rank 0's node-local run dir held the snapshot
+        if rank == 0:
+            t.resume(Path(out) / "first" / "snapshot_iter_2.pt")
+        else:
+            t.check_same_start(0)
     except ValueError as e:
         Path(out, f"rank{rank}.txt").write_text(str(e))
 
@@ -125,4 +130,4 @@ def test_ranks_resuming_at_different_iterations_all_stop(tmp_path):
     run_ranks(2, _start_rank, str(tmp_path))
     for r in range(2):
         msg = (tmp_path / f"rank{r}.txt").read_text()
-        assert "the ranks resumed at different iterations (rank 0: 100, rank 1: 0)" in msg, msg
+        assert "the ranks resumed at different iterations (rank 0: 2, rank 1: 0)" in msg, msg

@@ -173,3 +173,20 @@ def test_data_bench_does_not_need_the_test_lmdb(cfg, capsys, tmp_path):
             f'test_path = "{tmp_path / "missing"}"\nbatch_size = 16\n')
     assert main(["data-bench", "--config", cfg(text), "--batches", "2", "--warmup", "0", "--repeats", "1"]) == 0
     assert '"images_per_s"' in capsys.readouterr().out
+
+
+def test_demo_starts_its_own_run_over_but_never_deletes_another_run(tmp_path, capsys, monkeypatch):
+    from dptrain.cli import DEMO_MARK, _start_demo_run
+
+    mine = tmp_path / "demo"
+    _start_demo_run(mine)
+    (mine / "snapshot_iter_400.pt").write_bytes(b"x")
+    (mine / "metrics.jsonl").write_text('{"iter": 400}\n')
+    _start_demo_run(mine)  # a rerun: its own earlier outputs go
+    assert sorted(p.name for p in mine.iterdir()) == [DEMO_MARK]
+    theirs = tmp_path / "digits"
+    theirs.mkdir()
+    (theirs / "snapshot_iter_20.pt").write_bytes(b"y")
+    with pytest.raises(ValueError, match=r"holds an earlier run \(snapshot_iter_20\.pt\)"):
+        _start_demo_run(theirs)
+    assert (theirs / "snapshot_iter_20.pt").read_bytes() == b"y"

@@ -102,7 +102,9 @@ def test_loss_scale_auto_resolves_by_storage():
 
 def test_dynamic_init_scale_must_lie_between_min_and_max():
     with pytest.raises(ConfigError, match=r"precision\.loss_scale\.init_scale \(1\.07374e\+09\) is outside"):
-        load_config(None, ["precision.loss_scale.init_scale=1073741824"])
+        load_config(None, ["precision.storage=fp16", "precision.loss_scale.init_scale=1073741824"])
+    bf16 = load_config(None, ["precision.storage=bf16", "precision.loss_scale.max_scale=1024"])
+    assert bf16.precision.resolved_loss_scale_mode() == "none"  # no scaling: the range does not apply
     with pytest.raises(ConfigError, match=r"init_scale \(0\.5\) is outside \[min_scale, max_scale\] = \[1, "):
         load_config(None, ["precision.loss_scale.mode=dynamic", "precision.loss_scale.init_scale=0.5"])
     static = load_config(None, ["precision.loss_scale.mode=static", "precision.loss_scale.init_scale=0.5"])

@@ -155,6 +155,10 @@ def test_resume_of_a_snapshot_without_the_mode_field():
     off = _scaler("none")
     off.load_state_dict(old)
     assert _scale(off) == 1.0
+    fp32 = {k: v for k, v in _scaler("none").state_dict().items() if k != "mode"}  # an old fp32 snapshot
+    fp16 = _scaler(init_scale=1024.0)
+    fp16.load_state_dict(fp32)
+    assert _scale(fp16) == 1024.0  # scale 1 meant no scaling: start from the config's scale
 
 
 # ----------------------------------------------------------------------------- precision policy
