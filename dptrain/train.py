@@ -434,7 +434,7 @@ class Trainer:
         return bool(t.item() > 0)
 
     def fit(self) -> dict[str, Any]:
-        """Train to solver.max_iter (or until SIGTERM/SIGUSR1); return the last metrics."""
+        """Train to solver.max_iter (or until SIGTERM/SIGUSR1/Ctrl-C); return the last metrics."""
         s = self.cfg.solver
         if self.rank == 0:
             try:
