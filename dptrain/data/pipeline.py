@@ -10,7 +10,7 @@ Slot reuse: the consumer hands each batch back with ``HostBatch.release(event)``
 CUDA event (the batch's host-to-device copy), the first transformer that writes the slot
 again calls ``event.synchronize()`` before touching it. With ``None`` (CPU) the consumer
 may still read the host tensor until it asks for its next batch, so the slot is freed
-when the *next* batch is released. A consumer that keeps all R slots without releasing
+then, whatever order the batches were released in. A consumer that keeps all R slots without releasing
 gets a RuntimeError instead of a hang.
 
 Errors: the first exception of any thread is stored, every thread is stopped and joined,
@@ -201,7 +201,8 @@ class PipelineStream:
         self._error: BaseException | None = None
         self._next_batch = 0
         self._bad_total = 0
-        self._pending: int | None = None
+        self._deferred: list[int] = []
+        """Batches released with no event (a host reader): freed when the next batch is asked for."""
         self._released: set[int] = set()
         self._closed = False
         workers: list[tuple[str, Callable[[int, StreamParts, threading.Event], None], int]] = [
@@ -230,6 +231,10 @@ class PipelineStream:
     def __next__(self) -> HostBatch:
         if self._closed:
             raise StopIteration
+        for done in self._deferred:
+            self._released.discard(done)  # from here on ring.free's owner check catches a second release
+            self._ring.free(done, None)
+        self._deferred = []
         b = self._next_batch
         rows = self._parts.batch_rows(b)
         if rows <= 0:
@@ -267,10 +272,9 @@ class PipelineStream:
         if b in self._released:
             raise RuntimeError(f"batch {b} released twice; call HostBatch.release once per batch")
         self._released.add(b)
-        if event is None:  # host reader: it may read batch b until it releases the next one
-            b, self._pending = self._pending, b
-            if b is None:
-                return
+        if event is None:  # host reader: it may read batch b until it asks for its next batch
+            self._deferred.append(b)
+            return
         self._released.discard(b)  # from here on ring.free's owner check catches a second release
         self._ring.free(b, event)
 

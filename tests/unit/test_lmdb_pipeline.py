@@ -417,6 +417,25 @@ def test_bad_test_records_are_dropped_not_substituted(tmp_path, caplog):
     assert input_threads() == []
 
 
+def test_host_batches_stay_intact_until_the_next_one_is_asked_for_in_any_release_order(tmp_path):
+    import time
+
+    path = write_db(tmp_path / "db", [raw_value(i) for i in range(40)])
+    src = lmdb_source(make_cfg(path, batch_size=1, prefetch=1, transformer_threads=2, shuffle="none"),
+                      num_classes=NUM_CLASSES, seed=1)
+    stream = src.train_batches(ShardPlan(0, 1, 1, seed=1, shuffle=False), 0)  # 3 ring slots
+    try:
+        held = [next(stream) for _ in range(3)]
+        for hb in reversed(held):  # out of order, with no event: a host reader
+            hb.release(None)
+        time.sleep(0.3)  # transformers would refill a freed slot by now
+        assert [ids(hb.images.numpy()) for hb in held] == [[0], [1], [2]]
+        assert [hb.labels.tolist() for hb in held] == [[0], [1], [2]]
+        assert ids(next(stream).images.numpy()) == [3]  # asking for the next one frees them
+    finally:
+        stream.close()
+
+
 def test_close_mid_stream_and_release_misuse_leave_no_thread(db29):
     src = lmdb_source(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=3),
                       num_classes=NUM_CLASSES, seed=1)
