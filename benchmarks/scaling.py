@@ -321,6 +321,11 @@ def _default_world_sizes() -> list[int]:
     return sizes + ([gpus] if sizes[-1] != gpus else [])
 
 
+def output_file(stem: Path, ext: str) -> Path:
+    """``stem`` + ``ext``; not ``with_suffix``, which would cut a dotted ``--tag`` (and the date after it)."""
+    return stem.with_name(stem.name + ext)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     args = _parse_args(argv)
@@ -364,12 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"scaling_{args.tag or hardware_tag(rows[0].device)}_{datetime.date.today():%Y%m%d}"
-    write_csv(rows, stem.with_suffix(".csv"))
-    stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_csv(rows, output_file(stem, ".csv"))
+    output_file(stem, ".jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     md = markdown_table(rows, {**machine_description(records), "config": args.config,
                                "command": "python benchmarks/scaling.py " + " ".join(argv or sys.argv[1:])})
-    stem.with_suffix(".md").write_text(md)
-    plot(rows, stem.with_suffix(".png"))
+    output_file(stem, ".md").write_text(md)
+    plot(rows, output_file(stem, ".png"))
     print(md)
     print(f"wrote {stem}.{{csv,md,png,jsonl}}")
     return 0

@@ -8,6 +8,7 @@ returned) and update. Throughput figures come from the undisturbed steps only.
 """
 from __future__ import annotations
 
+import math
 import platform
 import resource
 import statistics
@@ -73,8 +74,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile: the smallest value with at least a fraction ``q`` of the values at or below it."""
     s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, trace: str | None) -> dict[str, Any] | None:

@@ -77,3 +77,13 @@ def test_no_phase_steps_means_no_phase_times_rather_than_zeros(tmp_path, capsys)
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert all(rec[k] is None for k in ("data_wait_ms", "forward_ms", "backward_ms", "exposed_comm_ms", "update_ms"))
     assert rec["images_per_s"] > 0
+
+
+def test_p90_is_the_nearest_rank_percentile():
+    import numpy as np
+
+    from dptrain.bench import _percentile
+
+    for n in range(1, 40):  # round() half-to-even gave 5 of 1..6 (and 23 of 1..26)
+        xs = [float(i) for i in range(1, n + 1)]
+        assert _percentile(xs, 0.9) == np.percentile(xs, 90, method="inverted_cdf"), n

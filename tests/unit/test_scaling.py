@@ -132,3 +132,8 @@ def test_csv_round_trip_and_missing_column(tmp_path):
     (tmp_path / "bad.csv").write_text("mode,world_size\nweak,1\n")
     with pytest.raises(ValueError, match="missing CSV column"):
         scaling.read_csv(tmp_path / "bad.csv")
+
+
+def test_output_names_keep_a_dotted_tag_and_the_date(tmp_path):
+    stem = tmp_path / "scaling_v1.5_20261123"
+    assert scaling.output_file(stem, ".csv").name == "scaling_v1.5_20261123.csv"
