@@ -13,8 +13,10 @@ may still read the host tensor until it asks for its next batch, so the slot is 
 then, whatever order the batches were released in. A consumer that keeps all R slots without releasing
 gets a RuntimeError instead of a hang.
 
-Errors: the first exception of any thread is stored, every thread is stopped and joined,
-and ``__next__`` re-raises it; a DataError carries the rank, LMDB path and key.
+Errors: a bad record over ``data.max_bad_records`` is raised when the consumer reaches its
+batch, every earlier batch having been delivered (see ``BadRecordBudget``). Any other
+exception of a thread is stored, every thread is stopped and joined, and ``__next__``
+re-raises it. A DataError carries the rank, LMDB path and key.
 """
 from __future__ import annotations
 
@@ -82,7 +84,15 @@ class TestSequence:
 
 
 class BadRecordBudget:
-    """Distinct bad records met by one stream; raises once ``data.max_bad_records`` is exceeded.
+    """Distinct bad records met by one stream, judged in stream order as a sequential reader would.
+
+    Threads meet bad records out of order, so :meth:`spend` never raises: it notes where
+    each distinct record was first met, as (position, attempt), and the transformer
+    substitutes (or, in a test stream, drops) the record either way. Once more than
+    ``data.max_bad_records`` distinct records are known, the (limit + 1)-th of them in
+    stream order is the failure; :meth:`failure_before` hands it to the consumer when it
+    reaches that batch, whose earlier positions have all been read by then. So the run
+    stops at the same batch, naming the same key, for any P, T and thread timing.
 
     A bad record met again in a later epoch is not counted (or logged) again, so a DB with
     k bad records trains with ``max_bad_records >= k`` for any number of epochs. Each
@@ -92,23 +102,34 @@ class BadRecordBudget:
     def __init__(self, limit: int, rank: int, *, substitutes: bool = True) -> None:
         self.limit, self.rank = limit, rank
         self._fate = "replaced by the next record of the shard" if substitutes else "dropped from the test"
-        self._seen: set[int] = set()
+        self._first: dict[int, tuple[tuple[int, int], DataError]] = {}
+        """record index -> ((position, attempt) where first met, its error)."""
+        self._failure: tuple[int, DataError] | None = None
         self._lock = threading.Lock()
 
-    def spend(self, index: int, error: DataError) -> None:
-        """Record index ``index`` is bad: log it the first time, raise ``error`` when over the limit."""
+    def spend(self, index: int, error: DataError, pos: int, attempt: int = 0) -> None:
+        """Record ``index`` is bad, met while filling position ``pos`` (``attempt``-th candidate)."""
+        at = (pos, attempt)
         with self._lock:
-            if index in self._seen:
-                return
-            self._seen.add(index)
-            count = len(self._seen)
-        if self.limit == 0:
-            raise error
-        if count > self.limit:
-            raise DataError(f"{error.reason}; {count} bad records exceed data.max_bad_records = {self.limit}",
-                            path=error.path, key=error.key, rank=error.rank) from error
-        log.warning("rank %d: skipping bad record %d of %d allowed, %s: %s", self.rank, count, self.limit,
-                    self._fate, error)
+            first = index not in self._first
+            if first or at < self._first[index][0]:
+                self._first[index] = (at, error)
+            count = len(self._first)
+            if count > self.limit:
+                (fail_pos, _), fail_error = sorted(self._first.values(), key=lambda v: v[0])[self.limit]
+                if self.limit:
+                    fail_error = DataError(f"{fail_error.reason}; {self.limit + 1} bad records exceed "
+                                           f"data.max_bad_records = {self.limit}", path=fail_error.path,
+                                           key=fail_error.key, rank=fail_error.rank)
+                self._failure = (fail_pos, fail_error)
+        if first and self.limit:
+            log.warning("rank %d: skipping bad record (%d met, %d allowed), %s: %s", self.rank, count, self.limit,
+                        self._fate, error)
+
+    def failure_before(self, end: int) -> DataError | None:
+        """The error that stops the stream at a position below ``end``, if any."""
+        with self._lock:
+            return self._failure[1] if self._failure is not None and self._failure[0] < end else None
 
 
 class BatchRing:
@@ -242,6 +263,10 @@ class PipelineStream:
             raise StopIteration
         try:
             self._wait_ready(b, rows)
+            # every position of this batch has been read now, so the budget's verdict on them is final
+            error = self._parts.budget.failure_before(b * self._parts.batch_size + rows)
+            if error is not None:
+                raise error
         except BaseException:
             self.close()
             raise

@@ -450,7 +450,8 @@ def _fill_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, par
 
     Bad-record policy: a record that fails (unparsable, undecodable, label out of range,
     too small, bomb) counts against ``data.max_bad_records`` (distinct records, see
-    ``BadRecordBudget``) and is replaced by the record
+    ``BadRecordBudget``, which stops the stream at the batch of the first record over the
+    limit, in stream order) and is replaced by the record
     at the next position of this solver's epoch shard (wrapping), then the one after, until
     one works. The choice depends only on the position, so it is the same for every P, T
     and thread timing; the substitute gets its own crop/flip (``attempt`` is in its RNG
@@ -473,7 +474,7 @@ def _fill_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, par
                     return _drop_row(rec, dst, window, parts)
         assert rec.error is not None, "a record without a datum must carry its error"
         bad += 1
-        parts.budget.spend(rec.index, rec.error)
+        parts.budget.spend(rec.index, rec.error, rec.pos, attempt)
     raise DataError(f"all {parts.sequence.span} records of this solver's shard are bad",
                     path=parts.reader.path, rank=parts.rank)
 
@@ -481,7 +482,7 @@ def _fill_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, par
 def _drop_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, parts: StreamParts) -> tuple[int, int]:
     """A bad test record under data.max_bad_records: an empty row that no score counts."""
     assert rec.error is not None, "a record without a datum must carry its error"
-    parts.budget.spend(rec.index, rec.error)
+    parts.budget.spend(rec.index, rec.error, rec.pos)
     dst[...] = 0
     if window is not None:
         window[:] = 0

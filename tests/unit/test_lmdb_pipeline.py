@@ -388,7 +388,7 @@ def test_skip_budget_substitutes_the_next_record_deterministically(tmp_path, cap
         assert [ids(x) for x, _, _ in out] == [[0, 1, 3, 3], [4, 6, 6, 7], [8, 9, 10, 11]]
         assert [info["bad_records"] for _, _, info in out] == [1, 2, 2]
         assert out[0][1].tolist() == [0, 1, 3, 3]
-    assert any("skipping bad record 1 of 2 allowed" in r.getMessage() and "00000002_r2" in r.getMessage()
+    assert any("skipping bad record (1 met, 2 allowed)" in r.getMessage() and "00000002_r2" in r.getMessage()
                for r in caplog.records)
     src = lmdb_source(make_cfg(path, shuffle="none", max_bad_records=1), num_classes=NUM_CLASSES, seed=1)
     with pytest.raises(DataError, match="00000005_r5.*2 bad records exceed data.max_bad_records = 1"):
@@ -434,6 +434,26 @@ def test_host_batches_stay_intact_until_the_next_one_is_asked_for_in_any_release
         assert ids(next(stream).images.numpy()) == [3]  # asking for the next one frees them
     finally:
         stream.close()
+
+
+def test_over_budget_error_arrives_at_its_batch_naming_the_same_key_for_any_threads(tmp_path):
+    """Threads meet bad records out of order; the stream still stops where a sequential reader
+    would: every earlier batch is delivered, and the error names the (limit + 1)-th bad record."""
+    values = [raw_value(i) for i in range(60)]
+    values[29], values[30], values[50] = b"\xff", b"\xff", b"\xff"  # batches 7, 7 and 12 of 4
+    path = write_db(tmp_path / "db", values)
+    for limit, batches, key in ((0, 7, "00000029_r29"), (1, 7, "00000030_r30"), (2, 12, "00000050_r50")):
+        for p, t, prefetch in ((1, 1, 1), (2, 2, 1), (1, 3, 4), (3, 2, 4)):
+            src = lmdb_source(make_cfg(path, shuffle="none", max_bad_records=limit, parser_threads=p,
+                                       transformer_threads=t, prefetch=prefetch), num_classes=NUM_CLASSES, seed=1)
+            stream = src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0)
+            delivered = 0
+            with pytest.raises(DataError) as err:
+                for hb in stream:
+                    hb.release(None)
+                    delivered += 1
+            assert delivered == batches and key in str(err.value), (limit, p, t, prefetch, delivered, err.value)
+    assert input_threads() == []
 
 
 def test_close_mid_stream_and_release_misuse_leave_no_thread(db29):
