@@ -269,7 +269,7 @@ def plot(rows: list[Row], path: Path, title: str = "") -> Path:
 def hardware_tag(device: str) -> str:
     """A filename-safe tag: the GPU name, or cpu<cores>."""
     if device.startswith("cpu"):
-        return f"cpu{os.cpu_count()}"
+        return f"cpu{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}"
     return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")[:40] or "unknown"
 
 
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         for r, recs in zip(runs, per_run):
             recs.append(run_one(r, args.timeout_s))
             log.info("-> %.1f images/s (repeat %d/%d)", recs[-1]["images_per_s"], k + 1, args.repeats)
-    records = [rec for recs in per_run for rec in recs]
+    records = [{"mode": r.mode, **rec} for r, recs in zip(runs, per_run) for rec in recs]  # weak and strong can share a config
     rows = add_efficiency([summarize(r.mode, recs) for r, recs in zip(runs, per_run)])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
