@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from dptrain.config import ConfigError, load_config
+from dptrain.config import ConfigError, first_line, load_config
 
 log = logging.getLogger("dptrain")
 
@@ -327,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USER_ERROR
         if not isinstance(e, (PeerFailure, DistError)):
             raise
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"dptrain: error (rank {rank}): another rank failed first, see its error: {text}", file=sys.stderr)
+        print(f"dptrain: error (rank {rank}): another rank failed first, see its error: {first_line(e)}",
+              file=sys.stderr)
         return EXIT_PEER_FAILED
     except KeyboardInterrupt:
         return 130

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.config import first_line
 from dptrain.trace import now_us
 
 log = logging.getLogger(__name__)
@@ -215,9 +216,8 @@ class Communicator:
         except PeerFailure:
             raise
         except RuntimeError as e:  # DistError is one too
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise PeerFailure(f"rank {self.rank}: {what} failed or timed out (timeout {self.timeout_s:g} s): "
-                              f"{first}; a peer rank probably died or hung, see its log") from e
+                              f"{first_line(e)}; a peer rank probably died or hung, see its log") from e
 
     def broadcast_module(self, module: nn.Module) -> None:
         """Copy rank 0's parameters and buffers into every rank's module, in place.

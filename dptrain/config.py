@@ -25,6 +25,12 @@ class ConfigError(ValueError):
     """A user-facing configuration problem; the message names the key and the fix."""
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's text cut to its first line (torch's run to many), or its type's name if it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dptrain.config import first_line
+
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^snapshot_iter_(\d+)\.pt$")
@@ -35,7 +37,7 @@ def save_snapshot(state: dict[str, Any], path: Path) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError from its zip writer
-        raise ValueError(f"cannot write snapshot {str(path)!r} ({_first_line(e)}; {_free(path.parent)}); free space "
+        raise ValueError(f"cannot write snapshot {str(path)!r} ({type(e).__name__}: {first_line(e)}; {_free(path.parent)}); free space "
                          f"or choose another train.run_dir, then --resume auto") from e
     finally:
         tmp.unlink(missing_ok=True)
@@ -45,11 +47,6 @@ def save_snapshot(state: dict[str, Any], path: Path) -> Path:
     finally:
         os.close(dir_fd)
     return path
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def _free(folder: Path) -> str:
@@ -99,7 +96,7 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a torn or foreign file
-        raise ValueError(f"snapshot {str(p)!r} cannot be read ({_first_line(e)}); it is torn or not a "
+        raise ValueError(f"snapshot {str(p)!r} cannot be read ({type(e).__name__}: {first_line(e)}); it is torn or not a "
                          f"dptrain snapshot, use an older one") from e
     for key in ("iteration", "model", "solver", "rng", "config"):
         if key not in state:
