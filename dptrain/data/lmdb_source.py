@@ -55,6 +55,12 @@ log = logging.getLogger(__name__)
 DAMAGED_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError, lmdb.InvalidError, lmdb.PanicError)
 """py-lmdb's errors for pages that are not what they should be (the DB file is corrupt)."""
 
+def damaged(e: lmdb.Error, *, path: str = "", rank: int = 0) -> DataError:
+    """The error for a DB whose pages are not what they should be, at open or at a read."""
+    return DataError(f"LMDB is damaged ({e}); re-create it with dptrain make-lmdb or copy it again",
+                     path=path, rank=rank)
+
+
 MAX_READERS = 1024
 """Reader slots per Environment; each stream takes P + T read transactions."""
 MEAN_IMAGE_TOLERANCE = 1.0
@@ -120,7 +126,7 @@ class _Handle:
             key = r.key(index)
             value = self._txn.get(key)
         except DAMAGED_ERRORS as e:
-            raise DataError(f"LMDB is damaged ({e}); re-create it with dptrain make-lmdb or copy it again") from e
+            raise damaged(e) from e
         except lmdb.Error as e:
             raise DataError(f"LMDB read failed ({e})") from e
         if value is None:
@@ -150,8 +156,7 @@ class LmdbReader:
                 if not (self._prefix_number(first) == 0 and self._prefix_number(last) == self.num_records - 1):
                     self._build_key_table(cur)
         except lmdb.Error as e:
-            raise DataError(f"LMDB is damaged ({e}); re-create it with dptrain make-lmdb or copy it again",
-                            path=path, rank=rank) from e
+            raise damaged(e, path=path, rank=rank) from e
         log.info("opened LMDB %s: %d records, %s", path, self.num_records,
                  "prefix seek" if self.key_blob is None else "key table")
 
