@@ -4,15 +4,21 @@ The script synthesises natural-ish photos (smooth colour fields, blobs, sensor n
 about 450 px, JPEG quality 90), writes them as an encoded Caffe LMDB, and then measures,
 alternating the cases for ``--rounds`` rounds and reporting the median:
 
-* the single-core raw decode rate (Pillow, full size, no augmentation): the per-core ceiling;
+* the single-core raw decode rate (Pillow, full size, no augmentation): the per-core ceiling
+  of any pipeline that decodes whole images;
 * ``dptrain data-bench`` (decode + random-resized-crop 224 + mirror, uint8 HWC batches)
-  over parser/transformer thread counts, once with JPEG draft mode off, and once with
-  Pillow's resize instead of torch's (``--pillow-resize``);
+  over parser/transformer thread counts, once with JPEG draft mode off, once with
+  Pillow's resize instead of torch's (``--pillow-resize``), and once decoding whole
+  images with Pillow instead of only the crop box (``--no-crop-decode``);
 * torch DataLoader with 0 and 2 worker processes over the same LMDB, with the same
   augmentation written the usual way (Pillow decode, torchvision's random-resized-crop
   algorithm, crop + bilinear resize, flip, uint8 HWC tensors, default collate); with 2
   workers also as the PyTorch ImageNet example ships it (ToTensor + Normalize, float32),
-  and with the resize done by the same torch kernel dptrain uses.
+  with the resize done by the same torch kernel dptrain uses, and with dptrain's crop
+  decoder as well (the same per-image kernels as dptrain, in worker processes).
+
+The crop decoder is required (``DPTRAIN_JPEG=crop``): a machine where it does not build
+fails the run instead of measuring Pillow twice.
 
 Every case runs in a fresh process. Results go to
 ``benchmarks/results/data_pipeline_<hardware>_<yyyymmdd>.md`` with every raw JSON line.
@@ -115,12 +121,14 @@ class LmdbJpegDataset:
     ``to_float`` adds torchvision's ToTensor + Normalize (float32 CHW), as the PyTorch
     ImageNet example does; without it samples stay uint8 HWC, exactly what dptrain ships.
     ``torch_resize`` resamples the crop with torch's antialiased bilinear kernel (the one
-    dptrain's transformers use) instead of Pillow's.
+    dptrain's transformers use) instead of Pillow's; ``crop_decode`` also decodes only the
+    crop box with dptrain's JPEG crop decoder (mirrored there), as dptrain's transformers do.
     """
 
-    def __init__(self, path: str, to_float: bool = False, torch_resize: bool = False) -> None:
+    def __init__(self, path: str, to_float: bool = False, torch_resize: bool = False,
+                 crop_decode: bool = False) -> None:
         self.path, self._env, self._keys, self.to_float = path, None, None, to_float
-        self.torch_resize = torch_resize
+        self.torch_resize, self.crop_decode = torch_resize or crop_decode, crop_decode
         import lmdb
 
         env = lmdb.open(path, readonly=True, lock=False)
@@ -141,12 +149,23 @@ class LmdbJpegDataset:
             self._env = lmdb.open(self.path, readonly=True, lock=False, readahead=False)
         with self._env.begin() as txn:
             d = parse_datum(txn.get(self._keys[i]))
-        img = Image.open(io.BytesIO(d.data)).convert("RGB")
+        img = Image.open(io.BytesIO(d.data))
+        if not self.crop_decode:
+            img = img.convert("RGB")
         x0, y0, w, h = _rrc_box(img.size[0], img.size[1])
-        img = img.crop((x0, y0, x0 + w, y0 + h))
         flip = random.random() < 0.5
+        if self.crop_decode:
+            from dptrain.data import jpeg_crop
+
+            a = np.empty((h, w, 3), np.uint8)
+            refused = jpeg_crop.decode_crop(jpeg_crop.library(), d.data, (x0, y0, x0 + w, y0 + h),
+                                            scale=1, gray=False, flip=flip, out=a)
+            assert refused is None, refused
+            flip = False  # done by the decoder
+        else:
+            img = img.crop((x0, y0, x0 + w, y0 + h))
         if self.torch_resize:
-            a = np.array(img)  # [h, w, 3]
+            a = a if self.crop_decode else np.array(img)  # [h, w, 3]
             # [1, 3, h, w] with a batch stride torch recognises as channels-last, so the output is too
             t = torch.from_numpy(a).as_strided((1, 3, a.shape[0], a.shape[1]), (a.size, 1, a.shape[1] * 3, 3))
             t = torch.nn.functional.interpolate(t, size=(CROP, CROP), mode="bilinear", antialias=True)[0].permute(1, 2, 0)
@@ -197,11 +216,12 @@ def _tree_cpu_s() -> float:
     return total
 
 
-def case_dataloader(db: str, workers: int, batches: int, warmup: int, to_float: bool, torch_resize: bool) -> dict:
+def case_dataloader(db: str, workers: int, batches: int, warmup: int, to_float: bool, torch_resize: bool,
+                    crop_decode: bool) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    ds = LmdbJpegDataset(db, to_float, torch_resize)
+    ds = LmdbJpegDataset(db, to_float, torch_resize, crop_decode)
     loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=workers, drop_last=True,
                                          persistent_workers=workers > 0)
 
@@ -221,14 +241,15 @@ def case_dataloader(db: str, workers: int, batches: int, warmup: int, to_float: 
     cpu_ms = 1e3 * (_tree_cpu_s() - cpu_start) / (batches * BATCH)
     return {"images_per_s": round(rate, 1), "cpu_ms_per_image": round(cpu_ms, 3), "workers": workers,
             "output": "float32 CHW normalized" if to_float else "uint8 HWC",
-            "resize": "torch" if torch_resize else "Pillow"}
+            "resize": "torch" if torch_resize or crop_decode else "Pillow", "crop_decode": crop_decode}
 
 
 # --------------------------------------------------------------------------- driver
 
 
 def _run(cmd: list[str]) -> dict:
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    env = {**os.environ, "DPTRAIN_JPEG": "crop"}
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -267,9 +288,9 @@ def main() -> int:
         return 0
     if args.case and args.case.startswith("dataloader"):
         flags = args.case[len("dataloader"):]
-        workers, to_float, torch_resize = int(flags.rstrip("ft")), "f" in flags, "t" in flags
+        workers, to_float, torch_resize, crop = int(flags.rstrip("ftc")), "f" in flags, "t" in flags, "c" in flags
         print(json.dumps(case_dataloader(args.db, workers, args.batches, warmup=4, to_float=to_float,
-                                         torch_resize=torch_resize)))
+                                         torch_resize=torch_resize, crop_decode=crop)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         db = str(Path(tmp) / "synth_lmdb")
@@ -282,6 +303,7 @@ def main() -> int:
             cases[f"dataloader_w{w}"] = me + ["--case", f"dataloader{w}"]
         cases["dataloader_w2_float"] = me + ["--case", "dataloader2f"]
         cases["dataloader_w2_torchresize"] = me + ["--case", "dataloader2t"]
+        cases["dataloader_w2_cropdecode"] = me + ["--case", "dataloader2c"]
         bench = [sys.executable, "-m", "dptrain", "data-bench", "--config", str(cfg), "--batches", str(args.batches),
                  "--warmup", "4", "--repeats", "1"]
         for p, t in THREAD_CASES:
@@ -291,6 +313,8 @@ def main() -> int:
                                                   "--set", "data.transformer_threads=2"]
         cases["dptrain_p1_t2_pillowresize"] = bench + ["--pillow-resize", "--set", "data.parser_threads=1",
                                                        "--set", "data.transformer_threads=2"]
+        cases["dptrain_p1_t2_fulldecode"] = bench + ["--no-crop-decode", "--set", "data.parser_threads=1",
+                                                     "--set", "data.transformer_threads=2"]
         cases["dptrain_default"] = bench
         lines: dict[str, list[dict]] = {name: [] for name in cases}
         for r in range(args.rounds):
@@ -307,10 +331,12 @@ def main() -> int:
 def _describe(name: str, rec: dict) -> tuple[str, str]:
     if "parser_threads" in rec:
         resize = "torch" if rec.get("torch_resize", True) else "Pillow"
-        return f"P={rec['parser_threads']} T={rec['transformer_threads']}", f"uint8 HWC, {resize} resize"
+        decode = "crop decode" if rec.get("crop_decode") else "full decode"
+        return f"P={rec['parser_threads']} T={rec['transformer_threads']}", f"uint8 HWC, {decode}, {resize} resize"
     if "workers" in rec:
+        decode = ", crop decode" if rec.get("crop_decode") else ", full decode"
         resize = f", {rec['resize']} resize" if "resize" in rec else ""
-        return f"{rec['workers']} worker proc", rec["output"] + resize
+        return f"{rec['workers']} worker proc", rec["output"] + decode + resize
     return "1 thread", "decode only"
 
 
@@ -344,9 +370,11 @@ def write_report(out_dir: Path, lines: dict[str, list[dict]], dataset: dict, arg
         "|---|---|---|---:|---:|---:|---:|",
         *rows,
         "",
-        f"Ceiling: the single-core full-size decode rate is {med['decode_1core']:.0f} images/s, so "
-        f"{m['cores'] * med['decode_1core']:.0f} images/s on {m['cores']} cores for decode alone "
-        f"(the crop's bilinear resample comes on top).",
+        f"Ceiling for whole-image decoding: the single-core full-size decode rate is "
+        f"{med['decode_1core']:.0f} images/s, so {m['cores'] * med['decode_1core']:.0f} images/s on "
+        f"{m['cores']} cores for decode alone (the crop's bilinear resample comes on top). A crop "
+        f"decode does less work per image (only the box gets the inverse DCT, upsampling and colour "
+        f"conversion; the rows below it are entropy-decoded only), so it can pass that line.",
         "",
         "Raw JSON lines:",
         "",

@@ -16,6 +16,7 @@ from typing import Any
 import PIL
 
 from dptrain.config import ConfigError, DataConfig, config_to_dict, load_config
+from dptrain.data import jpeg_crop
 from dptrain.data.lmdb_source import LmdbSource
 from dptrain.data.sampling import ShardPlan
 from dptrain.data.transformer import RenderOptions
@@ -51,6 +52,7 @@ def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: i
         "parser_threads": src.parsers, "transformer_threads": src.transformers,
         "batch_size": cfg.batch_size, "sample_shape": list(src.sample_shape), "num_train": src.num_train,
         "draft": render.draft, "torch_resize": render.torch_resize,
+        "crop_decode": render.crop_decode and jpeg_crop.library() is not None,
     }
 
 
@@ -66,6 +68,8 @@ def add_data_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="turn JPEG draft mode off (for comparisons)")
     p.add_argument("--pillow-resize", action="store_true",
                    help="resample with Pillow instead of torch's vectorised kernel (for comparisons)")
+    p.add_argument("--no-crop-decode", action="store_true",
+                   help="decode whole JPEGs with Pillow instead of only the crop box (for comparisons)")
 
 
 def run_data_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,7 +85,8 @@ def run_data_bench(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
     record = measure_pipeline(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed,
                               batches=args.batches, warmup=args.warmup, repeats=args.repeats,
-                              render=RenderOptions(draft=not args.no_draft, torch_resize=not args.pillow_resize))
+                              render=RenderOptions(draft=not args.no_draft, torch_resize=not args.pillow_resize,
+                                                  crop_decode=not args.no_crop_decode))
     record.update({
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "python": platform.python_version(), "pillow": PIL.__version__, "git_commit": git_commit(),

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from dptrain.config import ConfigError, DataConfig
+from dptrain.data import jpeg_crop
 from dptrain.data.datum import DataError, parse_datum, read_mean_file
 from dptrain.data.pipeline import (
     BadRecordBudget, BatchRing, EmptyStream, PipelineStream, StreamParts, TestSequence, TrainSequence,
@@ -224,8 +225,11 @@ class LmdbSource:
         self.sample_shape = (out[True].height, out[True].width, self.channels)
         self.scale = cfg.scale
         self.parsers, self.transformers = default_threads(cfg)
-        log.info("LMDB input: %d parser + %d transformer threads per solver, samples %s, prefetch %d",
-                 self.parsers, self.transformers, self.sample_shape, cfg.prefetch)
+        crop = "off"
+        if render.crop_decode:  # built (or found in the cache) now, not in the first batch's time
+            crop = "on" if jpeg_crop.library() is not None else "unavailable"
+        log.info("LMDB input: %d parser + %d transformer threads per solver, samples %s, prefetch %d, "
+                 "JPEG crop decode %s", self.parsers, self.transformers, self.sample_shape, cfg.prefetch, crop)
 
     def _probe(self, cfg: DataConfig, rank: int) -> tuple[int, tuple[int, int]]:
         """(channels, (height, width) of the first good record) from up to PROBE_RECORDS records.

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from dptrain.config import ConfigError, DataConfig
+from dptrain.data import jpeg_crop
 from dptrain.data.base import DROPPED_LABEL
 from dptrain.data.datum import DataError, DatumLike, raw_to_hwc
 from dptrain.data.parser import ParsedRecord, RecordHandle, parse_record
@@ -270,13 +271,15 @@ def check_chain(stages: list[Stage], in_spec: SampleSpec) -> SampleSpec:
 
 @dataclass(frozen=True)
 class RenderOptions:
-    """How a planned sample becomes pixels. Both switches are on by default; turning one off
-    (``dptrain data-bench --no-draft / --pillow-resize``) measures what it buys."""
+    """How a planned sample becomes pixels. Every switch is on by default; turning one off
+    (``dptrain data-bench --no-draft / --pillow-resize / --no-crop-decode``) measures what it buys."""
 
     draft: bool = True
     """JPEG draft mode: a DCT-domain 1/2, 1/4 or 1/8 decode when the box shrinks 2x or more."""
     torch_resize: bool = True
     """Resample whole-pixel boxes with torch's antialiased bilinear kernel instead of Pillow's."""
+    crop_decode: bool = True
+    """Decode only a JPEG's whole-pixel box (:mod:`dptrain.data.jpeg_crop`; same pixels, less work)."""
 
 
 def _integral_box(s: Sample) -> tuple[int, int, int, int] | None:
@@ -300,13 +303,17 @@ def _resample_torch(crop: Image.Image, out_w: int, out_h: int, dst: np.ndarray) 
     crop-then-BILINEAR resize (torchvision's resized_crop) to within one grey level. Pillow's
     box resize differs a little more at the border rows, because its filter also reads
     pixels just outside the box.
-    The crop's packed bytes are viewed as [1, C, h, w] channels-last, so the output is
-    channels-last too and the HWC copy into the ring slot is a plain memcpy.
     """
     w, h = crop.size
     c = len(crop.getbands())
     pixels = torch.frombuffer(bytearray(crop.tobytes()), dtype=torch.uint8)  # bytearray: torch wants it writable
-    x = pixels.as_strided((1, c, h, w), (h * w * c, 1, w * c, c))
+    _resample_hwc(pixels.view(h, w, c), out_w, out_h, dst)
+
+
+def _resample_hwc(hwc: torch.Tensor, out_w: int, out_h: int, dst: np.ndarray) -> None:
+    """:func:`_resample_torch` on uint8 [h, w, C] pixels, viewed as [1, C, h, w] channels-last,
+    so the output is channels-last too and the HWC copy into the ring slot is a plain memcpy."""
+    x = hwc.unsqueeze(0).permute(0, 3, 1, 2)  # strides (h*w*C, 1, w*C, C): torch sees channels-last
     y = F.interpolate(x, size=(out_h, out_w), mode="bilinear", antialias=True, align_corners=False)
     torch.from_numpy(dst).copy_(y[0].permute(1, 2, 0))
 
@@ -358,16 +365,19 @@ def convert_image(im: Image.Image, mode: str) -> Image.Image:
     return im if im.mode == mode else im.convert(mode)
 
 
-def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: RenderOptions) -> None:
+def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: RenderOptions,
+                 data: bytes | None = None) -> None:
     """Decode (draft-scaled when the box shrinks >= 2x), resample once, write into ``dst`` [H, W, C].
 
     A plain crop is copied. A box on whole pixels (random-resized-crop in training, a
     resize of the whole image) goes through :func:`_resample_torch`; a fractional box
     (after draft scaling, the centre test crop, resize then crop) through Pillow's
-    resize, which takes the box as floats.
+    resize, which takes the box as floats. For a whole-pixel box of a JPEG whose file
+    bytes are ``data``, only the box is decoded (:func:`_crop_decode`).
     """
     x0, y0, x1, y1 = s.box
     factor = min((x1 - x0) / s.out_w, (y1 - y0) / s.out_h)
+    scale = 1
     try:
         if opts.draft and factor >= 2 and im.format == "JPEG":
             w, h = im.size
@@ -378,10 +388,14 @@ def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: R
                 _, (dx0, dy0, dx1, dy1) = drafted
                 fx, fy = (dx1 - dx0) / w, (dy1 - dy0) / h
                 s.box = (x0 * fx, y0 * fy, x1 * fx, y1 * fy)
-        im = convert_image(im, mode)
+                scale = round(1 / fx)
         box = _integral_box(s)
         plain = _is_plain_crop(box, s)
         in_torch = box is not None and not plain and opts.torch_resize
+        if (plain or in_torch) and opts.crop_decode and data is not None \
+                and _crop_decode(im, data, box, scale, mode, s, dst, plain):
+            return
+        im = convert_image(im, mode)
         if plain or in_torch:
             out = im.crop(box)
         else:
@@ -395,6 +409,36 @@ def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: R
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise DataError(f"undecodable image ({e})") from e
     dst[...] = arr[:, :, None] if arr.ndim == 2 else arr
+
+
+def _crop_decode(im: Image.Image, data: bytes, box: tuple[int, int, int, int], scale: int, mode: str,
+                 s: Sample, dst: np.ndarray, plain: bool) -> bool:
+    """Decode only ``box`` of JPEG ``data`` (at 1/``scale``), mirrored if ``s.flip``, into ``dst``
+    (a plain crop) or through :func:`_resample_hwc`; False when the crop decoder cannot
+    take this image or refuses the stream, which then goes to Pillow.
+
+    Taken: a JPEG not yet decoded (an EXIF-rotated one was, by :func:`open_image`) whose
+    Pillow mode is ``mode``, or grey asked for in RGB (libjpeg replicates the grey as
+    Pillow's ``convert`` does). Not taken: CMYK, and colour asked for in grey (Pillow's
+    luma weights are not libjpeg's Y).
+    """
+    if im.format != "JPEG" or not im.tile or not (im.mode == mode or (im.mode == "L" and mode == "RGB")):
+        return False
+    lib = jpeg_crop.library()
+    if lib is None:
+        return False
+    x0, y0, x1, y1 = box
+    gray = mode == "L"
+    target = dst if plain and dst.flags.c_contiguous else np.empty((y1 - y0, x1 - x0, 1 if gray else 3), np.uint8)
+    refused = jpeg_crop.decode_crop(lib, data, box, scale=scale, gray=gray, flip=s.flip, out=target)
+    if refused is not None:
+        return False
+    if plain:
+        if target is not dst:
+            dst[...] = target
+    else:
+        _resample_hwc(torch.from_numpy(target), s.out_w, s.out_h, dst)
+    return True
 
 
 def render_raw(hwc: np.ndarray, s: Sample, channels: int, dst: np.ndarray, opts: RenderOptions) -> None:
@@ -426,7 +470,7 @@ def transform_datum(datum: DatumLike, stages: list[Stage], rng: SampleRng, chann
     if window is not None:
         window[:] = (round(s.box[1]), round(s.box[0]), s.flip)
     if datum.encoded:
-        render_image(im, s, "RGB" if channels == 3 else "L", dst, opts)
+        render_image(im, s, "RGB" if channels == 3 else "L", dst, opts, datum.data)
     else:
         render_raw(hwc, s, channels, dst, opts)
 

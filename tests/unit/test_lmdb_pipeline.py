@@ -493,6 +493,28 @@ def test_jpeg_random_resized_crop_is_deterministic_across_threads(tmp_path):
     assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(*outs))
 
 
+@pytest.mark.parametrize("recipe", [dict(crop_size=24, random_resized_crop=True, mirror=True),
+                                    dict(crop_size=40, mirror=True)])
+def test_crop_decode_feeds_the_same_batches_as_full_decode(tmp_path, monkeypatch, recipe):
+    from dptrain.data import jpeg_crop
+
+    if jpeg_crop.library() is None:
+        pytest.skip("the JPEG crop decoder does not build here")
+    path = write_db(tmp_path / "jpeg", [_jpeg_value(i) for i in range(12)])
+    cfg = make_cfg(path, transformer_threads=2, **recipe)
+    calls = []
+    real = jpeg_crop.decode_crop
+    monkeypatch.setattr(jpeg_crop, "decode_crop", lambda *a, **k: calls.append(1) or real(*a, **k))
+    outs = []
+    for crop_decode in (True, False):
+        calls.clear()
+        src = LmdbSource(cfg, num_classes=NUM_CLASSES, seed=3, render=RenderOptions(crop_decode=crop_decode))
+        outs.append(collect(src.train_batches(ShardPlan(0, 1, 4, seed=3), 0), 6))
+        assert bool(calls) == crop_decode
+    for (fast, fast_labels, _), (full, full_labels, _) in zip(*outs):
+        assert np.array_equal(fast, full) and np.array_equal(fast_labels, full_labels)
+
+
 def test_draft_mode_fires_for_2x_downscale_and_stays_close(tmp_path, monkeypatch):
     from PIL import JpegImagePlugin
 

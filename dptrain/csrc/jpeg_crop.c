@@ -1,0 +1,117 @@
+/* Region-of-interest JPEG decode for dptrain's transformer threads.
+ *
+ * dptrain_jpeg_crop() decodes only the pixels of one box of a JPEG (optionally DCT-scaled
+ * by 1/2, 1/4 or 1/8) with libjpeg-turbo's jpeg_crop_scanline() and jpeg_skip_scanlines():
+ * rows above the box are entropy-decoded and dropped without an inverse DCT, columns
+ * outside it get no inverse DCT, upsampling or colour conversion, and rows below it are
+ * entropy-decoded only, so that a damaged or truncated stream is still refused. The
+ * output pixels equal a full decode's (ISLOW DCT, fancy upsampling, as Pillow decodes):
+ * the decoded strip is widened by one iMCU on each side wherever the image continues, so
+ * the fancy upsampler never sees the strip's edge inside the box.
+ *
+ * Python loads this file through ctypes (dptrain/data/jpeg_crop.py), which releases the
+ * GIL for the whole call. Returns 0, or -1 with a message in err.
+ */
+#include <setjmp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jpeglib.h>
+#include <jerror.h>
+
+struct dpt_error {
+  struct jpeg_error_mgr pub;
+  jmp_buf jump;
+  char *msg;
+  int msg_len;
+};
+
+static void dpt_error_exit(j_common_ptr cinfo) {
+  struct dpt_error *e = (struct dpt_error *)cinfo->err;
+  char text[JMSG_LENGTH_MAX];
+  (*cinfo->err->format_message)(cinfo, text);
+  snprintf(e->msg, (size_t)e->msg_len, "%s", text);
+  longjmp(e->jump, 1);
+}
+
+/* Warnings are ignored, as Pillow ignores them, except running out of data: Pillow
+ * refuses a truncated image, and so does this decoder. */
+static void dpt_emit_message(j_common_ptr cinfo, int level) {
+  if (level < 0 && cinfo->err->msg_code == JWRN_JPEG_EOF) dpt_error_exit(cinfo);
+}
+
+int dptrain_jpeg_crop(const unsigned char *data, unsigned long size, int scale_denom, int gray,
+                      int x0, int y0, int width, int height, int flip,
+                      unsigned char *out, char *err, int err_len) {
+  struct jpeg_decompress_struct cinfo;
+  struct dpt_error jerr;
+  unsigned char *volatile row = NULL; /* volatile: it is freed after a longjmp */
+  JSAMPROW line;
+  int channels = gray ? 1 : 3;
+
+  memset(&cinfo, 0, sizeof(cinfo));
+  cinfo.err = jpeg_std_error(&jerr.pub);
+  jerr.pub.error_exit = dpt_error_exit;
+  jerr.pub.emit_message = dpt_emit_message;
+  jerr.msg = err;
+  jerr.msg_len = err_len;
+  if (setjmp(jerr.jump)) {
+    free(row);
+    jpeg_destroy_decompress(&cinfo);
+    return -1;
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, data, size);
+  jpeg_read_header(&cinfo, TRUE);
+  cinfo.out_color_space = gray ? JCS_GRAYSCALE : JCS_RGB;
+  cinfo.scale_num = 1;
+  cinfo.scale_denom = (unsigned int)scale_denom;
+  cinfo.dct_method = JDCT_ISLOW;
+  cinfo.do_fancy_upsampling = TRUE;
+  jpeg_start_decompress(&cinfo);
+
+  int full_w = (int)cinfo.output_width, full_h = (int)cinfo.output_height;
+  if (x0 < 0 || y0 < 0 || width <= 0 || height <= 0 || x0 + width > full_w || y0 + height > full_h ||
+      cinfo.output_components != channels) {
+    snprintf(err, (size_t)err_len, "box %d,%d %dx%d outside the %dx%d decoded image (%d components)",
+             x0, y0, width, height, full_w, full_h, cinfo.output_components);
+    jpeg_destroy_decompress(&cinfo);
+    return -1;
+  }
+  /* Widen by one iMCU each side (where the image goes on) so that the box stays inside the
+   * strip the upsampler sees; jpeg_crop_scanline() then aligns the start down to an iMCU. */
+  int imcu = cinfo.max_h_samp_factor * cinfo.min_DCT_scaled_size;
+  int left = x0 - imcu < 0 ? 0 : x0 - imcu;
+  int right = x0 + width + imcu > full_w ? full_w : x0 + width + imcu;
+  JDIMENSION strip_x = (JDIMENSION)left, strip_w = (JDIMENSION)(right - left);
+  if (strip_w < (JDIMENSION)full_w) jpeg_crop_scanline(&cinfo, &strip_x, &strip_w);
+
+  row = (unsigned char *)malloc((size_t)strip_w * (size_t)channels);
+  if (row == NULL) ERREXIT(&cinfo, JERR_OUT_OF_MEMORY);
+  line = row;
+  if (y0 > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)y0);
+  size_t row_bytes = (size_t)width * (size_t)channels;
+  const unsigned char *src_start = row + (size_t)(x0 - (int)strip_x) * (size_t)channels;
+  for (int y = 0; y < height; y++) {
+    jpeg_read_scanlines(&cinfo, &line, 1);
+    unsigned char *dst = out + (size_t)y * row_bytes;
+    if (!flip) {
+      memcpy(dst, src_start, row_bytes);
+    } else {
+      for (int x = 0; x < width; x++)
+        memcpy(dst + (size_t)x * (size_t)channels, src_start + (size_t)(width - 1 - x) * (size_t)channels,
+               (size_t)channels);
+    }
+  }
+  /* The rows below the box: skipping stops one short of the end (a skip to the end returns
+   * without decoding), and the last row is read, so the whole stream is entropy-decoded
+   * and a damaged or truncated tail raises as it does in a full decode. */
+  int below = full_h - (y0 + height);
+  if (below > 1) jpeg_skip_scanlines(&cinfo, (JDIMENSION)(below - 1));
+  if (below > 0) jpeg_read_scanlines(&cinfo, &line, 1);
+  jpeg_finish_decompress(&cinfo);
+  free(row);
+  jpeg_destroy_decompress(&cinfo);
+  return 0;
+}

@@ -1,0 +1,159 @@
+"""Region-of-interest JPEG decode: only the pixels of a sample's crop box.
+
+A random-resized-crop keeps on average about half of an image, yet a full decode runs the
+inverse DCT, upsampling and colour conversion on all of it. ``dptrain/csrc/jpeg_crop.c``
+asks libjpeg-turbo for the box alone (``jpeg_crop_scanline`` and ``jpeg_skip_scanlines``,
+as DALI's and TensorFlow's crop decoders do). Its pixels equal Pillow's full decode bit for
+bit (same library family, ISLOW DCT, fancy upsampling; tests compare them), so this is a
+speed-up only, never a change of what a model sees. The call goes through ctypes, which
+releases the GIL for the whole decode, so transformer threads decode in parallel.
+
+The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``)
+against the system libjpeg-turbo (Debian/Ubuntu: ``libjpeg-turbo8-dev`` or
+``libjpeg62-turbo-dev``) and cached in ``$DPTRAIN_CACHE`` (default
+``$XDG_CACHE_HOME/dptrain``, else ``~/.cache/dptrain``). ``DPTRAIN_JPEG`` picks the decoder:
+
+* ``auto`` (default): the crop decoder when it builds, else Pillow, with one warning;
+* ``pillow``: always Pillow's full decode;
+* ``crop``: the crop decoder, and a build failure is an error (benchmarks use it).
+
+Records the crop decoder cannot take (CMYK, a colour image asked for in grey, EXIF-rotated
+images, a box off whole pixels) and any stream it refuses go through Pillow, so Pillow
+decides what is undecodable and its messages are the ones users see.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from dptrain.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+JPEG_ENV = "DPTRAIN_JPEG"
+"""Environment variable: "auto" (default), "pillow" or "crop"."""
+_MODES = ("auto", "pillow", "crop")
+SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "jpeg_crop.c"
+CFLAGS = ("-O2", "-fPIC", "-shared")
+LIBS = ("-ljpeg",)
+_ERR_LEN = 256
+
+_lock = threading.Lock()
+_loaded: list[ctypes.CDLL | None] = []  # empty until the first call; then [lib] or [None]
+
+
+def mode() -> str:
+    value = os.environ.get(JPEG_ENV, "auto").strip().lower() or "auto"
+    if value not in _MODES:
+        raise ConfigError(f"{JPEG_ENV}={value!r} is not one of {', '.join(_MODES)}")
+    return value
+
+
+def cache_dir() -> Path:
+    if os.environ.get("DPTRAIN_CACHE"):
+        return Path(os.environ["DPTRAIN_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dptrain"
+
+
+def _compiler() -> str | None:
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"])
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compile jpeg_crop.c into ``directory`` (default :func:`cache_dir`) unless already there; the path.
+
+    The file name carries a hash of the source, the compiler and the flags, so an edited
+    source or another compiler builds anew. The library is written to a temporary name and
+    renamed, so solvers that build at once never load a half-written file.
+    Raises RuntimeError with the compiler's first error line.
+    """
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError(f"no C compiler {os.environ.get('CC', 'cc')!r} (install gcc or set CC)")
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(b"\0".join([source, cc.encode(), *(f.encode() for f in CFLAGS + LIBS)])).hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"jpeg_crop-{tag}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS],
+                              capture_output=True, text=True, timeout=120, check=False)
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines() or ["?"]
+            raise RuntimeError(f"{Path(cc).name} could not build {SOURCE.name}: {lines[0].strip()} "
+                               f"(libjpeg-turbo's headers: apt install libjpeg-turbo8-dev or libjpeg62-turbo-dev)")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build()))
+    fn = lib.dptrain_jpeg_crop
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_int,  # data, size, scale, gray
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # x0, y0, w, h, flip
+                   ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]  # out, err, err_len
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The crop decoder, built and loaded once per process; None when off or unavailable (``auto``)."""
+    if _loaded:
+        return _loaded[0]
+    with _lock:
+        if not _loaded:
+            want = mode()
+            lib = None
+            if want != "pillow":
+                try:
+                    lib = _load()
+                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                    if want == "crop":
+                        raise ConfigError(f"{JPEG_ENV}=crop but the JPEG crop decoder is unavailable: {e}") from e
+                    log.warning("JPEG crop decode unavailable, decoding whole images with Pillow: %s", e)
+            _loaded.append(lib)
+    return _loaded[0]
+
+
+def reset() -> None:
+    """Forget the loaded decoder, so the next :func:`library` call reads ``DPTRAIN_JPEG`` again (tests)."""
+    with _lock:
+        _loaded.clear()
+
+
+def decode_crop(lib: ctypes.CDLL, data: bytes, box: tuple[int, int, int, int], *, scale: int, gray: bool,
+                flip: bool, out: np.ndarray) -> str | None:
+    """Decode ``box`` (x0, y0, x1, y1 in pixels of the 1/``scale`` decode) into ``out``.
+
+    ``out``: C-contiguous uint8 [y1 - y0, x1 - x0, 1 if gray else 3]; mirrored left-right if
+    ``flip``. Returns None, or libjpeg's message when the stream was refused (``out`` is then
+    partly written).
+    """
+    x0, y0, x1, y1 = box
+    channels = 1 if gray else 3
+    if out.shape != (y1 - y0, x1 - x0, channels) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise ValueError(f"out is {out.dtype} {out.shape}, not a C-contiguous uint8 "
+                         f"{(y1 - y0, x1 - x0, channels)} array")
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    rc = lib.dptrain_jpeg_crop(data, len(data), scale, int(gray), x0, y0, x1 - x0, y1 - y0, int(flip),
+                               out.ctypes.data, err, _ERR_LEN)
+    return None if rc == 0 else err.value.decode("utf-8", "replace")

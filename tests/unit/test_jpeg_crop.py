@@ -1,0 +1,196 @@
+"""The region-of-interest JPEG decoder: Pillow's pixels, Pillow's refusals, and the fallbacks."""
+from __future__ import annotations
+
+import io
+import logging
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dptrain.config import ConfigError
+from dptrain.data import jpeg_crop, transformer
+from dptrain.data.datum import DataError
+from dptrain.data.transformer import RenderOptions, Sample, SampleRng, render_image
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """A decoder state of its own: its cache in tmp_path, DPTRAIN_JPEG read anew, forgotten afterwards."""
+    monkeypatch.setenv("DPTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(jpeg_crop.JPEG_ENV, raising=False)
+    jpeg_crop.reset()
+    yield
+    jpeg_crop.reset()
+
+
+@pytest.fixture(scope="module")
+def lib():
+    jpeg_crop.reset()
+    found = jpeg_crop.library()
+    if found is None:
+        pytest.skip("the JPEG crop decoder does not build here (no C compiler or no libjpeg-turbo headers)")
+    return found
+
+
+def _photo(height: int, width: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = np.stack([128 + 100 * np.sin(xx / (7 + c) + c) * np.cos(yy / 11 - c) for c in range(3)], axis=-1)
+    return np.clip(base + rng.normal(0, 14, base.shape), 0, 255).astype(np.uint8)
+
+
+def _jpeg(kind: str, height: int = 75, width: int = 93, seed: int = 0) -> bytes:
+    im = Image.fromarray(_photo(height, width, seed))
+    buf = io.BytesIO()
+    if kind == "gray":
+        im.convert("L").save(buf, "JPEG", quality=90)
+    elif kind == "progressive":
+        im.save(buf, "JPEG", quality=90, progressive=True)
+    else:
+        im.save(buf, "JPEG", quality=90, subsampling=kind)
+    return buf.getvalue()
+
+
+def _boxes(rng: np.random.Generator, w: int, h: int, n: int) -> list[tuple[int, int, int, int]]:
+    """Random boxes plus the corners, edges and the whole image."""
+    boxes = [(0, 0, w, h), (0, 0, 1, 1), (w - 1, h - 1, w, h), (0, h - 3, w, h), (w - 5, 0, w, h)]
+    for _ in range(n):
+        x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+        boxes.append((x0, y0, int(rng.integers(x0 + 1, w + 1)), int(rng.integers(y0 + 1, h + 1))))
+    return boxes
+
+
+@pytest.mark.parametrize("kind", ["4:2:0", "4:2:2", "4:4:4", "gray", "progressive"])
+@pytest.mark.parametrize("scale", [1, 2, 8])
+def test_crop_decode_equals_pillows_full_decode_bit_for_bit(lib, kind, scale):
+    data = _jpeg(kind, seed=scale)
+    im = Image.open(io.BytesIO(data))
+    gray = im.mode == "L"
+    if scale > 1:  # Pillow's own DCT-scaled decode is the reference
+        width = im.size[0]
+        _, (_, _, dw, _) = im.draft(im.mode, (im.size[0] // scale, im.size[1] // scale))
+        assert round(width / dw) == scale
+    full = np.asarray(im)
+    full = full[:, :, None] if full.ndim == 2 else full
+    h, w = full.shape[:2]
+    rng = np.random.default_rng(len(data))
+    for i, box in enumerate(_boxes(rng, w, h, 25)):
+        x0, y0, x1, y1 = box
+        flip = bool(i % 2)
+        out = np.empty((y1 - y0, x1 - x0, 1 if gray else 3), np.uint8)
+        assert jpeg_crop.decode_crop(lib, data, box, scale=scale, gray=gray, flip=flip, out=out) is None
+        want = full[y0:y1, x0:x1]
+        assert np.array_equal(out, want[:, ::-1] if flip else want), (kind, scale, box, flip)
+
+
+def test_grey_jpeg_asked_for_in_rgb_is_pillows_convert(lib):
+    data = _jpeg("gray")
+    want = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))[10:40, 5:60]
+    out = np.empty((30, 55, 3), np.uint8)
+    assert jpeg_crop.decode_crop(lib, data, (5, 10, 60, 40), scale=1, gray=False, flip=False, out=out) is None
+    assert np.array_equal(out, want)
+
+
+def test_damage_anywhere_is_refused_even_below_the_box(lib):
+    data = _jpeg("4:2:0", height=120, width=90)
+    out = np.empty((8, 8, 3), np.uint8)
+    for cut in (len(data) // 3, len(data) - 40):  # the box is in the top rows; the damage is further down
+        msg = jpeg_crop.decode_crop(lib, data[:cut], (0, 0, 8, 8), scale=1, gray=False, flip=False, out=out)
+        assert msg is not None and "Premature end" in msg
+    msg = jpeg_crop.decode_crop(lib, b"\xff\xd8" + b"garbage" * 20, (0, 0, 8, 8), scale=1, gray=False,
+                                flip=False, out=out)
+    assert msg is not None
+    outside = jpeg_crop.decode_crop(lib, data, (85, 0, 93, 8), scale=1, gray=False, flip=False, out=out)
+    assert outside is not None and "outside" in outside
+
+
+def test_out_must_match_the_box(lib):
+    with pytest.raises(ValueError, match="C-contiguous uint8"):
+        jpeg_crop.decode_crop(lib, _jpeg("4:2:0"), (0, 0, 8, 8), scale=1, gray=False, flip=False,
+                              out=np.empty((8, 9, 3), np.uint8))
+
+
+def _render(data: bytes, box, out_w: int, out_h: int, flip: bool, mode: str, opts: RenderOptions) -> np.ndarray:
+    dst = np.full((out_h, out_w, 3 if mode == "RGB" else 1), 7, np.uint8)
+    sample = Sample(tuple(float(v) for v in box), out_w, out_h, SampleRng(0), flip)
+    render_image(transformer.open_image(data), sample, mode, dst, opts, data)
+    return dst
+
+
+@pytest.mark.parametrize("kind, mode", [("4:2:0", "RGB"), ("4:4:4", "RGB"), ("gray", "L"), ("gray", "RGB"),
+                                        ("progressive", "RGB")])
+@pytest.mark.parametrize("box, out_w, out_h, flip", [
+    ((13, 7, 80, 61), 32, 32, False),   # random-resized-crop: resampled by torch
+    ((13, 7, 80, 61), 32, 32, True),
+    ((20, 11, 52, 43), 32, 32, True),   # a plain crop: copied straight into the row
+    ((4, 0, 92, 72), 20, 16, False),    # 4.4x smaller: draft mode decodes at 1/4, the box stays whole
+])
+def test_render_with_crop_decode_equals_the_full_decode_path(lib, monkeypatch, kind, mode, box, out_w, out_h, flip):
+    data = _jpeg(kind)
+    calls = []
+    real = jpeg_crop.decode_crop
+    monkeypatch.setattr(jpeg_crop, "decode_crop", lambda *a, **k: calls.append(k["scale"]) or real(*a, **k))
+    fast = _render(data, box, out_w, out_h, flip, mode, RenderOptions())
+    assert calls == [4 if out_w == 20 else 1], "a whole-pixel box of a JPEG must be crop-decoded"
+    full = _render(data, box, out_w, out_h, flip, mode, RenderOptions(crop_decode=False))
+    assert np.array_equal(fast, full)
+
+
+def test_images_the_crop_decoder_does_not_take_go_through_pillow(lib, monkeypatch):
+    calls = []
+    monkeypatch.setattr(jpeg_crop, "decode_crop", lambda *a, **k: calls.append(1))
+    colour, buf = _jpeg("4:2:0"), io.BytesIO()
+    Image.fromarray(_photo(75, 93, 1)).convert("CMYK").save(buf, "JPEG", quality=90)
+    cmyk = buf.getvalue()
+    box = (13, 7, 80, 61)
+    grey = _render(colour, box, 32, 32, False, "L", RenderOptions())  # Pillow's luma, not libjpeg's Y
+    assert np.array_equal(grey, _render(colour, box, 32, 32, False, "L", RenderOptions(crop_decode=False)))
+    _render(cmyk, box, 32, 32, False, "RGB", RenderOptions())
+    _render(colour, (13.5, 7, 80, 61), 32, 32, False, "RGB", RenderOptions())  # a fractional box
+    assert calls == []
+
+
+def test_a_stream_the_crop_decoder_refuses_gets_pillows_verdict(lib):
+    data = _jpeg("4:2:0", height=120, width=90)
+    with pytest.raises(DataError, match="undecodable image.*truncated"):
+        _render(data[: len(data) * 2 // 3], (0, 0, 40, 30), 20, 15, False, "RGB", RenderOptions())
+
+
+def test_no_compiler_falls_back_to_pillow_with_one_warning(fresh, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with caplog.at_level(logging.WARNING, logger="dptrain.data.jpeg_crop"):
+        assert jpeg_crop.library() is None
+        assert jpeg_crop.library() is None
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "no-such-compiler-here" in warnings[0] and "Pillow" in warnings[0]
+    data = _jpeg("4:2:0")  # rendering still works, through Pillow
+    out = _render(data, (13, 7, 80, 61), 32, 32, False, "RGB", RenderOptions())
+    assert np.array_equal(out, _render(data, (13, 7, 80, 61), 32, 32, False, "RGB", RenderOptions(crop_decode=False)))
+
+
+def test_a_failing_build_names_the_compiler_error(fresh, monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails
+    monkeypatch.setenv(jpeg_crop.JPEG_ENV, "crop")
+    with pytest.raises(ConfigError, match="DPTRAIN_JPEG=crop but the JPEG crop decoder is unavailable"):
+        jpeg_crop.library()
+    assert not list((tmp_path / "cache").glob("*.tmp")), "a failed build leaves no temporary file"
+
+
+def test_jpeg_env_values(fresh, monkeypatch):
+    monkeypatch.setenv(jpeg_crop.JPEG_ENV, "pillow")
+    assert jpeg_crop.library() is None
+    jpeg_crop.reset()
+    monkeypatch.setenv(jpeg_crop.JPEG_ENV, "turbo")
+    with pytest.raises(ConfigError, match="DPTRAIN_JPEG='turbo' is not one of auto, pillow, crop"):
+        jpeg_crop.library()
+
+
+def test_build_is_cached_and_keyed_by_the_source(fresh, lib, tmp_path, monkeypatch):
+    first = jpeg_crop.build(tmp_path / "c")
+    mtime = first.stat().st_mtime_ns
+    assert jpeg_crop.build(tmp_path / "c") == first and first.stat().st_mtime_ns == mtime
+    edited = tmp_path / "jpeg_crop.c"
+    edited.write_text(jpeg_crop.SOURCE.read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(jpeg_crop, "SOURCE", edited)
+    assert jpeg_crop.build(tmp_path / "c") != first
