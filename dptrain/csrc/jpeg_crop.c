@@ -98,10 +98,15 @@ int dptrain_jpeg_crop(const unsigned char *data, unsigned long size, int scale_d
     unsigned char *dst = out + (size_t)y * row_bytes;
     if (!flip) {
       memcpy(dst, src_start, row_bytes);
+    } else if (channels == 3) {  /* a loop per channel count: a memcpy call per pixel costs a third of the decode */
+      const unsigned char *src = src_start + row_bytes - 3;
+      for (int x = 0; x < width; x++, dst += 3, src -= 3) {
+        dst[0] = src[0];
+        dst[1] = src[1];
+        dst[2] = src[2];
+      }
     } else {
-      for (int x = 0; x < width; x++)
-        memcpy(dst + (size_t)x * (size_t)channels, src_start + (size_t)(width - 1 - x) * (size_t)channels,
-               (size_t)channels);
+      for (int x = 0; x < width; x++) dst[x] = src_start[width - 1 - x];
     }
   }
   /* The rows below the box: skipping stops one short of the end (a skip to the end returns

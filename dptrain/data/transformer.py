@@ -6,8 +6,9 @@ size; ``render_*`` then decodes and resamples once, straight into the sample's r
 the pinned batch buffer. A box on whole pixels (a random-resized-crop of the stored
 image, a resize of the whole image) is resampled by torch's vectorised antialiased
 bilinear kernel at a third of Pillow's cost; a fractional box by Pillow, which takes it
-as floats. Planning first is what makes JPEG draft mode possible: when the box shrinks
-by 2x or more, Pillow's ``Image.draft`` asks libjpeg for a 1/2, 1/4 or 1/8 scaled decode.
+as floats. Planning first is what makes the crop decode possible (a JPEG's whole-pixel
+box is decoded alone, :mod:`dptrain.data.jpeg_crop`, with Pillow's pixels) and JPEG draft
+mode: when the box shrinks by 2x or more, libjpeg decodes at 1/2, 1/4 or 1/8 scale.
 That downscale happens in the DCT domain, so it is several times faster and its pixels
 differ slightly (a few grey levels) from a full decode followed by a bilinear resize;
 both are antialiased. Draft mode never fires for crops that are scaled by less than 2x.
