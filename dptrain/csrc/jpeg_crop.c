@@ -41,6 +41,40 @@ static void dpt_emit_message(j_common_ptr cinfo, int level) {
   if (level < 0 && cinfo->err->msg_code == JWRN_JPEG_EOF) dpt_error_exit(cinfo);
 }
 
+/* The stored image's header: info = {width, height, components, flags}; flags bit 0: an
+ * EXIF block (APP1 "Exif"), bit 1: a multi-picture index (APP2 "MPF"). Python leaves
+ * flagged files to Pillow, which applies EXIF orientation and reads MPO files. */
+int dptrain_jpeg_header(const unsigned char *data, unsigned long size, int *info, char *err, int err_len) {
+  struct jpeg_decompress_struct cinfo;
+  struct dpt_error jerr;
+
+  memset(&cinfo, 0, sizeof(cinfo));
+  cinfo.err = jpeg_std_error(&jerr.pub);
+  jerr.pub.error_exit = dpt_error_exit;
+  jerr.pub.emit_message = dpt_emit_message;
+  jerr.msg = err;
+  jerr.msg_len = err_len;
+  if (setjmp(jerr.jump)) {
+    jpeg_destroy_decompress(&cinfo);
+    return -1;
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, data, size);
+  jpeg_save_markers(&cinfo, JPEG_APP0 + 1, 8);
+  jpeg_save_markers(&cinfo, JPEG_APP0 + 2, 8);
+  jpeg_read_header(&cinfo, TRUE);
+  info[0] = (int)cinfo.image_width;
+  info[1] = (int)cinfo.image_height;
+  info[2] = cinfo.num_components;
+  info[3] = 0;
+  for (jpeg_saved_marker_ptr m = cinfo.marker_list; m != NULL; m = m->next) {
+    if (m->marker == JPEG_APP0 + 1 && m->data_length >= 6 && memcmp(m->data, "Exif\0\0", 6) == 0) info[3] |= 1;
+    if (m->marker == JPEG_APP0 + 2 && m->data_length >= 4 && memcmp(m->data, "MPF\0", 4) == 0) info[3] |= 2;
+  }
+  jpeg_destroy_decompress(&cinfo);
+  return 0;
+}
+
 int dptrain_jpeg_crop(const unsigned char *data, unsigned long size, int scale_denom, int gray,
                       int x0, int y0, int width, int height, int flip,
                       unsigned char *out, char *err, int err_len) {

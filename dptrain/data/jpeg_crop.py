@@ -112,6 +112,9 @@ def _load() -> ctypes.CDLL:
                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # x0, y0, w, h, flip
                    ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]  # out, err, err_len
     fn.restype = ctypes.c_int
+    head = lib.dptrain_jpeg_header
+    head.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    head.restype = ctypes.c_int
     return lib
 
 
@@ -138,6 +141,22 @@ def reset() -> None:
     """Forget the loaded decoder, so the next :func:`library` call reads ``DPTRAIN_JPEG`` again (tests)."""
     with _lock:
         _loaded.clear()
+
+
+EXIF, MULTI_PICTURE = 1, 2
+"""Flag bits of :func:`header`: the file has an EXIF block / a multi-picture (MPO) index."""
+
+
+def header(lib: ctypes.CDLL, data: bytes) -> tuple[int, int, int, int] | None:
+    """(width, height, components, flags) from a JPEG's header; None if libjpeg refuses it
+    (not a JPEG, or a damaged header: Pillow then gives the verdict)."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    info = (ctypes.c_int * 4)()
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    if lib.dptrain_jpeg_header(data, len(data), info, err, _ERR_LEN) != 0:
+        return None
+    return info[0], info[1], info[2], info[3]
 
 
 def decode_crop(lib: ctypes.CDLL, data: bytes, box: tuple[int, int, int, int], *, scale: int, gray: bool,

@@ -194,3 +194,95 @@ def test_build_is_cached_and_keyed_by_the_source(fresh, lib, tmp_path, monkeypat
     edited.write_text(jpeg_crop.SOURCE.read_text() + "\n/* edited */\n")
     monkeypatch.setattr(jpeg_crop, "SOURCE", edited)
     assert jpeg_crop.build(tmp_path / "c") != first
+
+
+def test_draft_scale_is_the_one_pillow_picks():
+    for width, height in [(93, 75), (450, 391), (101, 64), (640, 480), (33, 500)]:
+        for factor in (2.0, 2.3, 3.99, 4.0, 4.4, 7.5, 8.0, 9.7, 17.0):
+            im = Image.open(io.BytesIO(_jpeg("4:2:0", height=height, width=width)))
+            _, (_, _, dw, _) = im.draft("RGB", transformer._draft_request(width, height, factor))
+            assert transformer._draft_scale(width, height, factor) == round(width / dw), (width, height, factor)
+
+
+def test_header_flags_files_pillow_must_open(lib):
+    plain = _jpeg("4:2:0")
+    assert jpeg_crop.header(lib, plain) == (93, 75, 3, 0)
+    assert jpeg_crop.header(lib, _jpeg("gray")) == (93, 75, 1, 0)
+    exif = Image.Exif()
+    exif[0x0112] = 1  # orientation 1: upright
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(plain)).save(buf, "JPEG", exif=exif.tobytes())
+    assert jpeg_crop.header(lib, buf.getvalue())[3] == jpeg_crop.EXIF
+    mpo = io.BytesIO()
+    frame = Image.open(io.BytesIO(plain))
+    frame.save(mpo, "MPO", save_all=True, append_images=[frame.copy()])
+    assert jpeg_crop.header(lib, mpo.getvalue())[3] & jpeg_crop.MULTI_PICTURE
+    png = io.BytesIO()
+    frame.save(png, "PNG")
+    for data in (png.getvalue(), b"\xff\xd8\xff\xe0garbage", plain[:100]):
+        assert jpeg_crop.header(lib, data) is None
+
+
+class _Place:
+    """A stage that puts the sample at a fixed box of the stored image."""
+
+    def __init__(self, box, out_w: int, out_h: int) -> None:
+        self.box, self.out_w, self.out_h = box, out_w, out_h
+
+    def __call__(self, s: Sample) -> Sample:
+        x0, y0, x1, y1 = self.box
+        s.sub_box(x0, y0, x1 - x0, y1 - y0)
+        s.out_w, s.out_h = self.out_w, self.out_h
+        return s
+
+
+class _Datum:
+    encoded = True
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def _datum_render(data: bytes, box, out_w: int, out_h: int, mode: str, opts: RenderOptions) -> np.ndarray:
+    """transform_datum's path (header read, then crop decode or Pillow) for an encoded record at ``box``."""
+    dst = np.full((out_h, out_w, 3 if mode == "RGB" else 1), 7, np.uint8)
+    transformer.transform_datum(_Datum(data), [_Place(box, out_w, out_h)], SampleRng(1), 3 if mode == "RGB" else 1,
+                                dst, opts)
+    return dst
+
+
+@pytest.mark.parametrize("box, out_w, out_h", [((4, 0, 92, 72), 20, 16),   # 4.4x: draft at 1/4, whole box
+                                               ((13, 7, 80, 61), 32, 32)])  # no draft: Pillow's luma
+def test_colour_jpeg_in_grey_takes_pillows_decision(lib, monkeypatch, box, out_w, out_h):
+    data = _jpeg("4:2:0")
+    calls = []
+    real = jpeg_crop.decode_crop
+    monkeypatch.setattr(jpeg_crop, "decode_crop", lambda *a, **k: calls.append(k["gray"]) or real(*a, **k))
+    fast = _datum_render(data, box, out_w, out_h, "L", RenderOptions())
+    assert calls == ([True] if out_w == 20 else [])  # Pillow's draft decodes grey in libjpeg too
+    assert np.array_equal(fast, _datum_render(data, box, out_w, out_h, "L", RenderOptions(crop_decode=False)))
+
+
+def test_exif_jpegs_open_in_pillow_and_upright_ones_are_still_crop_decoded(lib, monkeypatch):
+    stored = _photo(40, 64, 3)
+    calls = []
+    real = jpeg_crop.decode_crop
+    monkeypatch.setattr(jpeg_crop, "decode_crop", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for orientation in (1, 6):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        buf = io.BytesIO()
+        Image.fromarray(stored).save(buf, "JPEG", quality=95, exif=exif.tobytes())
+        calls.clear()
+        out = _datum_render(buf.getvalue(), (0, 0, 40, 64) if orientation == 6 else (0, 0, 64, 40),
+                            *((40, 64) if orientation == 6 else (64, 40)), "RGB", RenderOptions())
+        want = np.asarray(transformer.open_image(buf.getvalue()).convert("RGB"))
+        assert out.shape == want.shape and np.array_equal(out, want)
+        assert calls == ([1] if orientation == 1 else []), orientation  # a rotated one is decoded by Pillow
+    assert out.shape[:2] == (64, 40)  # orientation 6 stands the 64x40 photo upright
+
+
+def test_a_bomb_is_refused_from_the_header(lib, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with pytest.raises(DataError, match="decompression bomb: 93x75 pixels exceeds PIL.Image.MAX_IMAGE_PIXELS = 1000"):
+        transformer.jpeg_header(_jpeg("4:2:0"), RenderOptions())

@@ -324,6 +324,19 @@ def _bomb_value() -> bytes:
     return png_value(np.zeros((40, 40, 3), dtype=np.uint8))
 
 
+def _jpeg_bytes(h: int, w: int) -> bytes:
+    y, x = np.mgrid[0:h, 0:w]
+    buf = io.BytesIO()
+    Image.fromarray(np.stack([x * 7, y * 5, (x * y) % 251], -1).astype(np.uint8)).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _truncated_jpeg_value() -> bytes:
+    """Cut inside the last rows: the crop decoder must still refuse it (it reads the whole stream)."""
+    data = _jpeg_bytes(32, 24)
+    return encode_datum(label=0, data=data[: len(data) - 60], encoded=True)
+
+
 BAD_RECORDS = {
     "undecodable": (lambda: encode_datum(label=0, data=b"not an image at all", encoded=True), "undecodable image"),
     "unparsable": (lambda: b"\xff\xff\xff", "unparsable record"),
@@ -332,6 +345,8 @@ BAD_RECORDS = {
     "too_small": (lambda: raw_value(5, image=pixels(5)[:3, :3]), "image is 3x3 .*smaller than data.crop_size 4"),
     "truncated_png": (lambda: encode_datum(label=0, data=png_value(pixels(5))[:60], encoded=True), "undecodable"),
     "bomb": (_bomb_value, "decompression bomb"),
+    "truncated_jpeg": (_truncated_jpeg_value, r"undecodable image \(image file is truncated"),
+    "bomb_jpeg": (lambda: encode_datum(label=0, data=_jpeg_bytes(40, 40), encoded=True), "decompression bomb: 40x40"),
 }
 
 
@@ -525,13 +540,23 @@ def test_draft_mode_fires_for_2x_downscale_and_stays_close(tmp_path, monkeypatch
                         lambda self, mode, size: calls.append(size) or real_draft(self, mode, size))
     cfg = make_cfg(path, resize=[18, 24], shuffle="none")  # 72x96 -> 18x24: 4x smaller
     plan = ShardPlan(0, 1, 4, seed=0, shuffle=False)
-    (fast, _, _), = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=0, render=RenderOptions(draft=True)).train_batches(plan, 0), 1)
+
+    def batch(**render):
+        (images, _, _), = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=0,
+                                             render=RenderOptions(**render)).train_batches(plan, 0), 1)
+        return images
+
+    fast = batch(draft=True, crop_decode=False)
     assert calls and all(size == (24, 18) for size in calls)
     calls.clear()
-    (exact, _, _), = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=0, render=RenderOptions(draft=False)).train_batches(plan, 0), 1)
+    exact = batch(draft=False, crop_decode=False)
     assert not calls
     diff = np.abs(fast.astype(int) - exact.astype(int))
     assert diff.mean() < 2.0 and diff.max() <= 12  # DCT-domain downscale vs full decode + bilinear: a few levels
+    from dptrain.data import jpeg_crop
+
+    if jpeg_crop.library() is not None:  # the crop decoder picks the same 1/4 decode without Pillow
+        assert np.array_equal(batch(draft=True), fast) and not calls
 
 
 @pytest.mark.gpu
