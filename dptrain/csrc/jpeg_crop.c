@@ -41,6 +41,16 @@ static void dpt_emit_message(j_common_ptr cinfo, int level) {
   if (level < 0 && cinfo->err->msg_code == JWRN_JPEG_EOF) dpt_error_exit(cinfo);
 }
 
+/* Route libjpeg's errors to jerr (the caller then sets jerr.jump with setjmp). */
+static void dpt_errors_to(struct jpeg_decompress_struct *cinfo, struct dpt_error *jerr, char *err, int err_len) {
+  memset(cinfo, 0, sizeof(*cinfo));
+  cinfo->err = jpeg_std_error(&jerr->pub);
+  jerr->pub.error_exit = dpt_error_exit;
+  jerr->pub.emit_message = dpt_emit_message;
+  jerr->msg = err;
+  jerr->msg_len = err_len;
+}
+
 /* The stored image's header: info = {width, height, components, flags}; flags bit 0: an
  * EXIF block (APP1 "Exif"), bit 1: a multi-picture index (APP2 "MPF"). Python leaves
  * flagged files to Pillow, which applies EXIF orientation and reads MPO files. */
@@ -48,12 +58,7 @@ int dptrain_jpeg_header(const unsigned char *data, unsigned long size, int *info
   struct jpeg_decompress_struct cinfo;
   struct dpt_error jerr;
 
-  memset(&cinfo, 0, sizeof(cinfo));
-  cinfo.err = jpeg_std_error(&jerr.pub);
-  jerr.pub.error_exit = dpt_error_exit;
-  jerr.pub.emit_message = dpt_emit_message;
-  jerr.msg = err;
-  jerr.msg_len = err_len;
+  dpt_errors_to(&cinfo, &jerr, err, err_len);
   if (setjmp(jerr.jump)) {
     jpeg_destroy_decompress(&cinfo);
     return -1;
@@ -84,12 +89,7 @@ int dptrain_jpeg_crop(const unsigned char *data, unsigned long size, int scale_d
   JSAMPROW line;
   int channels = gray ? 1 : 3;
 
-  memset(&cinfo, 0, sizeof(cinfo));
-  cinfo.err = jpeg_std_error(&jerr.pub);
-  jerr.pub.error_exit = dpt_error_exit;
-  jerr.pub.emit_message = dpt_emit_message;
-  jerr.msg = err;
-  jerr.msg_len = err_len;
+  dpt_errors_to(&cinfo, &jerr, err, err_len);
   if (setjmp(jerr.jump)) {
     free(row);
     jpeg_destroy_decompress(&cinfo);
