@@ -9,6 +9,14 @@
  * the decoded strip is widened by one iMCU on each side wherever the image continues, so
  * the fancy upsampler never sees the strip's edge inside the box.
  *
+ * It refuses (returns -1 with a message in err, and Python hands the image to Pillow) what
+ * it cannot decode as Pillow does: a stream libjpeg warns about (damaged data, whose
+ * treatment varies between libjpeg versions), a progressive image with scans missing
+ * (libjpeg versions fill in the missing coefficients differently), and sampling layouts
+ * where a component's IDCT is scaled but not to full size (4:1:0 or 2x4 luma under DCT
+ * scaling: libjpeg-turbo's jpeg_crop_scanline() mis-sizes such components, and skipping
+ * can loop forever). A truncated stream is an error, as in Pillow.
+ *
  * Python loads this file through ctypes (dptrain/data/jpeg_crop.py), which releases the
  * GIL for the whole call. Returns 0, or -1 with a message in err.
  */
@@ -20,11 +28,27 @@
 #include <jpeglib.h>
 #include <jerror.h>
 
+/* The IDCT output size of a component: one field in the jpeg6b API (Debian's
+ * libjpeg62-turbo), separate horizontal and vertical fields in the jpeg7/8 APIs (Ubuntu's
+ * libjpeg-turbo8). */
+#if JPEG_LIB_VERSION >= 70
+#define DPT_H_SIZE(c) ((c)->DCT_h_scaled_size)
+#define DPT_V_SIZE(c) ((c)->DCT_v_scaled_size)
+#define DPT_MIN_H_SIZE(ci) ((ci)->min_DCT_h_scaled_size)
+#define DPT_MIN_V_SIZE(ci) ((ci)->min_DCT_v_scaled_size)
+#else
+#define DPT_H_SIZE(c) ((c)->DCT_scaled_size)
+#define DPT_V_SIZE(c) ((c)->DCT_scaled_size)
+#define DPT_MIN_H_SIZE(ci) ((ci)->min_DCT_scaled_size)
+#define DPT_MIN_V_SIZE(ci) ((ci)->min_DCT_scaled_size)
+#endif
+
 struct dpt_error {
   struct jpeg_error_mgr pub;
   jmp_buf jump;
   char *msg;
   int msg_len;
+  int warned; /* the first warning is kept in msg */
 };
 
 static void dpt_error_exit(j_common_ptr cinfo) {
@@ -35,13 +59,22 @@ static void dpt_error_exit(j_common_ptr cinfo) {
   longjmp(e->jump, 1);
 }
 
-/* Warnings are ignored, as Pillow ignores them, except running out of data: Pillow
- * refuses a truncated image, and so does this decoder. */
+/* Running out of data is an error (Pillow refuses a truncated image). Any other warning
+ * is noted and the call refused at the end, so that Pillow decides what a damaged stream
+ * yields. Trace messages (level >= 0) are ignored. */
 static void dpt_emit_message(j_common_ptr cinfo, int level) {
-  if (level < 0 && cinfo->err->msg_code == JWRN_JPEG_EOF) dpt_error_exit(cinfo);
+  struct dpt_error *e = (struct dpt_error *)cinfo->err;
+  if (level >= 0) return;
+  if (cinfo->err->msg_code == JWRN_JPEG_EOF) dpt_error_exit(cinfo);
+  if (!e->warned) {
+    char text[JMSG_LENGTH_MAX];
+    (*cinfo->err->format_message)(cinfo, text);
+    snprintf(e->msg, (size_t)e->msg_len, "libjpeg warning: %s", text);
+    e->warned = 1;
+  }
 }
 
-/* Route libjpeg's errors to jerr (the caller then sets jerr.jump with setjmp). */
+/* Route libjpeg's errors and warnings to jerr (the caller then sets jerr.jump with setjmp). */
 static void dpt_errors_to(struct jpeg_decompress_struct *cinfo, struct dpt_error *jerr, char *err, int err_len) {
   memset(cinfo, 0, sizeof(*cinfo));
   cinfo->err = jpeg_std_error(&jerr->pub);
@@ -49,35 +82,7 @@ static void dpt_errors_to(struct jpeg_decompress_struct *cinfo, struct dpt_error
   jerr->pub.emit_message = dpt_emit_message;
   jerr->msg = err;
   jerr->msg_len = err_len;
-}
-
-/* The stored image's header: info = {width, height, components, flags}; flags bit 0: an
- * EXIF block (APP1 "Exif"), bit 1: a multi-picture index (APP2 "MPF"). Python leaves
- * flagged files to Pillow, which applies EXIF orientation and reads MPO files. */
-int dptrain_jpeg_header(const unsigned char *data, unsigned long size, int *info, char *err, int err_len) {
-  struct jpeg_decompress_struct cinfo;
-  struct dpt_error jerr;
-
-  dpt_errors_to(&cinfo, &jerr, err, err_len);
-  if (setjmp(jerr.jump)) {
-    jpeg_destroy_decompress(&cinfo);
-    return -1;
-  }
-  jpeg_create_decompress(&cinfo);
-  jpeg_mem_src(&cinfo, data, size);
-  jpeg_save_markers(&cinfo, JPEG_APP0 + 1, 8);
-  jpeg_save_markers(&cinfo, JPEG_APP0 + 2, 8);
-  jpeg_read_header(&cinfo, TRUE);
-  info[0] = (int)cinfo.image_width;
-  info[1] = (int)cinfo.image_height;
-  info[2] = cinfo.num_components;
-  info[3] = 0;
-  for (jpeg_saved_marker_ptr m = cinfo.marker_list; m != NULL; m = m->next) {
-    if (m->marker == JPEG_APP0 + 1 && m->data_length >= 6 && memcmp(m->data, "Exif\0\0", 6) == 0) info[3] |= 1;
-    if (m->marker == JPEG_APP0 + 2 && m->data_length >= 4 && memcmp(m->data, "MPF\0", 4) == 0) info[3] |= 2;
-  }
-  jpeg_destroy_decompress(&cinfo);
-  return 0;
+  jerr->warned = 0;
 }
 
 int dptrain_jpeg_crop(const unsigned char *data, unsigned long size, int scale_denom, int gray,
@@ -103,8 +108,29 @@ int dptrain_jpeg_crop(const unsigned char *data, unsigned long size, int scale_d
   cinfo.scale_denom = (unsigned int)scale_denom;
   cinfo.dct_method = JDCT_ISLOW;
   cinfo.do_fancy_upsampling = TRUE;
-  jpeg_start_decompress(&cinfo);
+  jpeg_start_decompress(&cinfo); /* a progressive stream is read whole here */
 
+  const char *refusal = NULL;
+  if (cinfo.progressive_mode) { /* a coefficient not fully sent (bits still to come, or never scanned) */
+    for (int ci = 0; ci < cinfo.num_components && refusal == NULL; ci++)
+      for (int k = 0; k < DCTSIZE2; k++)
+        if (cinfo.coef_bits[ci][k] != 0) {
+          refusal = "progressive image with scans missing";
+          break;
+        }
+  }
+  for (int ci = 0; ci < cinfo.num_components && refusal == NULL; ci++) {
+    const jpeg_component_info *c = &cinfo.comp_info[ci];
+    int scaled = DPT_H_SIZE(c) != DPT_MIN_H_SIZE(&cinfo) || DPT_V_SIZE(c) != DPT_MIN_V_SIZE(&cinfo);
+    int full_size = c->h_samp_factor * DPT_H_SIZE(c) == cinfo.max_h_samp_factor * DPT_MIN_H_SIZE(&cinfo) &&
+                    c->v_samp_factor * DPT_V_SIZE(c) == cinfo.max_v_samp_factor * DPT_MIN_V_SIZE(&cinfo);
+    if (scaled && !full_size) refusal = "a component's IDCT is scaled but not to full size (sampling layout)";
+  }
+  if (refusal != NULL) {
+    snprintf(err, (size_t)err_len, "%s", refusal);
+    jpeg_destroy_decompress(&cinfo);
+    return -1;
+  }
   int full_w = (int)cinfo.output_width, full_h = (int)cinfo.output_height;
   if (x0 < 0 || y0 < 0 || width <= 0 || height <= 0 || x0 + width > full_w || y0 + height > full_h ||
       cinfo.output_components != channels) {
@@ -115,7 +141,7 @@ int dptrain_jpeg_crop(const unsigned char *data, unsigned long size, int scale_d
   }
   /* Widen by one iMCU each side (where the image goes on) so that the box stays inside the
    * strip the upsampler sees; jpeg_crop_scanline() then aligns the start down to an iMCU. */
-  int imcu = cinfo.max_h_samp_factor * cinfo.min_DCT_scaled_size;
+  int imcu = cinfo.max_h_samp_factor * DPT_MIN_H_SIZE(&cinfo);
   int left = x0 - imcu < 0 ? 0 : x0 - imcu;
   int right = x0 + width + imcu > full_w ? full_w : x0 + width + imcu;
   JDIMENSION strip_x = (JDIMENSION)left, strip_w = (JDIMENSION)(right - left);
@@ -152,5 +178,5 @@ int dptrain_jpeg_crop(const unsigned char *data, unsigned long size, int scale_d
   jpeg_finish_decompress(&cinfo);
   free(row);
   jpeg_destroy_decompress(&cinfo);
-  return 0;
+  return jerr.warned ? -1 : 0;
 }

@@ -4,22 +4,28 @@ A random-resized-crop keeps on average about half of an image, yet a full decode
 inverse DCT, upsampling and colour conversion on all of it. ``dptrain/csrc/jpeg_crop.c``
 asks libjpeg-turbo for the box alone (``jpeg_crop_scanline`` and ``jpeg_skip_scanlines``,
 as DALI's and TensorFlow's crop decoders do). Its pixels equal Pillow's full decode bit for
-bit (same library family, ISLOW DCT, fancy upsampling; tests compare them), so this is a
-speed-up only, never a change of what a model sees. The call goes through ctypes, which
-releases the GIL for the whole decode, so transformer threads decode in parallel.
+bit (same library family, ISLOW DCT, fancy upsampling; tests compare them, and
+:func:`self_check` compares them again in every process before the decoder is used), so
+this is a speed-up only, never a change of what a model sees. The call goes through
+ctypes, which releases the GIL for the whole decode, so transformer threads decode in
+parallel.
 
 The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``)
 against the system libjpeg-turbo (Debian/Ubuntu: ``libjpeg-turbo8-dev`` or
 ``libjpeg62-turbo-dev``) and cached in ``$DPTRAIN_CACHE`` (default
 ``$XDG_CACHE_HOME/dptrain``, else ``~/.cache/dptrain``). ``DPTRAIN_JPEG`` picks the decoder:
 
-* ``auto`` (default): the crop decoder when it builds, else Pillow, with one warning;
+* ``auto`` (default): the crop decoder when it builds and passes :func:`self_check`, else
+  Pillow, with one warning;
 * ``pillow``: always Pillow's full decode;
-* ``crop``: the crop decoder, and a build failure is an error (benchmarks use it).
+* ``crop``: the crop decoder, and a build or self-check failure is an error (benchmarks use it).
 
+Pillow reads every header first, so a file Pillow refuses is refused whatever the decoder.
 Records the crop decoder cannot take (CMYK, a colour image asked for in grey, EXIF-rotated
-images, a box off whole pixels) and any stream it refuses go through Pillow, so Pillow
-decides what is undecodable and its messages are the ones users see.
+images, a box off whole pixels) and any stream it refuses go through Pillow: the C code
+refuses damaged streams (any libjpeg warning), progressive files with scans missing, and
+the rare sampling layouts (4:1:0, 2x4) whose DCT-scaled decode libjpeg-turbo's cropping
+gets wrong. So Pillow decides what is undecodable and its messages are the ones users see.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -65,10 +72,17 @@ def cache_dir() -> Path:
     return Path(base) / "dptrain"
 
 
-def _compiler() -> str | None:
+def _compiler() -> list[str] | None:
+    """The compiler command: ``$CC`` split as a shell would (``ccache gcc``, ``gcc -std=gnu11``), else cc or gcc."""
     if os.environ.get("CC"):
-        return shutil.which(os.environ["CC"])
-    return shutil.which("cc") or shutil.which("gcc")
+        try:
+            words = shlex.split(os.environ["CC"])
+        except ValueError:  # unbalanced quotes
+            return None
+        found = shutil.which(words[0]) if words else None
+        return [found, *words[1:]] if found else None
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
 
 
 def build(directory: Path | None = None) -> Path:
@@ -83,7 +97,7 @@ def build(directory: Path | None = None) -> Path:
     if cc is None:
         raise RuntimeError(f"no C compiler {os.environ.get('CC', 'cc')!r} (install gcc or set CC)")
     source = SOURCE.read_bytes()
-    tag = hashlib.sha256(b"\0".join([source, cc.encode(), *(f.encode() for f in CFLAGS + LIBS)])).hexdigest()[:16]
+    tag = hashlib.sha256(b"\0".join([source, *(f.encode() for f in (*cc, *CFLAGS, *LIBS))])).hexdigest()[:16]
     directory = directory or cache_dir()
     target = directory / f"jpeg_crop-{tag}.so"
     if target.exists():
@@ -92,12 +106,13 @@ def build(directory: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=directory)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS],
+        proc = subprocess.run([*cc, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS],
                               capture_output=True, text=True, timeout=120, check=False)
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines() or ["?"]
-            raise RuntimeError(f"{Path(cc).name} could not build {SOURCE.name}: {lines[0].strip()} "
+            raise RuntimeError(f"{Path(cc[0]).name} could not build {SOURCE.name}: {lines[0].strip()} "
                                f"(libjpeg-turbo's headers: apt install libjpeg-turbo8-dev or libjpeg62-turbo-dev)")
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600: others sharing the cache must load it too
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -112,10 +127,48 @@ def _load() -> ctypes.CDLL:
                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # x0, y0, w, h, flip
                    ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]  # out, err, err_len
     fn.restype = ctypes.c_int
-    head = lib.dptrain_jpeg_header
-    head.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
-    head.restype = ctypes.c_int
+    self_check(lib)
     return lib
+
+
+def self_check(lib: ctypes.CDLL) -> None:
+    """Decode boxes of a few small JPEGs with ``lib`` and with Pillow; RuntimeError if any pixel differs.
+
+    The crop decoder links the system libjpeg-turbo, Pillow its own copy. They decode alike
+    (same ISLOW IDCT, fancy upsampling and colour conversion), and this check, run once per
+    process before the decoder is used, turns a library that does not (another version's
+    arithmetic, headers of one version and a library of another) into the Pillow fallback
+    instead of samples that depend on the machine. It covers 4:2:0, 4:2:2, 4:4:4,
+    progressive and grey files, DCT scales 1 and 2, and a mirrored box.
+    """
+    import io
+
+    from PIL import Image, features
+
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:45, 0:61]
+    photo = np.stack([128 + 90 * np.sin(xx / (5 + c) + c) * np.cos(yy / 7 - c) for c in range(3)], axis=-1)
+    photo = np.clip(photo + rng.normal(0, 12, photo.shape), 0, 255).astype(np.uint8)
+    for kind in ("4:2:0", "4:2:2", "4:4:4", "progressive", "grey"):
+        buf = io.BytesIO()
+        im = Image.fromarray(photo[:, :, 0] if kind == "grey" else photo)
+        im.save(buf, "JPEG", quality=90, **({"progressive": True} if kind == "progressive" else
+                                             {} if kind == "grey" else {"subsampling": kind}))
+        data = buf.getvalue()
+        for scale in (1, 2):
+            ref = Image.open(io.BytesIO(data))
+            if scale > 1:
+                ref.draft(ref.mode, (ref.size[0] // scale, ref.size[1] // scale))
+            full = np.asarray(ref)
+            full = full[:, :, None] if full.ndim == 2 else full
+            h, w, c = full.shape
+            box = (w // 8, h // 6, w - w // 5, h - h // 7)
+            out = np.empty((box[3] - box[1], box[2] - box[0], c), np.uint8)
+            refused = decode_crop(lib, data, box, scale=scale, gray=c == 1, flip=True, out=out)
+            if refused is not None or not np.array_equal(out, full[box[1]:box[3], box[0]:box[2]][:, ::-1]):
+                raise RuntimeError(f"its pixels differ from Pillow's (a {kind} JPEG at 1/{scale} scale: "
+                                   f"{refused or 'different values'}; Pillow's libjpeg-turbo is "
+                                   f"{features.version('libjpeg_turbo')})")
 
 
 def library() -> ctypes.CDLL | None:
@@ -141,22 +194,6 @@ def reset() -> None:
     """Forget the loaded decoder, so the next :func:`library` call reads ``DPTRAIN_JPEG`` again (tests)."""
     with _lock:
         _loaded.clear()
-
-
-EXIF, MULTI_PICTURE = 1, 2
-"""Flag bits of :func:`header`: the file has an EXIF block / a multi-picture (MPO) index."""
-
-
-def header(lib: ctypes.CDLL, data: bytes) -> tuple[int, int, int, int] | None:
-    """(width, height, components, flags) from a JPEG's header; None if libjpeg refuses it
-    (not a JPEG, or a damaged header: Pillow then gives the verdict)."""
-    if data[:2] != b"\xff\xd8":
-        return None
-    info = (ctypes.c_int * 4)()
-    err = ctypes.create_string_buffer(_ERR_LEN)
-    if lib.dptrain_jpeg_header(data, len(data), info, err, _ERR_LEN) != 0:
-        return None
-    return info[0], info[1], info[2], info[3]
 
 
 def decode_crop(lib: ctypes.CDLL, data: bytes, box: tuple[int, int, int, int], *, scale: int, gray: bool,

@@ -283,15 +283,11 @@ class RenderOptions:
     """Decode only a JPEG's whole-pixel box (:mod:`dptrain.data.jpeg_crop`; same pixels, less work)."""
 
 
-def _whole(box: tuple[float, float, float, float]) -> tuple[int, int, int, int] | None:
-    """``box`` as ints when its corners are whole pixels, else None."""
-    ib = (round(box[0]), round(box[1]), round(box[2]), round(box[3]))
-    return ib if all(abs(a - b) < 1e-6 for a, b in zip(ib, box)) else None
-
-
 def _integral_box(s: Sample) -> tuple[int, int, int, int] | None:
-    """The sample's box as ints when its corners are whole pixels (any output size), else None."""
-    return _whole(s.box)
+    """The box as ints when its corners are whole pixels (any output size), else None."""
+    x0, y0, x1, y1 = s.box
+    ib = (round(x0), round(y0), round(x1), round(y1))
+    return ib if all(abs(a - b) < 1e-6 for a, b in zip(ib, s.box)) else None
 
 
 def _is_plain_crop(box: tuple[int, int, int, int] | None, s: Sample) -> bool:
@@ -334,42 +330,6 @@ GRAY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 _SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
 
 
-def check_pixels(width: int, height: int) -> None:
-    """Refuse a decompression bomb: more pixels than Pillow's ``MAX_IMAGE_PIXELS``."""
-    limit = Image.MAX_IMAGE_PIXELS
-    if limit is not None and width * height > limit:
-        raise DataError(f"decompression bomb: {width}x{height} pixels exceeds "
-                        f"PIL.Image.MAX_IMAGE_PIXELS = {limit}")
-
-
-@dataclass(frozen=True, slots=True)
-class JpegHeader:
-    """A JPEG the crop decoder takes whole, read without Pillow: size and Pillow's mode for it."""
-
-    width: int
-    height: int
-    mode: str
-    """"L" (one component) or "RGB" (three)."""
-
-
-def jpeg_header(data: bytes, opts: RenderOptions) -> JpegHeader | None:
-    """The header of a JPEG that :func:`render_jpeg` can take without Pillow, else None.
-
-    None for anything else (other formats, a header libjpeg refuses, CMYK, an EXIF block,
-    whose orientation Pillow applies, or a multi-picture file), which then goes to
-    :func:`open_image`. Refuses decompression bombs like :func:`open_image`.
-    """
-    lib = jpeg_crop.library() if opts.crop_decode else None
-    head = jpeg_crop.header(lib, data) if lib is not None else None
-    if head is None:
-        return None
-    width, height, components, flags = head
-    if flags or components not in (1, 3):
-        return None
-    check_pixels(width, height)
-    return JpegHeader(width, height, "L" if components == 1 else "RGB")
-
-
 def open_image(data: bytes) -> Image.Image:
     """Open an encoded image lazily (header only), refusing decompression bombs, turned upright.
 
@@ -385,7 +345,10 @@ def open_image(data: bytes) -> Image.Image:
         raise DataError("undecodable image (not a format Pillow recognises)") from e
     except (OSError, SyntaxError, ValueError) as e:
         raise DataError(f"undecodable image ({e})") from e
-    check_pixels(*im.size)
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and im.size[0] * im.size[1] > limit:
+        raise DataError(f"decompression bomb: {im.size[0]}x{im.size[1]} pixels exceeds "
+                        f"PIL.Image.MAX_IMAGE_PIXELS = {limit}")
     if "exif" in im.info:  # Pillow keeps the raw EXIF block there; most images have none
         try:
             if im.getexif().get(ExifTags.Base.Orientation, 1) != 1:
@@ -419,7 +382,7 @@ def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: R
     try:
         if opts.draft and factor >= 2 and im.format == "JPEG":
             w, h = im.size
-            drafted = im.draft(mode, _draft_request(w, h, factor))
+            drafted = im.draft(mode, (math.ceil(w / factor), math.ceil(h / factor)))
             if drafted is not None:
                 # Pillow's box is the stored image's extent in reduced pixels: exactly w/s x h/s. The
                 # reduced image is ceil(w/s) wide; its last column is partly the decoder's edge padding.
@@ -449,61 +412,24 @@ def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: R
     dst[...] = arr[:, :, None] if arr.ndim == 2 else arr
 
 
-def _draft_request(width: int, height: int, factor: float) -> tuple[int, int]:
-    """The size asked of JPEG draft mode for a box that shrinks ``factor`` (>= 2) times."""
-    return math.ceil(width / factor), math.ceil(height / factor)
-
-
-def _draft_scale(width: int, height: int, factor: float) -> int:
-    """The 1/s decode (s in 8, 4, 2, 1) that Pillow's ``JpegImageFile.draft`` picks for
-    :func:`_draft_request`; a test holds the two together."""
-    req_w, req_h = _draft_request(width, height, factor)
-    scale = min(width // req_w, height // req_h)
-    return next(s for s in (8, 4, 2, 1) if scale >= s)
-
-
-def render_jpeg(data: bytes, head: JpegHeader, s: Sample, mode: str, dst: np.ndarray, opts: RenderOptions) -> bool:
-    """:func:`render_image` for a JPEG known only by its header: decode just the box, with no
-    Pillow image at all; False (``s`` untouched) when the box is not on whole pixels or the
-    stream is refused, and the caller hands the sample to Pillow.
-
-    Takes the same decisions as :func:`render_image`, so the pixels are the same: the same
-    draft scale (and, as Pillow's draft does, libjpeg's grey for a colour JPEG asked for in
-    grey), the same box and the same resample.
-    """
-    x0, y0, x1, y1 = box = s.box
-    factor = min((x1 - x0) / s.out_w, (y1 - y0) / s.out_h)
-    src_mode, scale = head.mode, 1
-    if opts.draft and factor >= 2:
-        scale = _draft_scale(head.width, head.height, factor)
-        if src_mode == "RGB" and mode == "L":
-            src_mode = "L"
-        fx, fy = head.width / scale / head.width, head.height / scale / head.height
-        box = (x0 * fx, y0 * fy, x1 * fx, y1 * fy)
-    ib = _whole(box)
-    if ib is None or not (src_mode == mode or (src_mode == "L" and mode == "RGB")):
-        return False
-    plain = (ib[2] - ib[0], ib[3] - ib[1]) == (s.out_w, s.out_h)
-    return (plain or opts.torch_resize) and _decode_box(data, ib, scale, mode, s, dst, plain)
-
-
 def _crop_decode(im: Image.Image, data: bytes, box: tuple[int, int, int, int], scale: int, mode: str,
                  s: Sample, dst: np.ndarray, plain: bool) -> bool:
-    """:func:`_decode_box` for a Pillow-opened JPEG not yet decoded (an EXIF-rotated one was,
-    by :func:`open_image`) whose Pillow mode is ``mode``, or grey asked for in RGB (libjpeg
-    replicates the grey as Pillow's ``convert`` does); False otherwise. Not taken: CMYK,
-    and colour asked for in grey without draft mode (Pillow's luma weights are not libjpeg's Y).
+    """Decode only ``box`` of JPEG ``data`` (at 1/``scale``), mirrored if ``s.flip``, into ``dst``
+    (a plain crop) or through :func:`_resample_hwc`; False when the crop decoder cannot
+    take this image or refuses the stream, which then goes to Pillow.
+
+    Taken: a JPEG not yet decoded (an EXIF-rotated one was, by :func:`open_image`) whose
+    Pillow mode is ``mode``, or grey asked for in RGB (libjpeg replicates the grey as
+    Pillow's ``convert`` does). Not taken: CMYK, and colour asked for in grey without draft
+    mode (Pillow's luma weights are not libjpeg's Y; under draft, Pillow has libjpeg decode
+    to grey, its mode is then "L", and so is the crop decoder's output).
+
+    Pillow has parsed the header (:func:`open_image`), so a file Pillow refuses never
+    reaches the crop decoder, and a stream the crop decoder refuses is decoded by Pillow:
+    Pillow's verdict stands either way.
     """
     if im.format != "JPEG" or not im.tile or not (im.mode == mode or (im.mode == "L" and mode == "RGB")):
         return False
-    return _decode_box(data, box, scale, mode, s, dst, plain)
-
-
-def _decode_box(data: bytes, box: tuple[int, int, int, int], scale: int, mode: str, s: Sample,
-                dst: np.ndarray, plain: bool) -> bool:
-    """Decode only ``box`` of JPEG ``data`` (at 1/``scale``), mirrored if ``s.flip``, into ``dst``
-    (a plain crop) or through :func:`_resample_hwc`; False when the crop decoder is
-    unavailable or refuses the stream."""
     lib = jpeg_crop.library()
     if lib is None:
         return False
@@ -538,12 +464,9 @@ def transform_datum(datum: DatumLike, stages: list[Stage], rng: SampleRng, chann
     ``window`` (int32 [3]), if given, receives the sample's crop in the stored image as
     (y0, x0, mirrored), for a per-pixel mean image (see ``base.window_means``).
     """
-    head = im = None
     if datum.encoded:
-        head = jpeg_header(datum.data, opts)
-        if head is None:
-            im = open_image(datum.data)
-        w, h = (head.width, head.height) if head is not None else im.size
+        im = open_image(datum.data)
+        w, h = im.size
     else:
         hwc = raw_to_hwc(datum)
         h, w = hwc.shape[:2]
@@ -553,11 +476,7 @@ def transform_datum(datum: DatumLike, stages: list[Stage], rng: SampleRng, chann
     if window is not None:
         window[:] = (round(s.box[1]), round(s.box[0]), s.flip)
     if datum.encoded:
-        mode = "RGB" if channels == 3 else "L"
-        if head is None:
-            render_image(im, s, mode, dst, opts, datum.data)
-        elif not render_jpeg(datum.data, head, s, mode, dst, opts):  # Pillow decides (no second crop decode)
-            render_image(open_image(datum.data), s, mode, dst, opts)
+        render_image(im, s, "RGB" if channels == 3 else "L", dst, opts, datum.data)
     else:
         render_raw(hwc, s, channels, dst, opts)
 

@@ -24,10 +24,13 @@ def fresh(monkeypatch, tmp_path):
     jpeg_crop.reset()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def lib():
-    jpeg_crop.reset()
+    """The decoder, loaded (and self-checked) before a test patches ``decode_crop`` to count calls."""
     found = jpeg_crop.library()
+    if found is None:  # another test may have left the Pillow choice behind
+        jpeg_crop.reset()
+        found = jpeg_crop.library()
     if found is None:
         pytest.skip("the JPEG crop decoder does not build here (no C compiler or no libjpeg-turbo headers)")
     return found
@@ -196,33 +199,6 @@ def test_build_is_cached_and_keyed_by_the_source(fresh, lib, tmp_path, monkeypat
     assert jpeg_crop.build(tmp_path / "c") != first
 
 
-def test_draft_scale_is_the_one_pillow_picks():
-    for width, height in [(93, 75), (450, 391), (101, 64), (640, 480), (33, 500)]:
-        for factor in (2.0, 2.3, 3.99, 4.0, 4.4, 7.5, 8.0, 9.7, 17.0):
-            im = Image.open(io.BytesIO(_jpeg("4:2:0", height=height, width=width)))
-            _, (_, _, dw, _) = im.draft("RGB", transformer._draft_request(width, height, factor))
-            assert transformer._draft_scale(width, height, factor) == round(width / dw), (width, height, factor)
-
-
-def test_header_flags_files_pillow_must_open(lib):
-    plain = _jpeg("4:2:0")
-    assert jpeg_crop.header(lib, plain) == (93, 75, 3, 0)
-    assert jpeg_crop.header(lib, _jpeg("gray")) == (93, 75, 1, 0)
-    exif = Image.Exif()
-    exif[0x0112] = 1  # orientation 1: upright
-    buf = io.BytesIO()
-    Image.open(io.BytesIO(plain)).save(buf, "JPEG", exif=exif.tobytes())
-    assert jpeg_crop.header(lib, buf.getvalue())[3] == jpeg_crop.EXIF
-    mpo = io.BytesIO()
-    frame = Image.open(io.BytesIO(plain))
-    frame.save(mpo, "MPO", save_all=True, append_images=[frame.copy()])
-    assert jpeg_crop.header(lib, mpo.getvalue())[3] & jpeg_crop.MULTI_PICTURE
-    png = io.BytesIO()
-    frame.save(png, "PNG")
-    for data in (png.getvalue(), b"\xff\xd8\xff\xe0garbage", plain[:100]):
-        assert jpeg_crop.header(lib, data) is None
-
-
 class _Place:
     """A stage that puts the sample at a fixed box of the stored image."""
 
@@ -244,7 +220,7 @@ class _Datum:
 
 
 def _datum_render(data: bytes, box, out_w: int, out_h: int, mode: str, opts: RenderOptions) -> np.ndarray:
-    """transform_datum's path (header read, then crop decode or Pillow) for an encoded record at ``box``."""
+    """transform_datum's path (Pillow reads the header, then crop decode or Pillow) for an encoded record at ``box``."""
     dst = np.full((out_h, out_w, 3 if mode == "RGB" else 1), 7, np.uint8)
     transformer.transform_datum(_Datum(data), [_Place(box, out_w, out_h)], SampleRng(1), 3 if mode == "RGB" else 1,
                                 dst, opts)
@@ -284,5 +260,172 @@ def test_exif_jpegs_open_in_pillow_and_upright_ones_are_still_crop_decoded(lib, 
 
 def test_a_bomb_is_refused_from_the_header(lib, monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
-    with pytest.raises(DataError, match="decompression bomb: 93x75 pixels exceeds PIL.Image.MAX_IMAGE_PIXELS = 1000"):
-        transformer.jpeg_header(_jpeg("4:2:0"), RenderOptions())
+    with pytest.raises(DataError, match="decompression bomb"):
+        _datum_render(_jpeg("4:2:0"), (0, 0, 93, 75), 32, 32, "RGB", RenderOptions())
+
+
+# --------------------------------------------------------------------------- what the crop decoder must refuse
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    """tests/unit/csrc/jpeg_encode.c built against the system libjpeg: writes any sampling layout."""
+    import ctypes
+    import subprocess
+    from pathlib import Path
+
+    source = Path(__file__).parent / "csrc" / "jpeg_encode.c"
+    so = tmp_path_factory.mktemp("enc") / "jpeg_encode.so"
+    subprocess.run([*jpeg_crop._compiler(), *jpeg_crop.CFLAGS, "-o", str(so), str(source), *jpeg_crop.LIBS],
+                   check=True, capture_output=True)
+    fn = ctypes.CDLL(str(so)).dpt_test_encode
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_char_p]
+    out = tmp_path_factory.mktemp("jpegs")
+
+    def encode(samp: tuple[int, ...], progressive: bool, height: int = 75, width: int = 93) -> bytes:
+        pixels = np.ascontiguousarray(_photo(height, width, sum(samp)))
+        hs, vs = (ctypes.c_int * 3)(*samp[0::2]), (ctypes.c_int * 3)(*samp[1::2])
+        path = out / f"{'-'.join(map(str, samp))}_{int(progressive)}_{width}x{height}.jpg"
+        assert fn(pixels.ctypes.data, width, height, 3, hs, vs, int(progressive), 90, str(path).encode()) == 0
+        return path.read_bytes()
+
+    return encode
+
+
+def _decode_in_time(lib, data: bytes, box, scale: int, seconds: float = 20.0):
+    """decode_crop on a daemon thread: (refusal or None, pixels); fails the test if it does not return."""
+    import threading
+
+    out = np.empty((box[3] - box[1], box[2] - box[0], 3), np.uint8)
+    result = []
+    t = threading.Thread(target=lambda: result.append(
+        jpeg_crop.decode_crop(lib, data, box, scale=scale, gray=False, flip=False, out=out)), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert result, f"the crop decoder did not return within {seconds} s (box {box}, 1/{scale})"
+    return result[0], out
+
+
+# (h, v) sampling factors of Y, Cb, Cr
+_LAYOUTS = {"4:2:0": (2, 2, 1, 1, 1, 1), "4:2:2": (2, 1, 1, 1, 1, 1), "4:4:0": (1, 2, 1, 1, 1, 1),
+            "4:4:4": (1, 1, 1, 1, 1, 1), "4:1:1": (4, 1, 1, 1, 1, 1), "4:1:0": (4, 2, 1, 1, 1, 1),
+            "2x4": (2, 4, 1, 1, 1, 1), "1x4": (1, 4, 1, 1, 1, 1)}
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_any_sampling_layout_is_decoded_as_pillow_does_or_refused(lib, encoder, layout, progressive):
+    """Under DCT scaling, libjpeg-turbo's jpeg_crop_scanline mis-sized 4:1:0 and 2x4 chroma (wrong
+    pixels), and skipping rows of a progressive 2x4 file looped forever: those are refused now."""
+    data = encoder(_LAYOUTS[layout], progressive)
+    refused_at = []
+    for scale in (1, 2, 4, 8):
+        ref = Image.open(io.BytesIO(data))
+        if scale > 1:
+            ref.draft("RGB", (ref.size[0] // scale, ref.size[1] // scale))
+        full = np.asarray(ref)
+        h, w = full.shape[:2]
+        for box in [(0, 0, w, h), (w // 3, h // 4, w - 2, h - h // 5), (w // 2, h // 3, w // 2 + 2, h // 2)]:
+            refused, out = _decode_in_time(lib, data, box, scale)
+            if refused is None:
+                assert np.array_equal(out, full[box[1]:box[3], box[0]:box[2]]), (layout, scale, box)
+            else:
+                assert "sampling layout" in refused, refused
+                refused_at.append(scale)
+    print(layout, progressive, sorted(set(refused_at)))
+    if layout in ("4:1:0", "2x4"):
+        assert {2, 4} <= set(refused_at), refused_at
+    else:  # the layouts cameras and encoders write are crop-decoded at every scale
+        assert not refused_at
+
+
+def test_a_progressive_image_with_scans_missing_goes_to_pillow(lib):
+    import re
+
+    data = _jpeg("progressive")
+    scans = [m.start() for m in re.finditer(b"\xff\xda", data)]
+    assert len(scans) > 3
+    box = (13, 7, 80, 61)
+    for cut in scans[1:3]:  # the first scans only, then a clean end of image
+        partial = data[:cut] + b"\xff\xd9"
+        out = np.empty((54, 67, 3), np.uint8)
+        assert jpeg_crop.decode_crop(lib, partial, box, scale=1, gray=False, flip=False,
+                                     out=out) == "progressive image with scans missing"
+        # libjpeg versions fill in the missing coefficients differently: Pillow's copy decides
+        fast = _render(partial, box, 32, 32, False, "RGB", RenderOptions())
+        assert np.array_equal(fast, _render(partial, box, 32, 32, False, "RGB", RenderOptions(crop_decode=False)))
+
+
+def test_a_stream_libjpeg_warns_about_goes_to_pillow(lib):
+    data = _jpeg("4:2:0")
+    sos = data.index(b"\xff\xda")
+    junk = data[:sos] + b"\x00\x01" + data[sos:]  # 2 extraneous bytes before a marker: a libjpeg warning
+    out = np.empty((54, 67, 3), np.uint8)
+    msg = jpeg_crop.decode_crop(lib, junk, (13, 7, 80, 61), scale=1, gray=False, flip=False, out=out)
+    assert msg is not None and msg.startswith("libjpeg warning") and "extraneous bytes" in msg
+    fast = _render(junk, (13, 7, 80, 61), 32, 32, False, "RGB", RenderOptions())
+    assert np.array_equal(fast, _render(junk, (13, 7, 80, 61), 32, 32, False, "RGB", RenderOptions(crop_decode=False)))
+
+
+@pytest.mark.parametrize("damage", ["junk after SOI", "short JFIF segment"])
+def test_a_header_pillow_refuses_is_refused_with_the_crop_decoder_too(lib, damage):
+    """libjpeg takes these headers, Pillow does not; Pillow reads every header, so its verdict stands."""
+    data = _jpeg("4:2:0")
+    if damage == "junk after SOI":
+        bad = data[:2] + b"\x00" + data[2:]
+    else:
+        app0_end = 4 + int.from_bytes(data[4:6], "big")
+        bad = data[:2] + b"\xff\xe0\x00\x07JFIF\x00" + data[app0_end:]
+    verdicts = []
+    for opts in (RenderOptions(), RenderOptions(crop_decode=False)):
+        with pytest.raises(DataError, match="undecodable image") as e:
+            _datum_render(bad, (13, 7, 80, 61), 32, 32, "RGB", opts)
+        verdicts.append(str(e.value))
+    assert verdicts[0] == verdicts[1]
+
+
+def test_a_decoder_whose_pixels_differ_from_pillows_is_not_used(lib, fresh, monkeypatch, caplog):
+    jpeg_crop.self_check(lib)  # the real one passes
+    real = jpeg_crop.decode_crop
+
+    def off_by_one(*args, **kwargs):
+        msg = real(*args, **kwargs)
+        kwargs["out"][0, 0, 0] ^= 1
+        return msg
+
+    monkeypatch.setattr(jpeg_crop, "decode_crop", off_by_one)
+    with pytest.raises(RuntimeError, match="pixels differ from Pillow's .*4:2:0 JPEG at 1/1 scale"):
+        jpeg_crop.self_check(lib)
+    with caplog.at_level(logging.WARNING, logger="dptrain.data.jpeg_crop"):
+        assert jpeg_crop.library() is None  # auto: Pillow, with one warning
+    assert [r.getMessage() for r in caplog.records if "pixels differ" in r.getMessage()]
+    jpeg_crop.reset()
+    monkeypatch.setenv(jpeg_crop.JPEG_ENV, "crop")
+    with pytest.raises(ConfigError, match="unavailable: its pixels differ"):
+        jpeg_crop.library()
+
+
+def test_cc_may_carry_arguments_and_the_library_is_readable_by_others(fresh, lib, tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", f"{jpeg_crop._compiler()[0]} -std=gnu11")
+    built = jpeg_crop.build(tmp_path / "c")
+    assert built.stat().st_mode & 0o755 == 0o755
+    monkeypatch.setenv("CC", "'unbalanced")
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        jpeg_crop.build(tmp_path / "d")
+
+
+def test_the_source_compiles_against_the_jpeg8_api(lib, tmp_path):
+    """Ubuntu's libjpeg-turbo8 (JPEG_LIB_VERSION 80) names the IDCT sizes DCT_h/v_scaled_size."""
+    import subprocess
+
+    (tmp_path / "jconfig.h").write_text("#include_next <jconfig.h>\n#undef JPEG_LIB_VERSION\n"
+                                        "#define JPEG_LIB_VERSION 80\n")
+    probe = subprocess.run([*jpeg_crop._compiler(), "-fsyntax-only", "-Werror", f"-I{tmp_path}", "-x", "c", "-"],
+                           input="#include <stdio.h>\n#include <jpeglib.h>\n"
+                                 "#if JPEG_LIB_VERSION != 80\n#error shim not used\n#endif\n",
+                           capture_output=True, text=True, check=False)
+    assert probe.returncode == 0, probe.stderr
+    out = subprocess.run([*jpeg_crop._compiler(), "-fsyntax-only", "-Wall", "-Werror", f"-I{tmp_path}",
+                          str(jpeg_crop.SOURCE)], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr

@@ -533,6 +533,9 @@ def test_crop_decode_feeds_the_same_batches_as_full_decode(tmp_path, monkeypatch
 def test_draft_mode_fires_for_2x_downscale_and_stays_close(tmp_path, monkeypatch):
     from PIL import JpegImagePlugin
 
+    from dptrain.data import jpeg_crop
+
+    crop_decoder = jpeg_crop.library()  # loaded (and self-checked) before draft is patched to count calls
     path = write_db(tmp_path / "jpeg", [_jpeg_value(i) for i in range(4)])
     calls = []
     real_draft = JpegImagePlugin.JpegImageFile.draft
@@ -553,10 +556,8 @@ def test_draft_mode_fires_for_2x_downscale_and_stays_close(tmp_path, monkeypatch
     assert not calls
     diff = np.abs(fast.astype(int) - exact.astype(int))
     assert diff.mean() < 2.0 and diff.max() <= 12  # DCT-domain downscale vs full decode + bilinear: a few levels
-    from dptrain.data import jpeg_crop
-
-    if jpeg_crop.library() is not None:  # the crop decoder picks the same 1/4 decode without Pillow
-        assert np.array_equal(batch(draft=True), fast) and not calls
+    if crop_decoder is not None:  # the crop decoder decodes the same 1/4-scale box that Pillow picked
+        assert np.array_equal(batch(draft=True), fast) and calls and all(size == (24, 18) for size in calls)
 
 
 @pytest.mark.gpu
