@@ -48,7 +48,6 @@ struct dpt_error {
   jmp_buf jump;
   char *msg;
   int msg_len;
-  int warned; /* the first warning is kept in msg */
 };
 
 static void dpt_error_exit(j_common_ptr cinfo) {
@@ -59,19 +58,12 @@ static void dpt_error_exit(j_common_ptr cinfo) {
   longjmp(e->jump, 1);
 }
 
-/* Running out of data is an error (Pillow refuses a truncated image). Any other warning
- * is noted and the call refused at the end, so that Pillow decides what a damaged stream
- * yields. Trace messages (level >= 0) are ignored. */
+/* A warning ends the decode like an error (libjpeg lets an application do so): running
+ * out of data, because Pillow refuses a truncated image, and any other warning (damaged
+ * data), so that Pillow decides what such a stream yields. Trace messages (level >= 0)
+ * are ignored. */
 static void dpt_emit_message(j_common_ptr cinfo, int level) {
-  struct dpt_error *e = (struct dpt_error *)cinfo->err;
-  if (level >= 0) return;
-  if (cinfo->err->msg_code == JWRN_JPEG_EOF) dpt_error_exit(cinfo);
-  if (!e->warned) {
-    char text[JMSG_LENGTH_MAX];
-    (*cinfo->err->format_message)(cinfo, text);
-    snprintf(e->msg, (size_t)e->msg_len, "libjpeg warning: %s", text);
-    e->warned = 1;
-  }
+  if (level < 0) dpt_error_exit(cinfo);
 }
 
 /* Route libjpeg's errors and warnings to jerr (the caller then sets jerr.jump with setjmp). */
@@ -82,7 +74,6 @@ static void dpt_errors_to(struct jpeg_decompress_struct *cinfo, struct dpt_error
   jerr->pub.emit_message = dpt_emit_message;
   jerr->msg = err;
   jerr->msg_len = err_len;
-  jerr->warned = 0;
 }
 
 int dptrain_jpeg_crop(const unsigned char *data, unsigned long size, int scale_denom, int gray,
@@ -178,5 +169,5 @@ int dptrain_jpeg_crop(const unsigned char *data, unsigned long size, int scale_d
   jpeg_finish_decompress(&cinfo);
   free(row);
   jpeg_destroy_decompress(&cinfo);
-  return jerr.warned ? -1 : 0;
+  return 0;
 }

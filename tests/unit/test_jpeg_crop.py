@@ -363,7 +363,7 @@ def test_a_stream_libjpeg_warns_about_goes_to_pillow(lib):
     junk = data[:sos] + b"\x00\x01" + data[sos:]  # 2 extraneous bytes before a marker: a libjpeg warning
     out = np.empty((54, 67, 3), np.uint8)
     msg = jpeg_crop.decode_crop(lib, junk, (13, 7, 80, 61), scale=1, gray=False, flip=False, out=out)
-    assert msg is not None and msg.startswith("libjpeg warning") and "extraneous bytes" in msg
+    assert msg is not None and "extraneous bytes" in msg
     fast = _render(junk, (13, 7, 80, 61), 32, 32, False, "RGB", RenderOptions())
     assert np.array_equal(fast, _render(junk, (13, 7, 80, 61), 32, 32, False, "RGB", RenderOptions(crop_decode=False)))
 
