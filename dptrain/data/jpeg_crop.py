@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import io
 import logging
 import os
 import shlex
@@ -41,6 +42,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+from PIL import Image, features
 
 from dptrain.config import ConfigError
 
@@ -141,10 +143,6 @@ def self_check(lib: ctypes.CDLL) -> None:
     instead of samples that depend on the machine. It covers 4:2:0, 4:2:2, 4:4:4,
     progressive and grey files, DCT scales 1 and 2, and a mirrored box.
     """
-    import io
-
-    from PIL import Image, features
-
     rng = np.random.default_rng(0)
     yy, xx = np.mgrid[0:45, 0:61]
     photo = np.stack([128 + 90 * np.sin(xx / (5 + c) + c) * np.cos(yy / 7 - c) for c in range(3)], axis=-1)
