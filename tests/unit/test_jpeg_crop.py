@@ -1,8 +1,13 @@
 """The region-of-interest JPEG decoder: Pillow's pixels, Pillow's refusals, and the fallbacks."""
 from __future__ import annotations
 
+import ctypes
 import io
 import logging
+import re
+import subprocess
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -270,10 +275,6 @@ def test_a_bomb_is_refused_from_the_header(lib, monkeypatch):
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory):
     """tests/unit/csrc/jpeg_encode.c built against the system libjpeg: writes any sampling layout."""
-    import ctypes
-    import subprocess
-    from pathlib import Path
-
     source = Path(__file__).parent / "csrc" / "jpeg_encode.c"
     so = tmp_path_factory.mktemp("enc") / "jpeg_encode.so"
     subprocess.run([*jpeg_crop._compiler(), *jpeg_crop.CFLAGS, "-o", str(so), str(source), *jpeg_crop.LIBS],
@@ -295,8 +296,6 @@ def encoder(tmp_path_factory):
 
 def _decode_in_time(lib, data: bytes, box, scale: int, seconds: float = 20.0):
     """decode_crop on a daemon thread: (refusal or None, pixels); fails the test if it does not return."""
-    import threading
-
     out = np.empty((box[3] - box[1], box[2] - box[0], 3), np.uint8)
     result = []
     t = threading.Thread(target=lambda: result.append(
@@ -333,7 +332,6 @@ def test_any_sampling_layout_is_decoded_as_pillow_does_or_refused(lib, encoder, 
             else:
                 assert "sampling layout" in refused, refused
                 refused_at.append(scale)
-    print(layout, progressive, sorted(set(refused_at)))
     if layout in ("4:1:0", "2x4"):
         assert {2, 4} <= set(refused_at), refused_at
     else:  # the layouts cameras and encoders write are crop-decoded at every scale
@@ -341,8 +339,6 @@ def test_any_sampling_layout_is_decoded_as_pillow_does_or_refused(lib, encoder, 
 
 
 def test_a_progressive_image_with_scans_missing_goes_to_pillow(lib):
-    import re
-
     data = _jpeg("progressive")
     scans = [m.start() for m in re.finditer(b"\xff\xda", data)]
     assert len(scans) > 3
@@ -417,8 +413,6 @@ def test_cc_may_carry_arguments_and_the_library_is_readable_by_others(fresh, lib
 
 def test_the_source_compiles_against_the_jpeg8_api(lib, tmp_path):
     """Ubuntu's libjpeg-turbo8 (JPEG_LIB_VERSION 80) names the IDCT sizes DCT_h/v_scaled_size."""
-    import subprocess
-
     (tmp_path / "jconfig.h").write_text("#include_next <jconfig.h>\n#undef JPEG_LIB_VERSION\n"
                                         "#define JPEG_LIB_VERSION 80\n")
     probe = subprocess.run([*jpeg_crop._compiler(), "-fsyntax-only", "-Werror", f"-I{tmp_path}", "-x", "c", "-"],
