@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     args = _parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from dptrain.config import ConfigError, load_config
+    from dptrain.config import load_config
+    from dptrain.errors import ConfigError
 
     for name in ("steps", "repeats", "batch_size", "global_batch"):
         value = getattr(args, name)

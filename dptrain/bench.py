@@ -21,9 +21,11 @@ import torch
 
 from dptrain.comm import Communicator
 from dptrain.config import TrainConfig, config_hash
+from dptrain.errors import ConfigError
 from dptrain.precision import cpu_native_support
+from dptrain.topology import Topology
 from dptrain.trace import NullTracer, Tracer
-from dptrain.train import Trainer, local_threads, pick_device
+from dptrain.train import Trainer, pick_device
 
 PHASES = ("data_wait", "forward", "backward", "exposed_comm", "update")
 
@@ -82,14 +84,13 @@ def _percentile(xs: list[float], q: float) -> float:
 def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, trace: str | None) -> dict[str, Any] | None:
     """Run the benchmark on this rank; return the record on rank 0, None elsewhere."""
     if steps <= 0 or warmup < 0 or phase_steps < 0:
-        raise ValueError(f"bench needs --steps > 0 and non-negative --warmup/--phase-steps, got "
+        raise ConfigError(f"bench needs --steps > 0 and non-negative --warmup/--phase-steps, got "
                          f"{steps}/{warmup}/{phase_steps}")
-    import os
-
-    device = pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
+    topology = Topology.from_env()
+    device = pick_device(cfg.train.device, topology.local_rank)
     if device.type == "cpu":
-        torch.set_num_threads(local_threads(cfg.train.threads))
-    comm = Communicator.from_env(cfg.reducer.timeout_s, device)
+        torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
+    comm = Communicator.from_env(topology, cfg.reducer.timeout_s, device)
     tracer = Tracer(comm.rank) if trace else NullTracer(comm.rank)
     trainer = Trainer(cfg, comm, tracer=tracer)
     try:

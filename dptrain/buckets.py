@@ -80,7 +80,7 @@ class BucketPlan:
 def build_bucket_plan(groups: list[GroupSpec], bucket_mb: float, first_bucket_mb: float) -> BucketPlan:
     """Cut each group's layout into buckets capped at ``bucket_mb`` (first: ``first_bucket_mb``)."""
     if bucket_mb <= 0 or first_bucket_mb <= 0:
-        raise ValueError(f"bucket caps must be > 0 MiB, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}")
+        raise RuntimeError(f"bucket caps must be > 0 MiB, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}")
     raw: list[tuple[int, Bucket]] = []  # (ready position of the last parameter, bucket with index -1)
     for gi, g in enumerate(groups):
         _check_contiguous(gi, g)
@@ -104,7 +104,7 @@ def _check_contiguous(gi: int, g: GroupSpec) -> None:
     expect = 0
     for s in g.segments:
         if s.offset != expect:
-            raise ValueError(f"group {gi} ({g.dtype}): segment {s.name} at offset {s.offset}, expected {expect}; "
+            raise RuntimeError(f"group {gi} ({g.dtype}): segment {s.name} at offset {s.offset}, expected {expect}; "
                              "segments must be listed in layout order and tile the buffer")
         expect += s.padded_numel
 
@@ -121,7 +121,7 @@ def order_from_ready(layout_order: list[str], ready_order: list[str]) -> list[st
     known = set(layout_order)
     unknown = [n for n in ready_order if n not in known]
     if unknown or len(set(ready_order)) != len(ready_order):
-        raise ValueError(f"ready order has unknown or repeated parameters (unknown: {unknown[:5]}); "
+        raise RuntimeError(f"ready order has unknown or repeated parameters (unknown: {unknown[:5]}); "
                          "it must come from this model's gradient hooks")
     seen = set(ready_order)
     return [*ready_order, *(n for n in layout_order if n not in seen)]

@@ -15,27 +15,40 @@ import sys
 import time
 from pathlib import Path
 
-from dptrain.config import ConfigError, first_line, load_config
+from dptrain.config import load_config
+from dptrain.errors import (
+    EXIT_RANK_FAILURE,
+    EXIT_USER_ERROR,
+    ConfigError,
+    RankFailure,
+    RunDirError,
+    SetupError,
+    UserError,
+    first_line,
+)
+from dptrain.topology import Topology
 
 log = logging.getLogger("dptrain")
 
-EXIT_USER_ERROR = 2
-EXIT_PEER_FAILED = 1
+
+def _rank_and_world() -> tuple[int, int]:
+    """(rank, world size) for log and error lines; (0, 1) when the environment is unreadable
+    (the command itself then reports that as an error)."""
+    try:
+        t = Topology.from_env()
+    except SetupError:
+        return 0, 1
+    return t.rank, t.world_size
 
 
-def _rank_env() -> tuple[int, int, int]:
-    return (int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")),
-            int(os.environ.get("WORLD_SIZE", "1")))
-
-
-def stop_with_the_launcher() -> None:
+def stop_with_the_launcher(topology: Topology) -> None:
     """Under torchrun, ask Linux for a SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``).
 
     torchrun stops its solvers when it is signalled, but a launcher killed with SIGKILL (an
     OOM kill, a lost node agent) leaves them training as orphans. With this, each solver
     snapshots at the next agreed iteration and exits, as on any SIGTERM.
     """
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+    if not sys.platform.startswith("linux") or not topology.under_launcher:
         return
     import ctypes
     import signal
@@ -49,8 +62,16 @@ def stop_with_the_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def error_line(e: UserError) -> str:
+    """The one line a user error prints: what is wrong, where, and what to do."""
+    rank, world = _rank_and_world()
+    if isinstance(e, RankFailure):
+        return f"dptrain: error (rank {rank}): another rank failed first, see its error: {first_line(e)}"
+    return f"dptrain: error{f' (rank {rank})' if world > 1 else ''}: {e}"
+
+
 def setup_logging() -> None:
-    rank, _, world = _rank_env()
+    rank, world = _rank_and_world()
     fmt = f"%(asctime)s {'rank%d ' % rank if world > 1 else ''}%(levelname).1s %(name)s: %(message)s"
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format=fmt,
                         datefmt="%H:%M:%S", stream=sys.stderr)
@@ -142,7 +163,7 @@ def _refuse_earlier_run(run_dir: Path) -> None:
     """A fresh run would append to the earlier run's metrics.jsonl and overwrite its snapshots."""
     if found := _earlier_run(run_dir):
         more = f" and {len(found) - 3} more" if len(found) > 3 else ""
-        raise ValueError(f"train.run_dir {str(run_dir)!r} holds an earlier run ({', '.join(found[:3])}{more}); "
+        raise RunDirError(f"train.run_dir {str(run_dir)!r} holds an earlier run ({', '.join(found[:3])}{more}); "
                          f"continue it with --resume auto, or choose another train.run_dir")
 
 
@@ -150,21 +171,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dptrain.comm import Communicator
     from dptrain.snapshot import resolve_resume
     from dptrain.trace import Tracer
-    from dptrain.train import Trainer, local_threads, pick_device
+    from dptrain.train import Trainer, pick_device
 
     cfg = load_config(args.config, args.set)
-    if _rank_env()[0] == 0:  # rank 0 writes config.toml, metrics.jsonl and the snapshots
+    topology = Topology.from_env()
+    if topology.rank == 0:  # rank 0 writes config.toml, metrics.jsonl and the snapshots
         check_writable(Path(cfg.train.run_dir))
     if not args.resume:
         _refuse_earlier_run(Path(cfg.train.run_dir))
-    stop_with_the_launcher()
-    _, local_rank, _ = _rank_env()
-    device = pick_device(cfg.train.device, local_rank)
+    stop_with_the_launcher(topology)
+    device = pick_device(cfg.train.device, topology.local_rank)
     if device.type == "cpu":
         import torch
 
-        torch.set_num_threads(local_threads(cfg.train.threads))
-    comm = Communicator.from_env(cfg.reducer.timeout_s, device)
+        torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
+    comm = Communicator.from_env(topology, cfg.reducer.timeout_s, device)
     tracer = Tracer(comm.rank) if args.trace else None
     trainer = Trainer(cfg, comm, tracer=tracer)
     try:
@@ -239,7 +260,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 *sets]
     cfg = load_config(args.config, sets)
     if args.nproc < 0:
-        raise ValueError(f"--nproc must be >= 1 (0: one per GPU, or 2 on CPU), got {args.nproc}")
+        raise ConfigError(f"--nproc must be >= 1 (0: one per GPU, or 2 on CPU), got {args.nproc}")
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     run_dir = Path(cfg.train.run_dir)
     _start_demo_run(run_dir)
@@ -310,25 +331,16 @@ def main(argv: list[str] | None = None) -> int:
             record = run_data_bench(args)
         print(json.dumps(record), flush=True)  # the command's result: one JSON line on stdout
         return 0
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        rank, _, world = _rank_env()
-        where = f" (rank {rank})" if world > 1 else ""
-        print(f"dptrain: error{where}: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except Exception as e:  # noqa: BLE001 - only the types below; anything else re-raises
+    except UserError as e:  # the input's fault, or another rank's: one line, no traceback
+        print(error_line(e), file=sys.stderr)
+        return e.exit_code
+    except RuntimeError as e:
         from torch.distributed import DistError
 
-        from dptrain.comm import PeerFailure
-        from dptrain.precision import LossScaleError
-
-        rank, _, world = _rank_env()
-        if isinstance(e, LossScaleError):  # the recipe's fault (lr, clipping, storage): the user's to fix
-            print(f"dptrain: error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
-            return EXIT_USER_ERROR
-        if not isinstance(e, (PeerFailure, DistError)):
+        if not isinstance(e, DistError):  # a bug: keep the traceback
             raise
-        print(f"dptrain: error (rank {rank}): another rank failed first, see its error: {first_line(e)}",
-              file=sys.stderr)
-        return EXIT_PEER_FAILED
+        # a collective outside the wrapped ones failed: a peer went away
+        print(error_line(RankFailure(first_line(e))), file=sys.stderr)
+        return EXIT_RANK_FAILURE
     except KeyboardInterrupt:
         return 130

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import first_line
+from dptrain.errors import RankFailure, SetupError, first_line
+from dptrain.topology import Topology
 from dptrain.trace import now_us
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,6 @@ WATCH_POLL_S = 0.0002
 (200 us: finer than a typical bucket's allreduce, coarse enough to cost no measurable CPU)."""
 WATCH_IDLE_POLL_S = 0.02
 """Poll interval when only timeouts are watched (cupy-nccl)."""
-
-
-class PeerFailure(RuntimeError):
-    """A collective failed or timed out: another rank probably died or hung. The message names
-    this rank; the CLI prints it as one line and exits 1 (the failed rank has its own error)."""
 
 
 class Work(Protocol):
@@ -161,47 +157,50 @@ class _TorchWork:
 class Communicator:
     """Rank, world size and the collectives dptrain needs, over one process group."""
 
-    def __init__(self, *, rank: int, world_size: int, local_rank: int, device: torch.device,
-                 backend: str | None, timeout_s: float = 300.0, owns_group: bool = False) -> None:
-        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+    def __init__(self, topology: Topology, *, device: torch.device, backend: str | None,
+                 timeout_s: float = 300.0, owns_group: bool = False) -> None:
+        self.topology = topology
+        self.rank, self.world_size, self.local_rank = topology.rank, topology.world_size, topology.local_rank
         self.device, self.backend, self.timeout_s = device, backend, timeout_s
         self._owns_group = owns_group
         self._watcher: CompletionWatcher | None = None
 
     @classmethod
-    def from_env(cls, timeout_s: float, device: torch.device) -> Communicator:
-        """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+    def from_env(cls, topology: Topology, timeout_s: float, device: torch.device) -> Communicator:
+        """Join the process group torchrun describes (``topology``, MASTER_ADDR/PORT).
 
         A collective that does not complete within ``timeout_s`` fails on every rank that
         waits for it, so a dead or stuck rank never hangs the others forever.
         """
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if world <= 1:
-            return cls(rank=0, world_size=1, local_rank=local_rank, device=device, backend=None, timeout_s=timeout_s)
-        missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if topology.world_size <= 1:
+            return cls(topology, device=device, backend=None, timeout_s=timeout_s)
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]  # torch's env:// rendezvous
         if missing:
-            raise ValueError(f"WORLD_SIZE={world} but {missing} are not set; start the solvers with torchrun")
+            raise SetupError(f"WORLD_SIZE={topology.world_size} but {missing} are not set; start the solvers "
+                             f"with torchrun")
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
         if backend == "nccl":
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
-        comm = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                   device=device, backend=backend, timeout_s=timeout_s, owns_group=True)
+        if (dist.get_rank(), dist.get_world_size()) != (topology.rank, topology.world_size):
+            raise RuntimeError(f"process group is rank {dist.get_rank()} of {dist.get_world_size()}, the "
+                               f"environment said {topology.rank} of {topology.world_size}")
+        comm = cls(topology, device=device, backend=backend, timeout_s=timeout_s, owns_group=True)
         if comm.rank == 0:
             log.info("process group: backend %s, world size %d, timeout %g s", backend, comm.world_size, timeout_s)
         return comm
 
     @classmethod
     def from_initialized(cls, device: torch.device, timeout_s: float = 300.0) -> Communicator:
-        """Wrap a process group that is already initialised (tests, embedding applications).
-
-        ``timeout_s`` bounds gloo waits; the group's own timeout was fixed at its creation.
+        """Wrap a process group that is already initialised on one node (tests, embedding
+        applications): local rank = rank. ``timeout_s`` bounds gloo waits; the group's own
+        timeout was fixed at its creation.
         """
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                   local_rank=int(os.environ.get("LOCAL_RANK", dist.get_rank())), device=device,
-                   backend=dist.get_backend(), timeout_s=timeout_s)
+        world = dist.get_world_size()
+        topology = Topology(rank=dist.get_rank(), local_rank=dist.get_rank(), world_size=world,
+                            local_world_size=world)
+        return cls(topology, device=device, backend=dist.get_backend(), timeout_s=timeout_s)
 
     @property
     def distributed(self) -> bool:
@@ -210,13 +209,13 @@ class Communicator:
     @contextmanager
     def _blocking(self, what: str) -> Iterator[None]:
         """Turn a blocking collective's backend error (gloo: "Connection closed by peer", a
-        timeout) into :class:`PeerFailure` naming this rank, so the CLI prints one line."""
+        timeout) into :class:`RankFailure` naming this rank, so the CLI prints one line."""
         try:
             yield
-        except PeerFailure:
+        except RankFailure:
             raise
         except RuntimeError as e:  # DistError is one too
-            raise PeerFailure(f"rank {self.rank}: {what} failed or timed out (timeout {self.timeout_s:g} s): "
+            raise RankFailure(f"rank {self.rank}: {what} failed or timed out (timeout {self.timeout_s:g} s): "
                               f"{first_line(e)}; a peer rank probably died or hung, see its log") from e
 
     def broadcast_module(self, module: nn.Module) -> None:

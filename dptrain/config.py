@@ -20,15 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem; the message names the key and the fix."""
-
-
-def first_line(e: BaseException) -> str:
-    """An exception's text cut to its first line (torch's run to many), or its type's name if it has none."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+from dptrain.errors import ConfigError
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dptrain.errors import SnapshotError
+
 ALIGN_ELEMS = 64
 """Each parameter starts at a multiple of 64 elements, as NVCaffe pads its flat buffers;
 keeps vector loads (16 B) aligned in the update kernel."""
@@ -77,7 +79,7 @@ class FlatGroup:
         this group, once); values of weights, grads, masters and momentum move with them."""
         by_name = {s.name: s for s in self.segments}
         if sorted(names) != sorted(by_name):
-            raise ValueError("relayout needs every parameter of the group exactly once")
+            raise RuntimeError("relayout needs every parameter of the group exactly once")
         old = by_name
         segments, numel = _layout([(n, by_name[n].param) for n in names])
         bufs = {}
@@ -156,7 +158,7 @@ class FlatParams:
     def __init__(self, model: nn.Module, *, momentum_dtype: torch.dtype) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError("the model has no trainable parameters")
+            raise RuntimeError("the model has no trainable parameters")
         named.reverse()  # backward produces the last layers' gradients first
         self.layout_order: list[str] = [n for n, _ in named]
         """Parameter names in layout order across groups; the reducer's launch order."""
@@ -198,7 +200,7 @@ class FlatParams:
         names = {s.name for g in self.groups for s in g.segments}
         missing = sorted(names - set(state))
         if missing:
-            raise ValueError(f"snapshot lacks parameters {missing[:5]}; was it written for another model?")
+            raise SnapshotError(f"snapshot lacks parameters {missing[:5]}; was it written for another model?")
         for g in self.groups:
             g.load_master_state(state)
 

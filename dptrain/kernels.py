@@ -26,6 +26,8 @@ from typing import Literal
 
 import torch
 
+from dptrain.errors import ConfigError, SetupError
+
 log = logging.getLogger(__name__)
 
 KERNELS_ENV = "DPTRAIN_KERNELS"
@@ -162,14 +164,14 @@ def kernel_backend(*tensors: torch.Tensor) -> Literal["cupy", "torch", "cpu"]:
     """
     choice = os.environ.get(KERNELS_ENV, "auto")
     if choice not in _BACKENDS:
-        raise ValueError(f"{KERNELS_ENV}={choice!r} is not one of {_BACKENDS}; unset it or pick one of those")
+        raise ConfigError(f"{KERNELS_ENV}={choice!r} is not one of {_BACKENDS}; unset it or pick one of those")
     if choice == "auto" and not any(t.is_cuda for t in tensors):
         return "cpu"
     if choice == "torch" or not all(t.is_cuda for t in tensors):
         return "torch"
     if _cupy() is None:
         if choice == "cupy":
-            raise ValueError(f"{KERNELS_ENV}=cupy but CuPy is not importable; install cupy-cuda12x "
+            raise SetupError(f"{KERNELS_ENV}=cupy but CuPy is not importable; install cupy-cuda12x "
                              f"(pip install dptrain[cuda12]) or set {KERNELS_ENV}=auto")
         return "torch"
     return "cupy"
@@ -399,15 +401,15 @@ def _ptr(t: torch.Tensor | None) -> object:
 
 def _check_flat(name: str, t: torch.Tensor, n: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
     if t.dim() != 1 or t.numel() != n or not t.is_contiguous() or t.device != device:
-        raise ValueError(f"{name} must be a contiguous 1-D tensor of {n} elements on {device}, "
+        raise RuntimeError(f"{name} must be a contiguous 1-D tensor of {n} elements on {device}, "
                          f"got shape {tuple(t.shape)} strides {t.stride()} on {t.device}")
     if t.dtype not in dtypes:
-        raise ValueError(f"{name} has dtype {t.dtype}; the CUDA kernel supports {dtypes}")
+        raise RuntimeError(f"{name} has dtype {t.dtype}; the CUDA kernel supports {dtypes}")
 
 
 def _check_scalar(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.numel() != 1 or t.dtype != torch.float32 or t.device != device:
-        raise ValueError(f"{name} must be one fp32 element on {device} (the kernel reads it there), "
+        raise RuntimeError(f"{name} must be one fp32 element on {device} (the kernel reads it there), "
                          f"got shape {tuple(t.shape)} {t.dtype} on {t.device}")
 
 

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dptrain.errors import RunDirError
+
 log = logging.getLogger(__name__)
 
 
@@ -30,7 +32,7 @@ class MetricsWriter:
                 self._file = open(self._path, "a", buffering=1)
             self._file.write(json.dumps(record) + "\n")
         except OSError as e:
-            raise ValueError(f"cannot append to {str(self._path)!r} ({e.strerror or e}); free space on its "
+            raise RunDirError(f"cannot append to {str(self._path)!r} ({e.strerror or e}); free space on its "
                              f"filesystem or choose another train.run_dir, then --resume auto") from e
 
     def drop_after(self, iteration: int) -> int:
@@ -74,6 +76,6 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{str(path)!r} line {n} is not JSON ({e.msg}); a crash may have cut it "
+                raise RunDirError(f"{str(path)!r} line {n} is not JSON ({e.msg}); a crash may have cut it "
                                  f"short: delete that line") from e
     return records

@@ -29,7 +29,8 @@ from types import ModuleType
 
 import torch
 
-from dptrain.comm import Communicator, CompletionWatcher, PeerFailure
+from dptrain.comm import Communicator, CompletionWatcher
+from dptrain.errors import RankFailure, SetupError
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,12 @@ def _nccl() -> ModuleType:
     try:
         from cupy.cuda import nccl
     except ImportError as e:
-        raise ValueError(f"reducer.backend = \"cupy-nccl\" needs CuPy with NCCL ({e}); install cupy-cuda12x "
+        raise SetupError(f"reducer.backend = \"cupy-nccl\" needs CuPy with NCCL ({e}); install cupy-cuda12x "
                          "or use reducer.backend = \"torch\"") from e
     # cupy.cuda.nccl imports even when CuPy cannot load libnccl: it then only sets available = False
     # and has no NcclCommunicator, so check here rather than fail later with an AttributeError.
     if not getattr(nccl, "available", False) or not hasattr(nccl, "NcclCommunicator"):
-        raise ValueError("reducer.backend = \"cupy-nccl\": CuPy is installed but cannot load the NCCL library "
+        raise SetupError("reducer.backend = \"cupy-nccl\": CuPy is installed but cannot load the NCCL library "
                          "(cupy.cuda.nccl.available is False); install nvidia-nccl-cu12 (pip install "
                          "dptrain[cuda12]) or use reducer.backend = \"torch\"")
     return nccl
@@ -71,7 +72,7 @@ def _dtype_table() -> dict[torch.dtype, int]:
 def _nccl_dtype(dtype: torch.dtype) -> int:
     table = _dtype_table()
     if dtype not in table:
-        raise ValueError(f"cupy-nccl cannot reduce {dtype} (this CuPy supports {sorted(map(str, table))}); "
+        raise SetupError(f"cupy-nccl cannot reduce {dtype} (this CuPy supports {sorted(map(str, table))}); "
                          "use reducer.backend = \"torch\" or reducer.reduce_dtype = \"fp32\"")
     return table[dtype]
 
@@ -103,7 +104,7 @@ class CupyNcclCommunicator:
 
     def __init__(self, comm: Communicator, timeout_s: float) -> None:
         if comm.device.type != "cuda":
-            raise ValueError(f"rank {comm.rank}: cupy-nccl needs a CUDA device, got {comm.device}")
+            raise RuntimeError(f"rank {comm.rank}: cupy-nccl needs a CUDA device, got {comm.device}")
         nccl = _nccl()
         self.rank, self.world_size, self.device, self.timeout_s = comm.rank, comm.world_size, comm.device, timeout_s
         uid = comm.broadcast_object(nccl.get_unique_id() if comm.rank == 0 else None, src=0)
@@ -141,7 +142,7 @@ class CupyNcclCommunicator:
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
-            raise PeerFailure(self._error)
+            raise RankFailure(self._error)
 
     def close(self) -> None:
         self.watcher.close()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dptrain.config import LossScaleConfig, PrecisionConfig
+from dptrain.errors import LossScaleError
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +98,6 @@ def _ancestors(model: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
         prefix = ".".join(parts[:i])
         out.append((prefix, model.get_submodule(prefix)))
     return out
-
-
-class LossScaleError(RuntimeError):
-    """The dynamic loss scale hit its floor: gradients overflow at every scale."""
 
 
 class LossScaler:

@@ -46,10 +46,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dptrain.buckets import Bucket, BucketPlan, GroupSpec, SegmentSpec, build_bucket_plan, explain_difference, \
-    order_from_ready, plan_from_ready_order
-from dptrain.comm import AsyncAllreduce, Communicator, PeerFailure, Work
+from dptrain.buckets import (
+    Bucket,
+    BucketPlan,
+    GroupSpec,
+    SegmentSpec,
+    build_bucket_plan,
+    explain_difference,
+    order_from_ready,
+    plan_from_ready_order,
+)
+from dptrain.comm import AsyncAllreduce, Communicator, Work
 from dptrain.config import ReducerConfig
+from dptrain.errors import ConfigError, RankFailure
 from dptrain.flat import FlatParams
 from dptrain.trace import Tracer, now_us
 
@@ -119,7 +128,7 @@ class Reducer:
             log.warning("rank %d: reducer.backend = \"cupy-nccl\" has no effect with one solver", self.comm.rank)
             return self.comm
         if self.comm.device.type != "cuda":
-            raise ValueError(f"rank {self.comm.rank}: reducer.backend = \"cupy-nccl\" needs CUDA devices, "
+            raise ConfigError(f"rank {self.comm.rank}: reducer.backend = \"cupy-nccl\" needs CUDA devices, "
                              f"this solver runs on {self.comm.device}; use reducer.backend = \"torch\"")
         from dptrain.nccl_cupy import CupyNcclCommunicator, check_reducible  # imports cupy: GPU runs only
 
@@ -230,8 +239,8 @@ class Reducer:
             torch._foreach_copy_(self.running_stats,
                                  [avg.view_as(t) for t, avg in zip(self.running_stats, stats.split(self._stats_numels))])
 
-    def _stats_failure(self, e: Exception) -> PeerFailure:
-        return PeerFailure(f"rank {self.comm.rank}: allreduce of the running statistics failed or timed out "
+    def _stats_failure(self, e: Exception) -> RankFailure:
+        return RankFailure(f"rank {self.comm.rank}: allreduce of the running statistics failed or timed out "
                            f"(reducer.timeout_s = {self.cfg.timeout_s}): {e}; a peer rank probably died or hung, "
                            "see its log")
 
@@ -239,8 +248,8 @@ class Reducer:
         self.tracer.complete("allreduce", rec.start_us, end_us, tid="comm", bucket=rec.bucket.index,
                              bytes=rec.bucket.nbytes)
 
-    def _failure(self, b: Bucket, e: Exception) -> PeerFailure:
-        return PeerFailure(
+    def _failure(self, b: Bucket, e: Exception) -> RankFailure:
+        return RankFailure(
             f"rank {self.comm.rank}: allreduce of bucket {b.index} ({b.nbytes} B) failed or timed out "
             f"(reducer.timeout_s = {self.cfg.timeout_s}): {e}; a peer rank probably died or hung, see its log"
         )

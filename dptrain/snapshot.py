@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dptrain.config import first_line
+from dptrain.errors import RunDirError, SnapshotError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def save_snapshot(state: dict[str, Any], path: Path) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError from its zip writer
-        raise ValueError(f"cannot write snapshot {str(path)!r} ({type(e).__name__}: {first_line(e)}; {_free(path.parent)}); free space "
+        raise RunDirError(f"cannot write snapshot {str(path)!r} ({type(e).__name__}: {first_line(e)}; {_free(path.parent)}); free space "
                          f"or choose another train.run_dir, then --resume auto") from e
     finally:
         tmp.unlink(missing_ok=True)
@@ -92,15 +92,15 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     """Load a snapshot with ``weights_only=True``; ValueError names the file if it is unusable."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"snapshot {str(p)!r} not found; pass an existing snapshot_iter_<N>.pt or --resume auto")
+        raise SnapshotError(f"snapshot {str(p)!r} not found; pass an existing snapshot_iter_<N>.pt or --resume auto")
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a torn or foreign file
-        raise ValueError(f"snapshot {str(p)!r} cannot be read ({type(e).__name__}: {first_line(e)}); it is torn or not a "
+        raise SnapshotError(f"snapshot {str(p)!r} cannot be read ({type(e).__name__}: {first_line(e)}); it is torn or not a "
                          f"dptrain snapshot, use an older one") from e
     for key in ("iteration", "model", "solver", "rng", "config"):
         if key not in state:
-            raise ValueError(f"snapshot {str(p)!r} lacks {key!r}; it was not written by dptrain")
+            raise SnapshotError(f"snapshot {str(p)!r} lacks {key!r}; it was not written by dptrain")
     return state
 
 
@@ -112,7 +112,7 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
     for it, p in list_snapshots(run_dir):
         try:
             load_snapshot(p)
-        except ValueError as e:
+        except SnapshotError as e:
             log.warning("skipping unreadable snapshot %s: %s", p, e)
             continue
         return p

@@ -13,7 +13,6 @@ tests, snapshots or polls for a stop request.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
@@ -30,10 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dptrain.comm import Communicator
-from dptrain.config import ConfigError, TrainConfig, config_to_dict, dump_toml
+from dptrain.config import TrainConfig, config_to_dict, dump_toml
 from dptrain.data import build_source
 from dptrain.data.base import DROPPED_LABEL, DeviceFeeder
 from dptrain.data.sampling import ShardPlan, batches_per_epoch
+from dptrain.errors import ConfigError, RunDirError, SetupError, SnapshotError
 from dptrain.flat import FlatParams
 from dptrain.metrics import MetricsWriter
 from dptrain.models import build_model, check_input
@@ -77,9 +77,9 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("train.device = \"cuda\" but no CUDA device is visible; use \"auto\" or \"cpu\"")
+        raise SetupError("train.device = \"cuda\" but no CUDA device is visible; use \"auto\" or \"cpu\"")
     if local_rank >= torch.cuda.device_count():
-        raise ValueError(
+        raise SetupError(
             f"LOCAL_RANK {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
             "start at most one process per GPU"
         )
@@ -193,7 +193,8 @@ class Trainer:
         self.tracer = tracer or NullTracer(self.rank)
         self.run_dir = Path(cfg.train.run_dir)
         _check_run_dir(self.run_dir)
-        self.source = build_source(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed, device=self.device)
+        self.source = build_source(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed, device=self.device,
+                                   rank=self.rank, cores=comm.topology.cores_per_process)
         self.model, self.flat = build_model_and_params(cfg, comm, self.device, in_channels=self.source.sample_shape[2])
         self._input_ok = False
         ls_mode = cfg.precision.resolved_loss_scale_mode()
@@ -333,13 +334,13 @@ class Trainer:
         buffers = {k: v for k, v in state["model"].items() if k not in params}
         missing = self.model.load_state_dict(buffers, strict=False)
         if missing.unexpected_keys:
-            raise ValueError(f"snapshot has keys this model lacks: {missing.unexpected_keys[:5]}; "
+            raise SnapshotError(f"snapshot has keys this model lacks: {missing.unexpected_keys[:5]}; "
                              "was it written for another model.name?")
         for name, p in self.model.named_parameters():
             saved = state["model"].get(name)
             if saved is None or saved.shape != p.shape:
                 got = "missing" if saved is None else f"{list(saved.shape)}"
-                raise ValueError(f"snapshot's {name!r} is {got} but this model's is {list(p.shape)}; was it written "
+                raise SnapshotError(f"snapshot's {name!r} is {got} but this model's is {list(p.shape)}; was it written "
                                  f"with another model.num_classes / model.width / input channels?")
         self.reducer.load_state_dict(state.get("reducer", {}))  # may re-lay out the flat buffers: first
         self.flat.load_master_state(state["model"])
@@ -388,7 +389,7 @@ class Trainer:
         starts = self.comm.allgather_object(iteration)
         if len(set(starts)) > 1:
             listed = ", ".join(f"rank {r}: {it}" for r, it in enumerate(starts))
-            raise ValueError(f"the ranks resumed at different iterations ({listed}); every rank must read the "
+            raise SnapshotError(f"the ranks resumed at different iterations ({listed}); every rank must read the "
                              f"same snapshot: use a train.run_dir all nodes share, or pass --resume PATH")
 
     def resume(self, path: Path) -> None:
@@ -441,7 +442,7 @@ class Trainer:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
             except OSError as e:
-                raise ValueError(f"cannot write {str(self.run_dir / 'config.toml')!r} ({e.strerror or e}); "
+                raise RunDirError(f"cannot write {str(self.run_dir / 'config.toml')!r} ({e.strerror or e}); "
                                  f"choose another train.run_dir") from e
             if removed := remove_stale_temporaries(self.run_dir):
                 log.info("removed %d temporary file(s) of interrupted snapshot writes", removed)
@@ -515,11 +516,3 @@ def _progress(rank: int, total: int, start: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, initial=start, unit="it", dynamic_ncols=True)
-
-
-def local_threads(requested: int) -> int:
-    """torch threads per solver on CPU: requested, or the cores shared among local solvers."""
-    if requested:
-        return requested
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // local)

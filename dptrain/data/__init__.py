@@ -8,14 +8,15 @@ from dptrain.data.base import DataSource
 from dptrain.data.builtin import digits_source, synthetic_source
 
 
-def build_source(cfg: DataConfig, *, num_classes: int, seed: int, device: torch.device) -> DataSource:
-    """The source named by ``data.source``."""
+def build_source(cfg: DataConfig, *, num_classes: int, seed: int, device: torch.device, rank: int = 0,
+                 cores: int = 1) -> DataSource:
+    """The source named by ``data.source`` for solver ``rank``, whose input threads share ``cores`` cores."""
     if cfg.source == "digits":
         if cfg.mean_value:  # explicit normalisation, e.g. to match an LMDB of the same digits
             return digits_source(num_classes, tuple(cfg.mean_value), cfg.scale)
         return digits_source(num_classes)
     if cfg.source == "synthetic":
         return synthetic_source(num_classes, cfg.image_size, cfg.synthetic_samples, seed, device)
-    from dptrain.data.lmdb_source import lmdb_source
+    from dptrain.data.lmdb_source import LmdbSource
 
-    return lmdb_source(cfg, num_classes=num_classes, seed=seed, pin_memory=device.type == "cuda")
+    return LmdbSource(cfg, num_classes=num_classes, seed=seed, rank=rank, cores=cores, pin_memory=device.type == "cuda")

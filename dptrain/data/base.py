@@ -15,7 +15,6 @@ import torch
 
 from dptrain.data.sampling import ShardPlan
 
-
 DROPPED_LABEL = -1
 """Label of a test-batch row whose record was bad and skipped (data.max_bad_records): it holds
 no sample, and the test phase does not score it."""

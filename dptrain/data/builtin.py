@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from dptrain.data.base import HostBatch
-from dptrain.data.sampling import ShardPlan, rank_batch_indices, eval_range
+from dptrain.data.sampling import ShardPlan, eval_range, rank_batch_indices
+from dptrain.errors import ConfigError
 
 DIGITS_TRAIN = 1500
 DIGITS_TEST = 297
@@ -99,7 +100,7 @@ def digits_source(num_classes: int, mean: tuple[float, ...] = (), scale: float =
     empty mean means the built-in normalisation (training-set pixel mean 77.75, scale 1/64).
     """
     if num_classes < 10:
-        raise ValueError(f"model.num_classes is {num_classes}, but digits has 10 classes; set model.num_classes = 10")
+        raise ConfigError(f"model.num_classes is {num_classes}, but digits has 10 classes; set model.num_classes = 10")
     xtr, ytr, xte, yte = load_digits_arrays()
     mean = mean or tuple(float(m) for m in xtr.reshape(-1, 3).mean(0))
     to_t = torch.from_numpy

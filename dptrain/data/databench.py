@@ -15,11 +15,13 @@ from typing import Any
 
 import PIL
 
-from dptrain.config import ConfigError, DataConfig, config_to_dict, load_config
+from dptrain.config import DataConfig, config_to_dict, load_config
 from dptrain.data import jpeg_crop
 from dptrain.data.lmdb_source import LmdbSource
 from dptrain.data.sampling import ShardPlan
 from dptrain.data.transformer import RenderOptions
+from dptrain.errors import ConfigError
+from dptrain.topology import Topology
 
 
 def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: int, warmup: int,
@@ -29,8 +31,10 @@ def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: i
     ``cpu_ms_per_image`` is the process's CPU time (all threads) per image over the same
     windows: it shows the pipeline's cost even on a machine shared with other work.
     """
+    topology = Topology.from_env()
     cfg = dataclasses.replace(cfg, test_path="")  # the training stream alone: the test DB need not exist here
-    src = LmdbSource(cfg, num_classes=num_classes, seed=seed, render=render, rank=int(os.environ.get("RANK", "0")))
+    src = LmdbSource(cfg, num_classes=num_classes, seed=seed, render=render, rank=topology.rank,
+                     cores=topology.cores_per_process)
     stream = src.train_batches(ShardPlan(0, 1, cfg.batch_size, seed, cfg.shuffle == "epoch"), 0)
     rates, cpu_ms = [], []
     try:
@@ -82,7 +86,7 @@ def run_data_bench(args: argparse.Namespace) -> dict[str, Any]:
                           f"set data.source = \"lmdb\"")
     for name in ("batches", "warmup", "repeats"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
-            raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
+            raise ConfigError(f"--{name} must be positive, got {getattr(args, name)}")
     record = measure_pipeline(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed,
                               batches=args.batches, warmup=args.warmup, repeats=args.repeats,
                               render=RenderOptions(draft=not args.no_draft, torch_resize=not args.pillow_resize,

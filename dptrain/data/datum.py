@@ -19,30 +19,9 @@ from typing import Protocol
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
-from dptrain.config import ConfigError
+from dptrain.errors import ConfigError, DataError
 
 _F = descriptor_pb2.FieldDescriptorProto
-
-
-class DataError(ValueError):
-    """A bad input record or data path; the message names the rank, the LMDB and the key.
-
-    Codec and transform code raises it with the ``reason`` only; the thread that knows
-    the record adds the place with :meth:`located`.
-    """
-
-    def __init__(self, reason: str, *, path: str = "", key: bytes | str = b"", rank: int = 0) -> None:
-        self.reason, self.path, self.rank = reason, path, rank
-        self.key = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-        where = f"LMDB {path!r}" if path else "data"
-        at = f" key {self.key!r}" if self.key else ""
-        super().__init__(f"rank {rank}: {where}{at}: {reason}")
-
-    def located(self, *, path: str, key: bytes | str, rank: int) -> DataError:
-        """The same reason, with the LMDB path, record key and rank filled in."""
-        e = DataError(self.reason, path=path, key=key, rank=rank)
-        e.__cause__ = self.__cause__
-        return e
 
 
 class DatumLike(Protocol):

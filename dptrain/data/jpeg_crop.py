@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, features
 
-from dptrain.config import ConfigError
+from dptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def decode_crop(lib: ctypes.CDLL, data: bytes, box: tuple[int, int, int, int], *
     x0, y0, x1, y1 = box
     channels = 1 if gray else 3
     if out.shape != (y1 - y0, x1 - x0, channels) or out.dtype != np.uint8 or not out.flags.c_contiguous:
-        raise ValueError(f"out is {out.dtype} {out.shape}, not a C-contiguous uint8 "
+        raise RuntimeError(f"out is {out.dtype} {out.shape}, not a C-contiguous uint8 "
                          f"{(y1 - y0, x1 - x0, channels)} array")
     err = ctypes.create_string_buffer(_ERR_LEN)
     rc = lib.dptrain_jpeg_crop(data, len(data), scale, int(gray), x0, y0, x1 - x0, y1 - y0, int(flip),

@@ -32,11 +32,17 @@ import lmdb
 import numpy as np
 import torch
 
-from dptrain.config import ConfigError, DataConfig
+from dptrain.config import DataConfig
 from dptrain.data import jpeg_crop
-from dptrain.data.datum import DataError, parse_datum, read_mean_file
+from dptrain.data.datum import parse_datum, read_mean_file
 from dptrain.data.pipeline import (
-    BadRecordBudget, BatchRing, EmptyStream, PipelineStream, StreamParts, TestSequence, TrainSequence,
+    BadRecordBudget,
+    BatchRing,
+    EmptyStream,
+    PipelineStream,
+    StreamParts,
+    TestSequence,
+    TrainSequence,
 )
 from dptrain.data.queues import QueueSet
 from dptrain.data.sampling import ShardPlan, eval_range
@@ -48,8 +54,9 @@ from dptrain.data.transformer import (
     check_chain,
     probe_channels_and_size,
 )
+from dptrain.errors import ConfigError, DataError
 
-__all__ = ["DataError", "LmdbReader", "LmdbSource", "default_threads", "lmdb_source"]
+__all__ = ["DataError", "LmdbReader", "LmdbSource", "default_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -184,24 +191,21 @@ class LmdbReader:
         return _Handle(self)
 
 
-def default_threads(cfg: DataConfig) -> tuple[int, int]:
-    """(parsers, transformers) per solver; 0 in the config means: derive from the cores.
+def default_threads(cfg: DataConfig, cores: int) -> tuple[int, int]:
+    """(parsers, transformers) per solver; 0 in the config means: derive from ``cores``, the
+    cores this solver may use (``Topology.cores_per_process``).
 
-    Decoding dominates, and Pillow decodes without the GIL, so T = the cores available to
-    this solver (its affinity mask / LOCAL_WORLD_SIZE). Parsers only seek and parse a
-    Datum: one per 4 cores, at most NVCaffe's 3.
+    Decoding dominates, and Pillow decodes without the GIL, so T = cores. Parsers only seek
+    and parse a Datum: one per 4 cores, at most NVCaffe's 3.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    per_solver = max(1, cores // local_world)
-    parsers = cfg.parser_threads or min(MAX_PARSERS_DEFAULT, max(1, per_solver // 4))
-    return parsers, cfg.transformer_threads or per_solver
+    parsers = cfg.parser_threads or min(MAX_PARSERS_DEFAULT, max(1, cores // 4))
+    return parsers, cfg.transformer_threads or cores
 
 
 class LmdbSource:
     """DataSource over a training LMDB and an optional test LMDB of Caffe Datums."""
 
-    def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0,
+    def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0, cores: int = 1,
                  render: RenderOptions = RenderOptions(), pin_memory: bool = False) -> None:
         self._cfg, self._num_classes, self._seed = cfg, num_classes, seed
         self._render = render
@@ -224,7 +228,7 @@ class LmdbSource:
                               f"set data.crop_size or data.resize")
         self.sample_shape = (out[True].height, out[True].width, self.channels)
         self.scale = cfg.scale
-        self.parsers, self.transformers = default_threads(cfg)
+        self.parsers, self.transformers = default_threads(cfg, cores)
         crop = "off"
         if render.crop_decode:  # built (or found in the cache) now, not in the first batch's time
             crop = "on" if jpeg_crop.library() is not None else "unavailable"
@@ -328,9 +332,3 @@ class LmdbSource:
         if self._test is None or len(indices) == 0:
             return EmptyStream()
         return self._stream(self._test, TestSequence(indices), batch_size, rank, train=False)
-
-
-def lmdb_source(cfg: DataConfig, *, num_classes: int, seed: int, pin_memory: bool = False) -> LmdbSource:
-    """The [data] section's LMDB source (called by ``dptrain.data.build_source``)."""
-    return LmdbSource(cfg, num_classes=num_classes, seed=seed, rank=int(os.environ.get("RANK", "0")),
-                      pin_memory=pin_memory)

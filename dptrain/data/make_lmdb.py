@@ -27,8 +27,9 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from dptrain.data.datum import DataError, encode_datum, hwc_to_raw
+from dptrain.data.datum import encode_datum, hwc_to_raw
 from dptrain.data.transformer import GRAY_MODES, convert_image, open_image
+from dptrain.errors import DataError, InputError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 ENCODE_QUALITY = 95
@@ -47,18 +48,18 @@ def list_image_folder(root: str | Path) -> tuple[list[tuple[str, int]], list[str
     """
     root = Path(root)
     if not root.is_dir():
-        raise ValueError(f"image folder {str(root)!r} does not exist")
+        raise InputError(f"image folder {str(root)!r} does not exist")
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     items = []
     for label, c in enumerate(classes):
         files = [f for f in sorted((root / c).iterdir())
                  if f.suffix.lower() in IMAGE_SUFFIXES and not f.name.startswith(".")]
         if not files:
-            raise ValueError(f"class folder {str(root / c)!r} has no images ({', '.join(IMAGE_SUFFIXES)}); "
+            raise InputError(f"class folder {str(root / c)!r} has no images ({', '.join(IMAGE_SUFFIXES)}); "
                              f"remove it or add its images (labels follow the sorted class folders)")
         items += [(f"{c}/{f.name}", label) for f in files]
     if not items:
-        raise ValueError(f"image folder {str(root)!r} has no images in class subfolders ({', '.join(IMAGE_SUFFIXES)})")
+        raise InputError(f"image folder {str(root)!r} has no images in class subfolders ({', '.join(IMAGE_SUFFIXES)})")
     return items, classes
 
 
@@ -67,11 +68,11 @@ def read_list_file(path: str | Path) -> list[tuple[str, int]]:
     p = Path(path)
     if not p.is_file():
         what = "is not a regular file" if p.exists() else "does not exist"
-        raise ValueError(f"list file {str(p)!r} {what}; give an image folder or a file of 'path label' lines")
+        raise InputError(f"list file {str(p)!r} {what}; give an image folder or a file of 'path label' lines")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"list file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); give an image "
+        raise InputError(f"list file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); give an image "
                          f"folder or a list of 'path label' lines") from e
     items = []
     for n, line in enumerate(text.splitlines(), 1):
@@ -79,10 +80,10 @@ def read_list_file(path: str | Path) -> list[tuple[str, int]]:
             continue
         parts = line.rsplit(maxsplit=1)
         if len(parts) != 2 or not (parts[1].isascii() and parts[1].isdigit()):
-            raise ValueError(f"{p}:{n}: expected 'path label' with an integer label >= 0, got {line!r}")
+            raise InputError(f"{p}:{n}: expected 'path label' with an integer label >= 0, got {line!r}")
         items.append((parts[0], int(parts[1])))
     if not items:
-        raise ValueError(f"list file {str(p)!r} lists no images")
+        raise InputError(f"list file {str(p)!r} lists no images")
     return items
 
 
@@ -118,12 +119,12 @@ def write_lmdb(out: str | Path, records: Iterator[tuple[bytes, bytes]], total: i
     """
     out = Path(out)
     if (out / "data.mdb").exists():
-        raise ValueError(f"{str(out)!r} already holds an LMDB; remove it or choose another output path")
+        raise InputError(f"{str(out)!r} already holds an LMDB; remove it or choose another output path")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{str(out)!r} exists and is not an empty folder; remove it or choose another output path")
+        raise InputError(f"{str(out)!r} exists and is not an empty folder; remove it or choose another output path")
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        raise ValueError(f"cannot create {str(out)!r}: {str(blocker)!r} is a file; choose another output path")
+        raise InputError(f"cannot create {str(out)!r}: {str(blocker)!r} is a file; choose another output path")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.incomplete"
     shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier run that died
@@ -135,7 +136,7 @@ def write_lmdb(out: str | Path, records: Iterator[tuple[bytes, bytes]], total: i
         chunk: list[tuple[bytes, bytes]] = []
         for key, value in records:
             if len(key) > env.max_key_size():
-                raise ValueError(f"key {key[:40].decode('utf-8', 'replace')!r}... is {len(key)} bytes, over "
+                raise InputError(f"key {key[:40].decode('utf-8', 'replace')!r}... is {len(key)} bytes, over "
                                  f"LMDB's {env.max_key_size()}; shorten the image paths")
             chunk.append((key, value))
             if len(chunk) == TXN_RECORDS:
@@ -147,7 +148,7 @@ def write_lmdb(out: str | Path, records: Iterator[tuple[bytes, bytes]], total: i
         bar.close()
         done = True
     except lmdb.Error as e:
-        raise ValueError(f"writing the LMDB {str(out)!r} failed ({e}); check the disk space and the path") from e
+        raise InputError(f"writing the LMDB {str(out)!r} failed ({e}); check the disk space and the path") from e
     finally:
         env.close()
         if not done:
@@ -174,9 +175,9 @@ def make_lmdb(out: str | Path, items: list[tuple[str, int]], *, root: str | Path
               encoded: bool = False, gray: bool = False) -> int:
     """Write ``items`` ([(path relative to root, label)]) as Datums to a new LMDB ``out``; returns the count."""
     if resize is not None and min(resize) <= 0:
-        raise ValueError(f"--resize needs positive H W, got {list(resize)}")
+        raise InputError(f"--resize needs positive H W, got {list(resize)}")
     if seed < 0:
-        raise ValueError(f"--seed must be >= 0, got {seed}")
+        raise InputError(f"--seed must be >= 0, got {seed}")
     order = np.random.default_rng(seed).permutation(len(items)) if shuffle else np.arange(len(items))
     root = Path(root)
 
@@ -188,7 +189,7 @@ def make_lmdb(out: str | Path, items: list[tuple[str, int]], *, root: str | Path
                 value = _record(path.read_bytes(), label, i, resize=resize, encoded=encoded, gray=gray)
             except (OSError, Image.DecompressionBombError, DataError) as e:
                 why = e.reason if isinstance(e, DataError) else str(e)
-                raise ValueError(f"cannot read image {str(path)!r} ({why}); fix or remove it from the input") from e
+                raise InputError(f"cannot read image {str(path)!r} ({why}); fix or remove it from the input") from e
             yield b"%08d_" % i + os.fsencode(rel), value  # fsencode: file names need not be UTF-8
 
     return write_lmdb(out, records(), len(items))
@@ -238,11 +239,11 @@ def run_make_lmdb(args: argparse.Namespace) -> dict:
     """Entry of ``dptrain make-lmdb``: write the LMDB(s); return what was written (the CLI prints it)."""
     if args.digits:
         if len(args.paths) != 1:
-            raise ValueError(f"make-lmdb --digits takes one output path, got {args.paths}")
+            raise InputError(f"make-lmdb --digits takes one output path, got {args.paths}")
         counts = make_digits_lmdb(args.paths[0], encoded=args.encoded)
         return {"out": args.paths[0], "records": counts, "encoded": args.encoded}
     if len(args.paths) != 2:
-        raise ValueError(f"make-lmdb takes SOURCE OUT (or --digits OUT), got {args.paths}")
+        raise InputError(f"make-lmdb takes SOURCE OUT (or --digits OUT), got {args.paths}")
     source, out = Path(args.paths[0]), args.paths[1]
     if source.is_dir():
         items, classes = list_image_folder(source)

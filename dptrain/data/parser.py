@@ -15,7 +15,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from dptrain.data.datum import DataError, DatumLike, parse_datum
+from dptrain.data.datum import DatumLike, parse_datum
+from dptrain.errors import DataError
 
 if TYPE_CHECKING:
     from dptrain.data.pipeline import StreamParts

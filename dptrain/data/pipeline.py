@@ -30,11 +30,11 @@ import numpy as np
 import torch
 
 from dptrain.data.base import HostBatch
-from dptrain.data.datum import DataError
 from dptrain.data.parser import ParsedRecord, run_parser
 from dptrain.data.queues import POLL_S, QueueSet
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, rank_epoch_shard
 from dptrain.data.transformer import RenderOptions, Stage, run_transformer
+from dptrain.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dptrain.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ShardPlan:
@@ -61,7 +63,7 @@ def batches_per_epoch(num_samples: int, global_batch: int) -> int:
     """Full global batches in one epoch; raises if the dataset holds less than one."""
     n = num_samples // global_batch
     if n == 0:
-        raise ValueError(
+        raise ConfigError(
             f"dataset has {num_samples} samples, fewer than one global batch "
             f"({global_batch}); lower data.batch_size or use fewer solvers"
         )

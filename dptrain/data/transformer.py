@@ -37,11 +37,12 @@ import torch
 import torch.nn.functional as F
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from dptrain.config import ConfigError, DataConfig
+from dptrain.config import DataConfig
 from dptrain.data import jpeg_crop
 from dptrain.data.base import DROPPED_LABEL
-from dptrain.data.datum import DataError, DatumLike, raw_to_hwc
+from dptrain.data.datum import DatumLike, raw_to_hwc
 from dptrain.data.parser import ParsedRecord, RecordHandle, parse_record
+from dptrain.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from dptrain.data.pipeline import StreamParts

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from dptrain.errors import ConfigError
 from dptrain.models.alexnet import alexnet
 from dptrain.models.googlenet import googlenet
 from dptrain.models.lenet import lenet
@@ -40,7 +41,7 @@ def build_model(name: str, *, num_classes: int, width: int = 64, in_channels: in
                 channels_last: bool = False) -> nn.Module:
     """Instantiate zoo entry ``name``; raise ValueError listing the choices for an unknown name."""
     if name not in MODELS:
-        raise ValueError(f"model.name must be one of {sorted(MODELS)}, got {name!r}")
+        raise ConfigError(f"model.name must be one of {sorted(MODELS)}, got {name!r}")
     model = MODELS[name](num_classes=num_classes, width=width, in_channels=in_channels)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)

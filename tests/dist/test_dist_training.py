@@ -9,6 +9,8 @@ import torch
 
 from dist_harness import run_ranks
 from dptrain.comm import Communicator
+from dptrain.errors import SnapshotError
+from dptrain.topology import Topology
 from dptrain.config import load_config
 from dptrain.train import Trainer
 
@@ -19,7 +21,7 @@ BASE = ["model.name=lenet", "data.source=digits", "solver.base_lr=0.01", "solver
 def _trainer(overrides: list[str], out: str, world: int, tracer=None) -> Trainer:
     cfg = load_config(None, [*BASE, f"train.run_dir={json.dumps(out)}", *overrides])
     comm = Communicator.from_initialized(torch.device("cpu")) if world > 1 else \
-        Communicator.from_env(60, torch.device("cpu"))
+        Communicator.from_env(Topology(), 60, torch.device("cpu"))
     return Trainer(cfg, comm, tracer=tracer)
 
 
@@ -122,7 +124,7 @@ def _start_rank(rank, world, out):
             t.resume(Path(out) / "first" / "snapshot_iter_2.pt")
         else:
             t.check_same_start(0)
-    except ValueError as e:
+    except SnapshotError as e:
         Path(out, f"rank{rank}.txt").write_text(str(e))
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from dist_harness import run_ranks, start_ranks
 from dptrain.comm import Communicator
+from dptrain.errors import RankFailure
 from dptrain.config import ReducerConfig
 from dptrain.flat import FlatParams
 from dptrain.reducer import Reducer
@@ -305,7 +306,7 @@ def _fails_rank(rank: int, world: int, out: str, mode: str) -> None:
     model(torch.randn(4, 16)).sum().backward()
     try:
         reducer.wait()
-    except RuntimeError as e:
+    except RankFailure as e:
         Path(out, "rank0.txt").write_text(str(e))
         raise
 
@@ -341,8 +342,6 @@ def _started_ranks(world: int, fn, *args, timeout_s: float) -> Iterator[list]:
 
 
 def _blocking_fails_rank(rank: int, world: int, out: str, collective: str) -> None:
-    from dptrain.comm import PeerFailure
-
     comm = comm_of(timeout_s=6)
     comm.barrier()
     if rank == 1:
@@ -352,7 +351,7 @@ def _blocking_fails_rank(rank: int, world: int, out: str, collective: str) -> No
              "broadcast_module": lambda: comm.broadcast_module(Tiny())}
     try:
         calls[collective]()
-    except PeerFailure as e:
+    except RankFailure as e:
         Path(out, "rank0.txt").write_text(str(e))
         raise
 
@@ -360,7 +359,7 @@ def _blocking_fails_rank(rank: int, world: int, out: str, collective: str) -> No
 @pytest.mark.parametrize("collective", ["allreduce_sum_", "allgather_object", "broadcast_module"])
 def test_blocking_collective_with_a_dead_peer_is_a_peer_failure(tmp_path, collective):
     """The test phase, snapshots and startup use blocking collectives: a dead peer there must
-    be the same one-line PeerFailure as in the reducer, not gloo's traceback."""
+    be the same one-line RankFailure as in the reducer, not gloo's traceback."""
     with _started_ranks(2, _blocking_fails_rank, str(tmp_path), collective, timeout_s=6) as procs:
         for p in procs:
             p.join(timeout=45)

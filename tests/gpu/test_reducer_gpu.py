@@ -9,13 +9,14 @@ import time
 
 import pytest
 import torch
+from dist_harness import run_ranks
 from torch import nn
 
-from dist_harness import run_ranks
 from dptrain.comm import Communicator
 from dptrain.config import ReducerConfig
 from dptrain.flat import FlatParams
 from dptrain.reducer import Reducer
+from dptrain.topology import Topology
 from dptrain.trace import Tracer
 
 
@@ -46,7 +47,7 @@ stream dependency would let NCCL read the buffer before the write queued behind 
 def _one_rank_cupy():
     from dptrain.nccl_cupy import CupyNcclCommunicator
 
-    comm = Communicator(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
+    comm = Communicator(Topology(), device=torch.device("cuda", 0), backend=None)
     return CupyNcclCommunicator(comm, timeout_s=30)
 
 
@@ -77,7 +78,7 @@ def test_cupy_comm_orders_against_torch_streams_on_a_high_priority_stream():
 def _watchdog_rank(rank: int, world: int) -> None:
     from dptrain.nccl_cupy import CupyNcclCommunicator
 
-    comm = Communicator(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
+    comm = Communicator(Topology(), device=torch.device("cuda", 0), backend=None)
     cc = CupyNcclCommunicator(comm, timeout_s=0.05)
     x = torch.ones(1024, device="cuda")
     torch.cuda._sleep(SLEEP_CYCLES * 10)  # the allreduce cannot complete within 0.05 s

@@ -8,6 +8,7 @@ import torch
 
 from dptrain.comm import Communicator
 from dptrain.config import load_config
+from dptrain.topology import Topology
 from dptrain.train import Trainer
 
 pytestmark = [
@@ -20,7 +21,7 @@ def _trainer(tmp_path, *sets: str) -> Trainer:
     cfg = load_config(None, ["model.name=resnet18_cifar", "model.width=16", "model.num_classes=10",
                              "data.source=synthetic", "data.image_size=32", "data.batch_size=32",
                              "solver.display=0", f"train.run_dir={json.dumps(str(tmp_path))}", *sets])
-    return Trainer(cfg, Communicator.from_env(60, torch.device("cuda", 0)))
+    return Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cuda", 0)))
 
 
 def test_fp16_step_has_no_host_sync(tmp_path):

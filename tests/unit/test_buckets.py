@@ -5,12 +5,21 @@ import pytest
 import torch
 from torch import nn
 
-from dptrain.buckets import MIB, GroupSpec, SegmentSpec, build_bucket_plan, explain_difference, order_from_ready, \
-    plan_from_ready_order
+from dptrain.buckets import (
+    MIB,
+    GroupSpec,
+    SegmentSpec,
+    build_bucket_plan,
+    explain_difference,
+    order_from_ready,
+    plan_from_ready_order,
+)
 from dptrain.comm import Communicator
 from dptrain.config import ReducerConfig
+from dptrain.errors import ConfigError
 from dptrain.flat import FlatParams
 from dptrain.reducer import Reducer, group_specs
+from dptrain.topology import Topology
 from dptrain.trace import NullTracer
 
 KIB = 1024 / MIB  # 1 KiB expressed in MiB, the unit of the caps
@@ -93,18 +102,18 @@ def test_describe_and_explain_difference_name_what_differs():
 
 
 def test_bad_caps_and_gapped_segments_raise():
-    with pytest.raises(ValueError, match=r"bucket caps must be > 0 MiB, got bucket_mb=0"):
+    with pytest.raises(RuntimeError, match=r"bucket caps must be > 0 MiB, got bucket_mb=0"):
         build_bucket_plan([group(FOUR)], bucket_mb=0, first_bucket_mb=1)
     gapped = GroupSpec("float16", 2, (SegmentSpec("a", 0, 64, 0), SegmentSpec("b", 128, 64, 1)))
-    with pytest.raises(ValueError, match=r"segment b at offset 128, expected 64"):
+    with pytest.raises(RuntimeError, match=r"segment b at offset 128, expected 64"):
         build_bucket_plan([gapped], bucket_mb=1, first_bucket_mb=1)
 
 
 def test_order_from_ready_appends_unused_parameters_and_rejects_strangers():
     assert order_from_ready(["a", "b", "c", "d"], ["c", "a"]) == ["c", "a", "b", "d"]
-    with pytest.raises(ValueError, match=r"unknown: \['zz'\]"):
+    with pytest.raises(RuntimeError, match=r"unknown: \['zz'\]"):
         order_from_ready(["a", "b"], ["b", "zz"])
-    with pytest.raises(ValueError, match="unknown or repeated"):
+    with pytest.raises(RuntimeError, match="unknown or repeated"):
         order_from_ready(["a", "b"], ["b", "b"])
 
 
@@ -152,7 +161,7 @@ def test_replan_predicts_the_relayout_of_the_flat_buffers():
 def test_single_process_reducer_is_inert():
     model = nn.Linear(4, 2)
     flat = FlatParams(model, momentum_dtype=torch.float32)
-    comm = Communicator.from_env(60, torch.device("cpu"))  # conftest clears WORLD_SIZE: one process
+    comm = Communicator.from_env(Topology(), 60, torch.device("cpu"))  # conftest clears WORLD_SIZE: one process
     reducer = Reducer(flat, ReducerConfig(backend="cupy-nccl"), comm, NullTracer())  # no effect, just a warning
     assert comm.world_size == 1 and reducer.grad_divisor == 1
     reducer.begin(sync=True)
@@ -164,7 +173,7 @@ def test_single_process_reducer_is_inert():
 
 
 def test_cupy_backend_on_cpu_is_refused_before_any_collective():
-    comm = Communicator(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    comm = Communicator(Topology(world_size=2, local_world_size=2), device=torch.device("cpu"), backend="gloo")
     flat = FlatParams(nn.Linear(2, 2), momentum_dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"rank 0: reducer.backend = \"cupy-nccl\" needs CUDA devices"):
+    with pytest.raises(ConfigError, match=r"rank 0: reducer.backend = \"cupy-nccl\" needs CUDA devices"):
         Reducer(flat, ReducerConfig(backend="cupy-nccl"), comm, NullTracer())

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from dptrain.cli import main
+from dptrain.errors import LossScaleError, RunDirError
 
 
 @pytest.fixture()
@@ -141,7 +142,6 @@ def test_demo_refuses_a_negative_process_count(capsys):
 
 
 def test_loss_scale_floor_is_one_line_and_exit_2(cfg, capsys, tmp_path, monkeypatch):
-    from dptrain.precision import LossScaleError
     from dptrain.train import Trainer
 
     def floor(self):
@@ -187,6 +187,62 @@ def test_demo_starts_its_own_run_over_but_never_deletes_another_run(tmp_path, ca
     theirs = tmp_path / "digits"
     theirs.mkdir()
     (theirs / "snapshot_iter_20.pt").write_bytes(b"y")
-    with pytest.raises(ValueError, match=r"holds an earlier run \(snapshot_iter_20\.pt\)"):
+    with pytest.raises(RunDirError, match=r"holds an earlier run \(snapshot_iter_20\.pt\)"):
         _start_demo_run(theirs)
     assert (theirs / "snapshot_iter_20.pt").read_bytes() == b"y"
+
+
+def test_internal_error_keeps_its_traceback(cfg, monkeypatch):
+    """A broken invariant (RuntimeError, even one whose text reads like a config message) is a
+    bug: it must reach the user with its traceback, not as a one-line 'error: ... exit 2'."""
+    import dptrain.cli as cli
+
+    def broken(args):
+        raise RuntimeError("model.name must be one of [...]: an invariant, not the user's input")
+
+    monkeypatch.setattr(cli, "cmd_train", broken)
+    with pytest.raises(RuntimeError, match="an invariant"):
+        main(["train", "--config", cfg("")])
+
+
+@pytest.mark.parametrize("exc, code, fragment", [
+    (RunDirError("train.run_dir 'x' is locked"), 2, "dptrain: error: train.run_dir 'x' is locked"),
+    (LossScaleError("loss scale fell to"), 2, "dptrain: error: loss scale fell to"),
+])
+def test_user_errors_are_one_line_with_their_exit_code(cfg, monkeypatch, capsys, exc, code, fragment):
+    import dptrain.cli as cli
+
+    def fail(args):
+        raise exc
+
+    monkeypatch.setattr(cli, "cmd_train", fail)
+    assert main(["train", "--config", cfg("")]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [fragment]
+
+
+def test_rank_failure_exits_1_naming_the_rank(cfg, monkeypatch, capsys):
+    import dptrain.cli as cli
+    from dptrain.errors import RankFailure
+
+    def fail(args):
+        raise RankFailure("rank 1: allreduce of bucket 0 failed")
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(cli, "cmd_train", fail)
+    assert main(["train", "--config", cfg("")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dptrain: error (rank 1): another rank failed first, see its error: rank 1: allreduce of "
+                   "bucket 0 failed"]
+
+
+def test_subprocess_internal_error_prints_a_traceback(tmp_path):
+    """Through the real entry point: a RuntimeError from inside training is not turned into exit 2."""
+    script = ("import sys, dptrain.cli as cli\n"
+              "def broken(args):\n    raise RuntimeError('flat buffer invariant broken')\n"
+              "cli.cmd_train = broken\n"
+              f"sys.exit(cli.main(['train', '--config', {str(tmp_path / 'c.toml')!r}]))\n")
+    (tmp_path / "c.toml").write_text("")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "flat buffer invariant broken" in proc.stderr

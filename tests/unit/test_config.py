@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.config import ConfigError, TrainConfig, dump_toml, load_config
+from dptrain.config import TrainConfig, dump_toml, load_config
+from dptrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,14 +4,29 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dptrain.config import ConfigError, DataConfig
+from dptrain.config import DataConfig
 from dptrain.data.datum import (
-    BlobProto, DataError, encode_blob, encode_datum, hwc_to_raw, parse_datum, raw_to_hwc, read_mean_file,
+    BlobProto,
+    DataError,
+    encode_blob,
+    encode_datum,
+    hwc_to_raw,
+    parse_datum,
+    raw_to_hwc,
+    read_mean_file,
 )
 from dptrain.data.queues import QueueSet
 from dptrain.data.transformer import (
-    CenterResizedCrop, Crop, RandomResizedCrop, Sample, SampleRng, SampleSpec, build_stages, check_chain,
+    CenterResizedCrop,
+    Crop,
+    RandomResizedCrop,
+    Sample,
+    SampleRng,
+    SampleSpec,
+    build_stages,
+    check_chain,
 )
+from dptrain.errors import ConfigError
 
 
 def _varint(n: int) -> bytes:

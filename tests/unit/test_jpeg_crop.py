@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dptrain.config import ConfigError
 from dptrain.data import jpeg_crop, transformer
-from dptrain.data.datum import DataError
 from dptrain.data.transformer import RenderOptions, Sample, SampleRng, render_image
+from dptrain.errors import ConfigError, DataError
 
 
 @pytest.fixture
@@ -114,7 +113,7 @@ def test_damage_anywhere_is_refused_even_below_the_box(lib):
 
 
 def test_out_must_match_the_box(lib):
-    with pytest.raises(ValueError, match="C-contiguous uint8"):
+    with pytest.raises(RuntimeError, match="C-contiguous uint8"):
         jpeg_crop.decode_crop(lib, _jpeg("4:2:0"), (0, 0, 8, 8), scale=1, gray=False, flip=False,
                               out=np.empty((8, 9, 3), np.uint8))
 

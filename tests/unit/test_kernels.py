@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dptrain import kernels
+from dptrain.errors import ConfigError, SetupError
 from dptrain.kernels import grad_norm_reference, sgd_update_reference
 
 # ----------------------------------------------------------------------------- helpers
@@ -169,7 +170,7 @@ def test_cpu_tensors_dispatch_to_cpu_path_or_reference(monkeypatch):
 
 def test_bad_backend_env_is_rejected(monkeypatch):
     monkeypatch.setenv(kernels.KERNELS_ENV, "triton")
-    with pytest.raises(ValueError, match="DPTRAIN_KERNELS='triton' is not one of"):
+    with pytest.raises(ConfigError, match="DPTRAIN_KERNELS='triton' is not one of"):
         kernels.kernel_backend(torch.zeros(1))
 
 
@@ -177,7 +178,7 @@ def test_forced_cupy_without_cupy_is_an_error(monkeypatch):
     monkeypatch.setattr(kernels, "_cupy", lambda: None)
     on_cuda = SimpleNamespace(is_cuda=True)  # stands in for a CUDA tensor on this CPU machine
     monkeypatch.setenv(kernels.KERNELS_ENV, "cupy")
-    with pytest.raises(ValueError, match="DPTRAIN_KERNELS=cupy but CuPy is not importable"):
+    with pytest.raises(SetupError, match="DPTRAIN_KERNELS=cupy but CuPy is not importable"):
         kernels.kernel_backend(on_cuda)
     monkeypatch.setenv(kernels.KERNELS_ENV, "auto")
     assert kernels.kernel_backend(on_cuda) == "torch"  # auto falls back to the reference
@@ -185,13 +186,13 @@ def test_forced_cupy_without_cupy_is_an_error(monkeypatch):
 
 def test_kernel_wrappers_reject_bad_layouts():
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="master must be a contiguous 1-D tensor of 8 elements"):
+    with pytest.raises(RuntimeError, match="master must be a contiguous 1-D tensor of 8 elements"):
         kernels._check_flat("master", torch.zeros(2, 4), 8, (torch.float32,), cpu)
-    with pytest.raises(ValueError, match="master must be a contiguous 1-D tensor"):
+    with pytest.raises(RuntimeError, match="master must be a contiguous 1-D tensor"):
         kernels._check_flat("master", torch.zeros(16)[::2], 8, (torch.float32,), cpu)
-    with pytest.raises(ValueError, match="momentum has dtype torch.float64"):
+    with pytest.raises(RuntimeError, match="momentum has dtype torch.float64"):
         kernels._check_flat("momentum", torch.zeros(8, dtype=torch.float64), 8, kernels.MOMENTUM_DTYPES, cpu)
-    with pytest.raises(ValueError, match="found_inf must be one fp32 element"):
+    with pytest.raises(RuntimeError, match="found_inf must be one fp32 element"):
         kernels._check_scalar("found_inf", torch.zeros(1, dtype=torch.float16), cpu)
     kernels._check_scalar("grad_coef", torch.tensor(0.5), cpu)  # 0-dim is fine too
 

@@ -16,12 +16,14 @@ import pytest
 import torch
 from PIL import Image
 
-from dptrain.config import ConfigError, DataConfig
-from dptrain.data.datum import DataError, encode_blob, encode_datum, hwc_to_raw
-from dptrain.data.lmdb_source import LmdbSource, default_threads, lmdb_source
+from dptrain.config import DataConfig
+from dptrain.data.datum import encode_blob, encode_datum, hwc_to_raw
+from dptrain.data.lmdb_source import LmdbSource, default_threads
 from dptrain.data.make_lmdb import write_lmdb
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, epoch_permutation, rank_batch_indices
 from dptrain.data.transformer import RenderOptions
+from dptrain.errors import ConfigError, DataError
+from dptrain.topology import Topology
 
 H, W, NUM_CLASSES = 6, 8, 5
 
@@ -90,7 +92,7 @@ def test_order_and_augmentation_independent_of_thread_counts(db29):
     results = {}
     for p, t in itertools.product((1, 2, 3), repeat=2):
         cfg = make_cfg(db29, batch_size=3, parser_threads=p, transformer_threads=t, crop_size=4, mirror=True)
-        src = lmdb_source(cfg, num_classes=NUM_CLASSES, seed=11)
+        src = LmdbSource(cfg, num_classes=NUM_CLASSES, seed=11)
         results[p, t] = [collect(src.train_batches(ShardPlan(r, world, 3, seed=11), 0), steps) for r in range(world)]
     ref = results[1, 1]
     for key, res in results.items():
@@ -111,7 +113,7 @@ def test_order_and_augmentation_independent_of_thread_counts(db29):
 def test_shards_disjoint_covering_and_reshuffled_per_epoch(db29):
     world, b = 3, 2
     per_epoch = batches_per_epoch(29, world * b)  # 4
-    src = lmdb_source(make_cfg(db29, batch_size=b, parser_threads=2, transformer_threads=2),
+    src = LmdbSource(make_cfg(db29, batch_size=b, parser_threads=2, transformer_threads=2),
                       num_classes=NUM_CLASSES, seed=5)
     epochs = [[ids(x) for x, _, _ in collect(src.train_batches(ShardPlan(r, world, b, seed=5), 0), 2 * per_epoch)]
               for r in range(world)]
@@ -126,7 +128,7 @@ def test_shards_disjoint_covering_and_reshuffled_per_epoch(db29):
 
 
 def test_start_step_resumes_the_same_sequence(db29):
-    src = lmdb_source(make_cfg(db29, crop_size=4, mirror=True), num_classes=NUM_CLASSES, seed=3)
+    src = LmdbSource(make_cfg(db29, crop_size=4, mirror=True), num_classes=NUM_CLASSES, seed=3)
     plan = ShardPlan(0, 1, 4, seed=3)
     full = collect(src.train_batches(plan, 0), 10)
     resumed = collect(src.train_batches(plan, 6), 4)
@@ -134,7 +136,7 @@ def test_start_step_resumes_the_same_sequence(db29):
 
 
 def test_no_shuffle_reads_record_order_as_a_ring(db29):
-    src = lmdb_source(make_cfg(db29, shuffle="none"), num_classes=NUM_CLASSES, seed=3)
+    src = LmdbSource(make_cfg(db29, shuffle="none"), num_classes=NUM_CLASSES, seed=3)
     out = collect(src.train_batches(ShardPlan(0, 1, 4, seed=3, shuffle=False), 0), 15)
     seen = sum((ids(x) for x, _, _ in out), [])
     # 7 batches of 4 per epoch leave one record over; the next epoch starts with it, as Caffe's reader would
@@ -143,7 +145,7 @@ def test_no_shuffle_reads_record_order_as_a_ring(db29):
 
 def test_test_batches_split_contiguously_with_centre_crop(tmp_path):
     path = write_db(tmp_path / "test", [raw_value(i) for i in range(11)])
-    src = lmdb_source(make_cfg(write_db(tmp_path / "train", [raw_value(i) for i in range(8)]),
+    src = LmdbSource(make_cfg(write_db(tmp_path / "train", [raw_value(i) for i in range(8)]),
                                test_path=path, crop_size=4, mirror=True), num_classes=NUM_CLASSES, seed=1)
     assert (src.num_train, src.num_test, src.sample_shape) == (8, 11, (4, 4, 3))
     seen = []
@@ -159,7 +161,7 @@ def test_test_batches_split_contiguously_with_centre_crop(tmp_path):
 def test_key_table_for_keys_without_index_prefix(tmp_path):
     names = [b"zeta", b"alpha", b"mid", b"beta", b"omega"]
     path = write_db(tmp_path / "db", [raw_value(i) for i in range(5)], keys=names)
-    src = lmdb_source(make_cfg(path, batch_size=5, shuffle="none"), num_classes=NUM_CLASSES, seed=1)
+    src = LmdbSource(make_cfg(path, batch_size=5, shuffle="none"), num_classes=NUM_CLASSES, seed=1)
     (images, _, _), = collect(src.train_batches(ShardPlan(0, 1, 5, seed=1, shuffle=False), 0), 1)
     assert ids(images) == [names.index(k) for k in sorted(names)]  # records are numbered in key order
 
@@ -167,13 +169,13 @@ def test_key_table_for_keys_without_index_prefix(tmp_path):
 def test_source_attributes_and_means(tmp_path):
     path = write_db(tmp_path / "db", [raw_value(i) for i in range(8)])
     (tmp_path / "mean.binaryproto").write_bytes(encode_blob(np.stack([np.full((6, 8), v) for v in (1.0, 2.0, 3.0)])))
-    src = lmdb_source(make_cfg(path, mean_file=str(tmp_path / "mean.binaryproto"), scale=0.5),
+    src = LmdbSource(make_cfg(path, mean_file=str(tmp_path / "mean.binaryproto"), scale=0.5),
                       num_classes=NUM_CLASSES, seed=1)
     assert src.mean == (3.0, 2.0, 1.0) and src.scale == 0.5 and src.sample_shape == (H, W, 3)
     gray = write_db(tmp_path / "gray", [raw_value(i, image=pixels(i)[:, :, 1]) for i in range(4)])
-    assert lmdb_source(make_cfg(gray), num_classes=NUM_CLASSES, seed=1).sample_shape == (H, W, 1)
+    assert LmdbSource(make_cfg(gray), num_classes=NUM_CLASSES, seed=1).sample_shape == (H, W, 1)
     with pytest.raises(ConfigError, match="mean has 3 channels/values but the images have 1 channel"):
-        lmdb_source(make_cfg(gray, mean_value=[1.0, 2.0, 3.0]), num_classes=NUM_CLASSES, seed=1)
+        LmdbSource(make_cfg(gray, mean_value=[1.0, 2.0, 3.0]), num_classes=NUM_CLASSES, seed=1)
 
 
 def _caffe_transform(x_chw: np.ndarray, mean_chw: np.ndarray, h_off: int, w_off: int, size: int, mirror: bool,
@@ -201,7 +203,7 @@ def test_mean_file_image_is_subtracted_pixel_by_pixel_at_each_crop_as_caffe_does
     path = write_db(tmp_path / "db", [raw_value(i) for i in range(8)])
     cfg = make_cfg(path, test_path=path, mean_file=str(tmp_path / "mean.binaryproto"), crop_size=4, mirror=True,
                    scale=0.5, shuffle="none")
-    src = lmdb_source(cfg, num_classes=NUM_CLASSES, seed=2)
+    src = LmdbSource(cfg, num_classes=NUM_CLASSES, seed=2)
     assert src.mean_image is not None and tuple(src.mean_image.shape) == (3, H, W)
     stream = (src.train_batches(ShardPlan(0, 1, 4, seed=2, shuffle=False), 0) if train
               else src.test_batches(0, 1, 4))
@@ -236,9 +238,9 @@ def test_mean_image_needs_the_stored_size_and_falls_back_to_channels_with_resize
     (tmp_path / "ramp.binaryproto").write_bytes(encode_blob(ramp))
     (tmp_path / "small.binaryproto").write_bytes(encode_blob(ramp[:, :4, :4]))
     with pytest.raises(ConfigError, match=r"data.mean_file .*small.binaryproto' is 4x4 \(HxW\) but the records are 6x8"):
-        lmdb_source(make_cfg(path, mean_file=str(tmp_path / "small.binaryproto"), crop_size=4), num_classes=5, seed=1)
+        LmdbSource(make_cfg(path, mean_file=str(tmp_path / "small.binaryproto"), crop_size=4), num_classes=5, seed=1)
     with caplog.at_level(logging.WARNING, logger="dptrain.data.lmdb_source"):
-        src = lmdb_source(make_cfg(path, mean_file=str(tmp_path / "ramp.binaryproto"), resize=[3, 4]),
+        src = LmdbSource(make_cfg(path, mean_file=str(tmp_path / "ramp.binaryproto"), resize=[3, 4]),
                           num_classes=5, seed=1)
     assert src.mean_image is None and np.allclose(src.mean, [100.0] * 3)
     assert "varies by up to 100.0 pixel units" in caplog.text and "data.mean_value" in caplog.text
@@ -246,11 +248,11 @@ def test_mean_image_needs_the_stored_size_and_falls_back_to_channels_with_resize
 
 def test_default_threads_follow_cores_and_local_world_size(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert default_threads(DataConfig()) == (2, 8)
-    assert default_threads(DataConfig(parser_threads=1, transformer_threads=3)) == (1, 3)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
-    assert default_threads(DataConfig()) == (1, 1)
+    cores = Topology.from_env({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}).cores_per_process
+    assert default_threads(DataConfig(), cores) == (2, 8)
+    assert default_threads(DataConfig(parser_threads=1, transformer_threads=3), cores) == (1, 3)
+    cores = Topology.from_env({"RANK": "0", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "16"}).cores_per_process
+    assert default_threads(DataConfig(), cores) == (1, 1)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -258,11 +260,11 @@ def test_default_threads_follow_cores_and_local_world_size(monkeypatch):
 
 def test_missing_and_non_lmdb_paths(tmp_path):
     with pytest.raises(DataError, match="rank 0: LMDB .*nope.*does not exist"):
-        lmdb_source(make_cfg(str(tmp_path / "nope")), num_classes=NUM_CLASSES, seed=1)
+        LmdbSource(make_cfg(str(tmp_path / "nope")), num_classes=NUM_CLASSES, seed=1)
     (tmp_path / "notdb").mkdir()
     (tmp_path / "notdb" / "data.mdb").write_bytes(b"this is not an lmdb" * 300)
     with pytest.raises(DataError, match="not an LMDB"):
-        lmdb_source(make_cfg(str(tmp_path / "notdb")), num_classes=NUM_CLASSES, seed=1)
+        LmdbSource(make_cfg(str(tmp_path / "notdb")), num_classes=NUM_CLASSES, seed=1)
 
 
 def test_damaged_truncated_and_non_file_paths_fail_with_one_line_not_a_crash(tmp_path):
@@ -274,7 +276,7 @@ def test_damaged_truncated_and_non_file_paths_fail_with_one_line_not_a_crash(tmp
     shutil.copytree(good, tmp_path / "trunc")
     (tmp_path / "trunc" / "data.mdb").write_bytes(data[: len(data) // 3])  # an interrupted copy: SIGBUS if read
     with pytest.raises(DataError, match=r"rank 0: LMDB .*trunc': LMDB is truncated: data.mdb holds \d+ bytes"):
-        lmdb_source(make_cfg(str(tmp_path / "trunc")), num_classes=NUM_CLASSES, seed=1)
+        LmdbSource(make_cfg(str(tmp_path / "trunc")), num_classes=NUM_CLASSES, seed=1)
     damaged = bytearray(data)
     rng = np.random.default_rng(0)
     for off in range(4096 * 2, len(damaged), 4096):  # every page after the two meta pages
@@ -282,10 +284,10 @@ def test_damaged_truncated_and_non_file_paths_fail_with_one_line_not_a_crash(tmp
     shutil.copytree(good, tmp_path / "damaged")
     (tmp_path / "damaged" / "data.mdb").write_bytes(bytes(damaged))
     with pytest.raises(DataError, match=r"LMDB .*damaged': LMDB is damaged \(.*\); re-create it"):
-        lmdb_source(make_cfg(str(tmp_path / "damaged")), num_classes=NUM_CLASSES, seed=1)
+        LmdbSource(make_cfg(str(tmp_path / "damaged")), num_classes=NUM_CLASSES, seed=1)
     os.mkfifo(tmp_path / "fifo")  # lmdb.open would block on it forever
     with pytest.raises(DataError, match="neither a directory nor a file"):
-        lmdb_source(make_cfg(str(tmp_path / "fifo")), num_classes=NUM_CLASSES, seed=1)
+        LmdbSource(make_cfg(str(tmp_path / "fifo")), num_classes=NUM_CLASSES, seed=1)
 
 
 def test_a_page_damaged_past_the_open_checks_is_named_damaged_when_read(tmp_path):
@@ -295,7 +297,7 @@ def test_a_page_damaged_past_the_open_checks_is_named_damaged_when_read(tmp_path
 
     from dptrain.data.lmdb_source import _Handle
 
-    src = lmdb_source(make_cfg(write_db(tmp_path / "db", [raw_value(i) for i in range(8)])),
+    src = LmdbSource(make_cfg(write_db(tmp_path / "db", [raw_value(i) for i in range(8)])),
                       num_classes=NUM_CLASSES, seed=1)
     handle = _Handle(src._train)
 
@@ -311,13 +313,13 @@ def test_a_page_damaged_past_the_open_checks_is_named_damaged_when_read(tmp_path
 def test_empty_db(tmp_path):
     path = write_db(tmp_path / "empty", [])
     with pytest.raises(DataError, match="empty.*no records"):
-        lmdb_source(make_cfg(path), num_classes=NUM_CLASSES, seed=1)
+        LmdbSource(make_cfg(path), num_classes=NUM_CLASSES, seed=1)
 
 
 def test_bad_first_record_fails_at_open_with_its_key(tmp_path):
     path = write_db(tmp_path / "db", [b"\xff\xff\xff"] + [raw_value(i) for i in range(1, 6)])
     with pytest.raises(DataError, match="key '00000000_r0': unparsable record"):
-        lmdb_source(make_cfg(path), num_classes=NUM_CLASSES, seed=1)
+        LmdbSource(make_cfg(path), num_classes=NUM_CLASSES, seed=1)
 
 
 def _bomb_value() -> bytes:
@@ -357,7 +359,7 @@ def test_bad_record_raises_with_rank_and_key_and_stops_threads(tmp_path, monkeyp
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the 40x40 PNG is a bomb, 6x8 records are not
     values = [raw_value(i) for i in range(40)]
     values[6] = make_value()  # not among the records probed at open (0, 3, 5, 8, ...): the threads meet it
-    src = lmdb_source(make_cfg(write_db(tmp_path / "db", values), shuffle="none", crop_size=4,
+    src = LmdbSource(make_cfg(write_db(tmp_path / "db", values), shuffle="none", crop_size=4,
                                parser_threads=2, transformer_threads=2), num_classes=NUM_CLASSES, seed=1)
     stream = src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0)
     with pytest.raises(DataError, match=f"rank 0: LMDB .* key '00000006_r6': {match}"):
@@ -370,8 +372,8 @@ def test_a_bad_record_probed_at_open_names_its_key_and_respects_the_skip_budget(
     values[0] = b"\xff\xff"
     path = write_db(tmp_path / "db", values)
     with pytest.raises(DataError, match="rank 0: LMDB .* key '00000000_r0': unparsable record"):
-        lmdb_source(make_cfg(path, crop_size=4), num_classes=NUM_CLASSES, seed=1)
-    src = lmdb_source(make_cfg(path, crop_size=4, shuffle="none", max_bad_records=1), num_classes=NUM_CLASSES, seed=1)
+        LmdbSource(make_cfg(path, crop_size=4), num_classes=NUM_CLASSES, seed=1)
+    src = LmdbSource(make_cfg(path, crop_size=4, shuffle="none", max_bad_records=1), num_classes=NUM_CLASSES, seed=1)
     (images, _, info), = collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), 1)
     assert ids(images) == [1, 1, 2, 3] and info["bad_records"] == 1  # record 0 replaced by the next one
 
@@ -379,13 +381,13 @@ def test_a_bad_record_probed_at_open_names_its_key_and_respects_the_skip_budget(
 def test_one_grey_image_at_key_0_does_not_make_a_colour_db_grey(tmp_path):
     grey = np.repeat(pixels(0)[:, :, :1], 3, axis=2)[:, :, 0]
     values = [png_value(grey)] + [png_value(pixels(i)) for i in range(1, 12)]
-    src = lmdb_source(make_cfg(write_db(tmp_path / "db", values), shuffle="none"), num_classes=NUM_CLASSES, seed=1)
+    src = LmdbSource(make_cfg(write_db(tmp_path / "db", values), shuffle="none"), num_classes=NUM_CLASSES, seed=1)
     assert src.sample_shape == (H, W, 3)
     (images, _, _), = collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), 1)
     assert np.array_equal(images[0], np.repeat(grey[:, :, None], 3, axis=2))  # the grey record, as RGB
     assert ids(images[1:]) == [1, 2, 3]
     only_grey = write_db(tmp_path / "grey", [png_value(grey)] * 8)
-    assert lmdb_source(make_cfg(only_grey), num_classes=NUM_CLASSES, seed=1).sample_shape == (H, W, 1)
+    assert LmdbSource(make_cfg(only_grey), num_classes=NUM_CLASSES, seed=1).sample_shape == (H, W, 1)
 
 
 def test_skip_budget_substitutes_the_next_record_deterministically(tmp_path, caplog):
@@ -395,7 +397,7 @@ def test_skip_budget_substitutes_the_next_record_deterministically(tmp_path, cap
     plan = ShardPlan(0, 1, 4, seed=1, shuffle=False)
     outs = []
     for p, t in ((1, 1), (3, 2)):
-        src = lmdb_source(make_cfg(path, shuffle="none", max_bad_records=2, parser_threads=p, transformer_threads=t),
+        src = LmdbSource(make_cfg(path, shuffle="none", max_bad_records=2, parser_threads=p, transformer_threads=t),
                           num_classes=NUM_CLASSES, seed=1)
         with caplog.at_level(logging.WARNING, logger="dptrain.data.pipeline"):
             outs.append(collect(src.train_batches(plan, 0), 3))
@@ -405,7 +407,7 @@ def test_skip_budget_substitutes_the_next_record_deterministically(tmp_path, cap
         assert out[0][1].tolist() == [0, 1, 3, 3]
     assert any("skipping bad record (1 met, 2 allowed)" in r.getMessage() and "00000002_r2" in r.getMessage()
                for r in caplog.records)
-    src = lmdb_source(make_cfg(path, shuffle="none", max_bad_records=1), num_classes=NUM_CLASSES, seed=1)
+    src = LmdbSource(make_cfg(path, shuffle="none", max_bad_records=1), num_classes=NUM_CLASSES, seed=1)
     with pytest.raises(DataError, match="00000005_r5.*2 bad records exceed data.max_bad_records = 1"):
         collect(src.train_batches(plan, 0), 3)
     assert input_threads() == []
@@ -420,7 +422,7 @@ def test_bad_test_records_are_dropped_not_substituted(tmp_path, caplog):
     values[2], values[5] = b"\xff", raw_value(5, label=99)
     path = write_db(tmp_path / "db", values)
     for p, t in ((1, 1), (2, 3)):
-        src = lmdb_source(make_cfg(path, test_path=path, max_bad_records=2, parser_threads=p, transformer_threads=t),
+        src = LmdbSource(make_cfg(path, test_path=path, max_bad_records=2, parser_threads=p, transformer_threads=t),
                           num_classes=NUM_CLASSES, seed=1)
         out = collect(src.test_batches(0, 1, 4), 3)
         labels = [int(v) for _, y, _ in out for v in y]
@@ -436,7 +438,7 @@ def test_host_batches_stay_intact_until_the_next_one_is_asked_for_in_any_release
     import time
 
     path = write_db(tmp_path / "db", [raw_value(i) for i in range(40)])
-    src = lmdb_source(make_cfg(path, batch_size=1, prefetch=1, transformer_threads=2, shuffle="none"),
+    src = LmdbSource(make_cfg(path, batch_size=1, prefetch=1, transformer_threads=2, shuffle="none"),
                       num_classes=NUM_CLASSES, seed=1)
     stream = src.train_batches(ShardPlan(0, 1, 1, seed=1, shuffle=False), 0)  # 3 ring slots
     try:
@@ -459,7 +461,7 @@ def test_over_budget_error_arrives_at_its_batch_naming_the_same_key_for_any_thre
     path = write_db(tmp_path / "db", values)
     for limit, batches, key in ((0, 7, "00000029_r29"), (1, 7, "00000030_r30"), (2, 12, "00000050_r50")):
         for p, t, prefetch in ((1, 1, 1), (2, 2, 1), (1, 3, 4), (3, 2, 4)):
-            src = lmdb_source(make_cfg(path, shuffle="none", max_bad_records=limit, parser_threads=p,
+            src = LmdbSource(make_cfg(path, shuffle="none", max_bad_records=limit, parser_threads=p,
                                        transformer_threads=t, prefetch=prefetch), num_classes=NUM_CLASSES, seed=1)
             stream = src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0)
             delivered = 0
@@ -472,7 +474,7 @@ def test_over_budget_error_arrives_at_its_batch_naming_the_same_key_for_any_thre
 
 
 def test_close_mid_stream_and_release_misuse_leave_no_thread(db29):
-    src = lmdb_source(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=3),
+    src = LmdbSource(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=3),
                       num_classes=NUM_CLASSES, seed=1)
     stream = src.train_batches(ShardPlan(0, 1, 4, seed=1), 0)
     held = [next(stream) for _ in range(3)]  # prefetch + 2 = 3 slots, none released
@@ -502,7 +504,7 @@ def test_jpeg_random_resized_crop_is_deterministic_across_threads(tmp_path):
     for p, t in ((1, 1), (2, 3)):
         cfg = make_cfg(path, batch_size=3, parser_threads=p, transformer_threads=t, crop_size=16,
                        random_resized_crop=True, mirror=True)
-        outs.append(collect(lmdb_source(cfg, num_classes=NUM_CLASSES, seed=4).train_batches(
+        outs.append(collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=4).train_batches(
             ShardPlan(0, 1, 3, seed=4), 0), 6))
     assert outs[0][0][0].shape == (3, 16, 16, 3)
     assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(*outs))
@@ -565,7 +567,7 @@ def test_draft_mode_fires_for_2x_downscale_and_stays_close(tmp_path, monkeypatch
 def test_device_feeder_reuses_pinned_slots_only_after_their_copy(db29):
     from dptrain.data.base import DeviceFeeder
 
-    src = lmdb_source(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=2),
+    src = LmdbSource(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=2),
                       num_classes=NUM_CLASSES, seed=2, pin_memory=True)  # as build_source does for CUDA
     plan = ShardPlan(0, 1, 4, seed=2)
     stream = src.train_batches(plan, 0)
@@ -595,7 +597,7 @@ def test_mean_image_on_cuda_equals_the_cpu_feeder(tmp_path):
                    crop_size=4, mirror=True, scale=0.25)
     out = {}
     for device in ("cpu", "cuda"):
-        src = lmdb_source(cfg, num_classes=NUM_CLASSES, seed=5, pin_memory=device == "cuda")
+        src = LmdbSource(cfg, num_classes=NUM_CLASSES, seed=5, pin_memory=device == "cuda")
         feeder = DeviceFeeder(src.train_batches(ShardPlan(0, 1, 4, seed=5), 0), device=torch.device(device),
                               dtype=torch.float32, mean=src.mean, scale=src.scale, channels_last=True,
                               mean_image=src.mean_image)
@@ -611,7 +613,7 @@ def test_shard_with_only_bad_records_fails_even_within_budget(tmp_path):
     values = [raw_value(i) for i in range(8)]
     for i in (2, 3, 6, 7):  # rank 1's shard with world 2, batch 2, record order
         values[i] = b"\xff"
-    src = lmdb_source(make_cfg(write_db(tmp_path / "db", values), shuffle="none", max_bad_records=10),
+    src = LmdbSource(make_cfg(write_db(tmp_path / "db", values), shuffle="none", max_bad_records=10),
                       num_classes=NUM_CLASSES, seed=1)
     with pytest.raises(DataError, match="rank 1: .*all 4 records of this solver's shard are bad"):
         collect(src.train_batches(ShardPlan(1, 2, 2, seed=1, shuffle=False), 0), 1)
@@ -620,14 +622,14 @@ def test_shard_with_only_bad_records_fails_even_within_budget(tmp_path):
 
 def test_prefix_seek_reports_a_gap_in_the_key_sequence(tmp_path):
     keys = [b"00000000_a", b"00000001_b", b"00000001_c", b"00000003_d"]  # no 00000002_: first/last look dense
-    src = lmdb_source(make_cfg(write_db(tmp_path / "db", [raw_value(i) for i in range(4)], keys=keys),
+    src = LmdbSource(make_cfg(write_db(tmp_path / "db", [raw_value(i) for i in range(4)], keys=keys),
                                shuffle="none"), num_classes=NUM_CLASSES, seed=1)
     with pytest.raises(DataError, match="key '#2': no record with key prefix '00000002_'"):
         collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), 1)
 
 
 def test_double_release_and_dead_transformers_raise(db29, monkeypatch):
-    src = lmdb_source(make_cfg(db29), num_classes=NUM_CLASSES, seed=1)
+    src = LmdbSource(make_cfg(db29), num_classes=NUM_CLASSES, seed=1)
     stream = src.train_batches(ShardPlan(0, 1, 4, seed=1), 0)
     hb = next(stream)
     hb.release(None)

@@ -8,6 +8,7 @@ import torch
 from dptrain.comm import Communicator
 from dptrain.config import load_config
 from dptrain.data.make_lmdb import make_digits_lmdb
+from dptrain.topology import Topology
 from dptrain.train import Trainer
 
 
@@ -15,7 +16,7 @@ def _train(tmp_path, name: str, *sets: str) -> dict[str, torch.Tensor]:
     cfg = load_config(None, ["model.name=lenet", "data.batch_size=32", "data.mean_value=[77.75]",
                              "data.scale=0.015625", "solver.base_lr=0.01", "solver.display=0",
                              f"train.run_dir={json.dumps(str(tmp_path / name))}", *sets])
-    t = Trainer(cfg, Communicator.from_env(60, torch.device("cpu")))
+    t = Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cpu")))
     for _ in range(60):  # 60 x 32 > one epoch of 1500: crosses an epoch boundary and a reshuffle
         t.train_step()
     t.close()
@@ -63,7 +64,7 @@ def test_a_bad_test_record_is_not_scored(tmp_path):
                              f"data.path={json.dumps(str(tmp_path / 'lmdb/train'))}",
                              f"data.test_path={json.dumps(str(test_db))}", "data.max_bad_records=1",
                              f"train.run_dir={json.dumps(str(tmp_path / 'run'))}"])
-    t = Trainer(cfg, Communicator.from_env(60, torch.device("cpu")))
+    t = Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cpu")))
     try:
         res = t.test()
     finally:

@@ -10,9 +10,10 @@ from PIL import Image
 
 from dptrain.config import DataConfig
 from dptrain.data.datum import parse_datum
-from dptrain.data.lmdb_source import LmdbReader, lmdb_source
+from dptrain.data.lmdb_source import LmdbReader, LmdbSource
 from dptrain.data.make_lmdb import add_make_lmdb_args, make_lmdb, read_list_file, run_make_lmdb
 from dptrain.data.sampling import ShardPlan
+from dptrain.errors import InputError
 
 CLASSES = ("cat", "dog")
 
@@ -36,7 +37,7 @@ def folder(tmp_path):
 
 
 def read_all(path: str, n: int, **kw) -> tuple[np.ndarray, np.ndarray]:
-    src = lmdb_source(DataConfig(source="lmdb", path=path, batch_size=n, shuffle="none", **kw), num_classes=2, seed=0)
+    src = LmdbSource(DataConfig(source="lmdb", path=path, batch_size=n, shuffle="none", **kw), num_classes=2, seed=0)
     stream = src.train_batches(ShardPlan(0, 1, n, seed=0, shuffle=False), 0)
     try:
         hb = next(stream)
@@ -122,7 +123,7 @@ def test_digits_written_for_the_demo(tmp_path, capsys):
     assert summary["records"] == {"train": 1500, "test": 297}
     xtr, ytr, xte, yte = load_digits_arrays()
     cfg = DataConfig(source="lmdb", path=str(tmp_path / "digits/train"), test_path=str(tmp_path / "digits/test"))
-    src = lmdb_source(cfg, num_classes=10, seed=0)
+    src = LmdbSource(cfg, num_classes=10, seed=0)
     stream = src.test_batches(0, 1, 100)
     got = [(hb.images.numpy().copy(), hb.labels.numpy().copy()) for hb in itertools.islice(stream, 3)]
     stream.close()
@@ -134,23 +135,23 @@ def test_make_lmdb_errors(folder, tmp_path):
     ap = argparse.ArgumentParser()
     add_make_lmdb_args(ap)
     make_lmdb(tmp_path / "db", [("cat/00.png", 0)], root=folder)
-    with pytest.raises(ValueError, match="already holds an LMDB; remove it"):
+    with pytest.raises(InputError, match="already holds an LMDB; remove it"):
         make_lmdb(tmp_path / "db", [("cat/00.png", 0)], root=folder)
     (folder / "cat" / "broken.png").write_bytes(b"not a png")
-    with pytest.raises(ValueError, match="cannot read image .*broken.png"):
+    with pytest.raises(InputError, match="cannot read image .*broken.png"):
         make_lmdb(tmp_path / "db2", [("cat/broken.png", 0)], root=folder)
     bad = tmp_path / "bad.txt"
     bad.write_text("cat/00.png 0\ncat/01.png x\n")
-    with pytest.raises(ValueError, match=r"bad.txt:2: expected 'path label'"):
+    with pytest.raises(InputError, match=r"bad.txt:2: expected 'path label'"):
         read_list_file(bad)
-    with pytest.raises(ValueError, match="list file .*missing.txt' does not exist"):
+    with pytest.raises(InputError, match="list file .*missing.txt' does not exist"):
         run_make_lmdb(ap.parse_args([str(tmp_path / "missing.txt"), str(tmp_path / "o")]))
     (tmp_path / "noclasses").mkdir()
-    with pytest.raises(ValueError, match="has no images in class subfolders"):
+    with pytest.raises(InputError, match="has no images in class subfolders"):
         run_make_lmdb(ap.parse_args([str(tmp_path / "noclasses"), str(tmp_path / "o")]))
-    with pytest.raises(ValueError, match="--digits takes one output path"):
+    with pytest.raises(InputError, match="--digits takes one output path"):
         run_make_lmdb(ap.parse_args(["--digits", "a", "b"]))
-    with pytest.raises(ValueError, match="takes SOURCE OUT"):
+    with pytest.raises(InputError, match="takes SOURCE OUT"):
         run_make_lmdb(ap.parse_args(["only_one"]))
 
 
@@ -159,11 +160,11 @@ def test_map_grows_and_bad_options_are_refused(folder, tmp_path, monkeypatch):
     items = [(f"{CLASSES[i // 3]}/{i:02d}.png", i // 3) for i in range(6)]
     assert make_lmdb(tmp_path / "big", items, root=folder, resize=(64, 64)) == 6  # 6 x 12 KiB raw > 64 KiB
     assert read_all(str(tmp_path / "big"), 6)[0].shape == (6, 64, 64, 3)
-    with pytest.raises(ValueError, match=r"--resize needs positive H W, got \[0, 4\]"):
+    with pytest.raises(InputError, match=r"--resize needs positive H W, got \[0, 4\]"):
         make_lmdb(tmp_path / "r", items, root=folder, resize=(0, 4))
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    with pytest.raises(ValueError, match="lists no images"):
+    with pytest.raises(InputError, match="lists no images"):
         read_list_file(empty)
 
 
@@ -176,7 +177,7 @@ def test_hidden_folders_are_skipped_and_an_empty_class_folder_is_refused(folder,
     Image.fromarray(image(0)).save(folder / "cat" / "._00.png")  # macOS resource-fork litter
     assert list_image_folder(folder) == before  # labels unchanged: cat 0, dog 1
     (folder / "bird").mkdir()
-    with pytest.raises(ValueError, match="class folder .*bird' has no images.*remove it or add its images"):
+    with pytest.raises(InputError, match="class folder .*bird' has no images.*remove it or add its images"):
         list_image_folder(folder)
 
 
@@ -184,7 +185,7 @@ def test_a_failed_conversion_leaves_no_lmdb_and_can_be_rerun(folder, tmp_path):
     items = [(f"cat/{i:02d}.png", 0) for i in range(3)]
     (folder / "cat" / "broken.png").write_bytes(b"not a png")
     out = tmp_path / "out"
-    with pytest.raises(ValueError, match="cannot read image .*broken.png"):
+    with pytest.raises(InputError, match="cannot read image .*broken.png"):
         make_lmdb(out, items + [("cat/broken.png", 0)], root=folder)
     assert not out.exists() and list(tmp_path.iterdir()) == [folder.parent / "images"]  # no partial DB, no temp
     assert make_lmdb(out, items, root=folder) == 3
@@ -192,7 +193,7 @@ def test_a_failed_conversion_leaves_no_lmdb_and_can_be_rerun(folder, tmp_path):
     deep = "cat/" + "/".join(["d" * 120] * 5) + "/00.png"  # a path LMDB cannot take as a key
     (folder / deep).parent.mkdir(parents=True)
     Image.fromarray(image(0)).save(folder / deep)
-    with pytest.raises(ValueError, match="is 6.. bytes, over LMDB's 511; shorten the image paths"):
+    with pytest.raises(InputError, match="is 6.. bytes, over LMDB's 511; shorten the image paths"):
         make_lmdb(tmp_path / "long", [("cat/00.png", 0), (deep, 0)], root=folder)
     assert not (tmp_path / "long").exists()
 
@@ -222,17 +223,17 @@ def test_inputs_that_used_to_crash_or_mislead_get_one_line_errors(folder, tmp_pa
     import os
 
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(ValueError, match="afile' is a file; choose another output path"):
+    with pytest.raises(InputError, match="afile' is a file; choose another output path"):
         make_lmdb(tmp_path / "afile" / "sub", [("cat/00.png", 0)], root=folder)
-    with pytest.raises(ValueError, match="--seed must be >= 0, got -1"):
+    with pytest.raises(InputError, match="--seed must be >= 0, got -1"):
         make_lmdb(tmp_path / "s", [("cat/00.png", 0)], root=folder, shuffle=True, seed=-1)
     os.mkfifo(tmp_path / "pipe")
-    with pytest.raises(ValueError, match="list file .*pipe' is not a regular file; give an image folder"):
+    with pytest.raises(InputError, match="list file .*pipe' is not a regular file; give an image folder"):
         read_list_file(tmp_path / "pipe")
-    with pytest.raises(ValueError, match="list file .*00.png' is not UTF-8 text"):
+    with pytest.raises(InputError, match="list file .*00.png' is not UTF-8 text"):
         read_list_file(folder / "cat" / "00.png")  # an image given where the list file goes
     (tmp_path / "sup.txt").write_text("cat/00.png \u00b2\n")  # a superscript two: isdigit() but not a label
-    with pytest.raises(ValueError, match="sup.txt:1: expected 'path label'"):
+    with pytest.raises(InputError, match="sup.txt:1: expected 'path label'"):
         read_list_file(tmp_path / "sup.txt")
     odd = os.fsdecode(b"img\xff.png")  # a file name that is not UTF-8
     Image.fromarray(image(0)).save(folder / "cat" / odd, format="PNG")
@@ -243,6 +244,6 @@ def test_inputs_that_used_to_crash_or_mislead_get_one_line_errors(folder, tmp_pa
 def test_encoded_records_are_decoded_once_so_a_truncated_jpeg_is_refused(folder, tmp_path):
     data = (folder / "cat" / "00.jpg").read_bytes()
     (folder / "cat" / "cut.jpg").write_bytes(data[: len(data) // 2])  # e.g. an interrupted download
-    with pytest.raises(ValueError, match="cannot read image .*cut.jpg'.*fix or remove it"):
+    with pytest.raises(InputError, match="cannot read image .*cut.jpg'.*fix or remove it"):
         make_lmdb(tmp_path / "enc", [("cat/00.jpg", 0), ("cat/cut.jpg", 0)], root=folder, encoded=True)
     assert not (tmp_path / "enc").exists()

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import dptrain.models
+from dptrain.errors import ConfigError
 from dptrain.models import MODELS, build_model
 from dptrain.models.googlenet import GoogLeNet
 
@@ -95,7 +96,7 @@ def test_lenet_has_no_batchnorm():
 
 
 def test_unknown_model_lists_choices():
-    with pytest.raises(ValueError, match=r"model.name must be one of \[.*'googlenet'.*'resnet50'.*\], got 'vgg'"):
+    with pytest.raises(ConfigError, match=r"model.name must be one of \[.*'googlenet'.*'resnet50'.*\], got 'vgg'"):
         build_model("vgg", num_classes=10)
 
 

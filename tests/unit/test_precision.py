@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from dptrain.config import LossScaleConfig, PrecisionConfig, SolverConfig
+from dptrain.errors import LossScaleError
 from dptrain.flat import ALIGN_ELEMS, FlatParams
-from dptrain.precision import LossScaleError, LossScaler, apply_precision
+from dptrain.precision import LossScaler, apply_precision
 from dptrain.solver import MasterSGD
 
 CPU = torch.device("cpu")

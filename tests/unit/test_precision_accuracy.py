@@ -7,6 +7,7 @@ import torch
 
 from dptrain.comm import Communicator
 from dptrain.config import load_config
+from dptrain.topology import Topology
 from dptrain.train import Trainer
 
 
@@ -18,7 +19,7 @@ def train_top1(tmp_path, storage: str) -> tuple[float, dict]:
         "solver.lr_policy=poly", "solver.warmup_iter=10", "solver.max_iter=150", "solver.display=50",
         f"precision.storage={storage}", f"train.run_dir={json.dumps(str(tmp_path / storage))}",
     ])
-    trainer = Trainer(cfg, Communicator.from_env(cfg.reducer.timeout_s, torch.device("cpu")))
+    trainer = Trainer(cfg, Communicator.from_env(Topology(), cfg.reducer.timeout_s, torch.device("cpu")))
     result = trainer.fit()
     trainer.close()
     return result["test_top1"], result

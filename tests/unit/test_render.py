@@ -10,7 +10,13 @@ import torch
 from PIL import Image
 
 from dptrain.data import transformer
-from dptrain.data.transformer import RenderOptions, Sample, SampleRng, render_image, single_threaded_torch_in_this_thread
+from dptrain.data.transformer import (
+    RenderOptions,
+    Sample,
+    SampleRng,
+    render_image,
+    single_threaded_torch_in_this_thread,
+)
 
 
 def _photo(height: int, width: int, mode: str) -> Image.Image:

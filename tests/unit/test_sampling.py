@@ -5,7 +5,12 @@ import numpy as np
 import pytest
 
 from dptrain.data.sampling import (
-    ShardPlan, batches_per_epoch, epoch_permutation, rank_batch_indices, rank_epoch_shard, eval_range,
+    ShardPlan,
+    batches_per_epoch,
+    epoch_permutation,
+    eval_range,
+    rank_batch_indices,
+    rank_epoch_shard,
 )
 
 

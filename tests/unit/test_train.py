@@ -9,7 +9,9 @@ import torch
 
 from dptrain.comm import Communicator
 from dptrain.config import load_config
+from dptrain.errors import ConfigError, RunDirError, SnapshotError
 from dptrain.snapshot import list_snapshots, load_snapshot, resolve_resume, save_snapshot
+from dptrain.topology import Topology
 from dptrain.train import Trainer
 
 SMALL = [
@@ -20,7 +22,7 @@ SMALL = [
 
 def make_trainer(tmp_path: Path, *extra: str) -> Trainer:
     cfg = load_config(None, [*SMALL, f"train.run_dir={json.dumps(str(tmp_path))}", *extra])
-    return Trainer(cfg, Communicator.from_env(cfg.reducer.timeout_s, torch.device("cpu")))
+    return Trainer(cfg, Communicator.from_env(Topology(), cfg.reducer.timeout_s, torch.device("cpu")))
 
 
 def masters(t: Trainer) -> dict[str, torch.Tensor]:
@@ -86,7 +88,7 @@ def test_torn_snapshot_never_replaces_good_one(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", boom)
-    with pytest.raises(ValueError, match="cannot write snapshot .*disk full"):
+    with pytest.raises(RunDirError, match="cannot write snapshot .*disk full"):
         save_snapshot({"iteration": 2}, tmp_path / "snapshot_iter_1.pt")
     assert load_snapshot(good)["iteration"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["snapshot_iter_1.pt"]  # no temp file left
@@ -98,7 +100,7 @@ def test_resume_auto_skips_unreadable_newest(tmp_path):
     (tmp_path / "snapshot_iter_9.pt").write_bytes(b"torn")
     assert resolve_resume("auto", tmp_path) == tmp_path / "snapshot_iter_3.pt"
     assert resolve_resume("auto", tmp_path / "empty") is None
-    with pytest.raises(ValueError, match="cannot be read"):
+    with pytest.raises(SnapshotError, match="cannot be read"):
         load_snapshot(tmp_path / "snapshot_iter_9.pt")
 
 
@@ -228,7 +230,7 @@ def test_stale_snapshot_temporaries_are_removed_and_write_errors_are_one_line(tm
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 4000")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(ValueError, match=r"cannot write snapshot .*snapshot_iter_7\.pt' \(RuntimeError: \[enforce.*"
+    with pytest.raises(RunDirError, match=r"cannot write snapshot .*snapshot_iter_7\.pt' \(RuntimeError: \[enforce.*"
                                          r"MiB free there\); free space or choose another train\.run_dir"):
         save_snapshot({"x": 1}, tmp_path / "snapshot_iter_7.pt")
     assert not list(tmp_path.glob(".snapshot_iter_7*"))
@@ -238,7 +240,6 @@ def test_run_dir_that_is_not_writable_is_a_config_error(tmp_path, monkeypatch):
     import os
 
     from dptrain.cli import check_writable
-    from dptrain.config import ConfigError
 
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
@@ -253,7 +254,7 @@ def test_torn_metrics_line_is_dropped_on_resume_and_named_when_read(tmp_path):
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"iter": 10, "loss": 1.0}\n{"iter": 20, "loss": 0.5}\n{"iter": 30, "images_pe')
-    with pytest.raises(ValueError, match=r"metrics\.jsonl' line 3 is not JSON"):
+    with pytest.raises(RunDirError, match=r"metrics\.jsonl' line 3 is not JSON"):
         read_metrics(path)
     assert MetricsWriter(path).drop_after(20) == 1
     assert read_metrics(path) == [{"iter": 10, "loss": 1.0}, {"iter": 20, "loss": 0.5}]
