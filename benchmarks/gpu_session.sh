@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# The GPU checks in as few device calls as possible, on a machine whose image already has a
-# CUDA torch and CuPy (as the lent H100/H200 do) but no network.
+# Every GPU check in one device call, on a machine whose image already has a CUDA torch and
+# CuPy (the lent H100/H200: Python 3.12, torch 2.11 cu130, cupy-cuda13x, nvcc) but no network.
 #
-#   benchmarks/gpu_session.sh tests   # pytest -m gpu, the update-kernel bandwidth, one bench line (~5 min)
-#   benchmarks/gpu_session.sh bench   # the GPU throughput suite vs torch AMP (~7 min)
+#   benchmarks/gpu_session.sh          # all stages below (~10 min on one H100)
+#   STAGES="tests selfcheck" benchmarks/gpu_session.sh
+#   BANDWIDTH_ARGS="--numel 1000000" ...    # options for the bandwidth stage
 #
-# Run it from the repository root. Wheels that the image lacks (lmdb, and anything else
-# `pip check` would miss) travel in .whl/ and are installed into /tmp/site first; fetch them
-# on a machine with pip access with, for example:
+# Stages, each logged to $OUT/<stage>.log with its exit status in $OUT/status.tsv:
+#   tests      pytest -m gpu (kernels vs reference bit for bit, no host sync per step, NCCL/cupy-nccl
+#              overlap, fp16/bf16 loss parity)
+#   selfcheck  the first-use kernel self-check a solver runs (dptrain.kernels.selfcheck), by itself
+#   bandwidth  the fused update's effective bandwidth against the HBM peak (benchmarks/update_bandwidth.py)
+#   resnet50   ResNet-50 fp16 `dptrain bench` against torch AMP + channels_last, same process order,
+#              alternated (benchmarks/throughput.py --suite gpu)
+#   nosync     the training step under torch.cuda.set_sync_debug_mode("error") (tests/gpu, -k no_host_sync)
+# The script exits with the worst stage status, so a failed stage never reads as success.
+#
+# Wheels the image lacks (lmdb, nvidia-cuda-nvrtc/-runtime if CuPy brought none, ...) travel in .whl/
+# and are installed into /tmp/site first; fetch them where pip has network, e.g.:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 -d .whl lmdb
-# Logs and result files go to $OUT (default gpu_out/); results are also written under
-# benchmarks/results/ as usual, and copied to $OUT so they come back from a lent machine.
+#       --platform manylinux2014_x86_64 -d .whl lmdb nvidia-cuda-nvrtc nvidia-cuda-runtime
+# Everything it writes goes under $OUT (default gpu_out/): logs, JSON lines, result tables.
 set -uo pipefail
-stage=${1:-tests}
 OUT=${OUT:-gpu_out}
+STAGES=${STAGES:-"tests selfcheck bandwidth resnet50 nosync"}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+: > "$OUT/status.tsv"
+worst=0
 
 if compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -36,21 +47,39 @@ for m in ("cupy", "lmdb", "PIL", "google.protobuf", "tqdm"):
         print(m, getattr(mod, "__version__", "ok"))
     except ImportError as e:
         print(m, "MISSING:", e)
+try:
+    from dptrain.kernels import nvrtc
+    lib = nvrtc.find_library()
+    print("nvrtc", lib, nvrtc.version(lib), "include", nvrtc.find_include(lib))
+except Exception as e:  # report, the stages will fail with the details
+    print("nvrtc MISSING:", e)
 EOF
 
-case "$stage" in
-tests)
-    "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/gpu 2>&1 | tee "$OUT/pytest_gpu.log"
-    "$PY" benchmarks/update_bandwidth.py 2>&1 | tee "$OUT/update_bandwidth.jsonl"
-    "$PY" -m dptrain bench --config launch/configs/resnet50_synthetic.toml --synthetic --steps 30 --warmup 10 \
-        --trace "$OUT/trace" 2>&1 | tee "$OUT/bench_resnet50_fp16.log"
-    ;;
-bench)
-    "$PY" benchmarks/throughput.py --suite gpu --repeats 2 --steps 30 --warmup 10 2>&1 | tee "$OUT/throughput_gpu.log"
-    cp benchmarks/results/throughput_gpu_*.md "$OUT/" 2>/dev/null
-    ;;
-*)
-    echo "usage: $0 tests|bench" >&2
-    exit 2
-    ;;
-esac
+# run_stage NAME COMMAND...: run it with its output in $OUT/NAME.log; record and keep the worst status.
+run_stage() {
+    local name=$1
+    shift
+    case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
+    echo "== $name: $*" | tee "$OUT/$name.log"
+    "$@" >> "$OUT/$name.log" 2>&1
+    local rc=$?
+    printf '%s\t%d\n' "$name" "$rc" | tee -a "$OUT/status.tsv"
+    tail -n 5 "$OUT/$name.log"
+    [ "$rc" -gt "$worst" ] && worst=$rc
+    return 0
+}
+
+run_stage tests "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/gpu
+run_stage selfcheck "$PY" -c "
+import torch
+from dptrain.kernels import selfcheck
+why = selfcheck.run(torch.cuda.current_device())
+print('self-check:', why or 'kernels match the torch reference')
+raise SystemExit(1 if why else 0)"
+# shellcheck disable=SC2086  # BANDWIDTH_ARGS is a list of options (the tests shrink the buffer on a CPU)
+run_stage bandwidth "$PY" benchmarks/update_bandwidth.py ${BANDWIDTH_ARGS:-}
+run_stage resnet50 "$PY" benchmarks/throughput.py --suite gpu --repeats 2 --steps 30 --warmup 10 --out "$OUT"
+run_stage nosync "$PY" -m pytest -q -m gpu -p no:cacheprovider -k no_host_sync tests/gpu
+
+echo "worst stage status: $worst" | tee -a "$OUT/status.tsv"
+exit "$worst"

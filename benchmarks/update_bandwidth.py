@@ -1,6 +1,6 @@
 """Effective memory bandwidth of the fused master-weight update, against the device's peak.
 
-Times ``kernels.sgd_update`` over one flat buffer the size of ResNet-50 (25,557,032
+Times ``kernels.update`` (rule "sgd") over one flat buffer the size of ResNet-50 (25,557,032
 parameters; fp16 storage, fp32 masters and momentum by default) with the CuPy kernel and
 with the torch reference, plus the gradient-norm pass, and prints one JSON line.
 
@@ -27,6 +27,7 @@ import time
 import torch
 
 from dptrain import kernels
+from dptrain.kernels import Hyper, UpdateArgs
 from dptrain.bench import device_name, git_commit, versions
 
 RESNET50_PARAMS = 25_557_032
@@ -96,9 +97,12 @@ def _measure(backend: str, b: dict[str, torch.Tensor], nbytes: int, device: torc
              peak: float | None) -> dict[str, float | None]:
     os.environ[kernels.KERNELS_ENV] = backend
 
+    update_args = UpdateArgs(rule="sgd", grads=b["grads"], master=b["master"], params=b["params"],
+                             state=(b["momentum"],), grad_coef=b["grad_coef"], found_inf=b["found_inf"],
+                             hyper=Hyper(lr=0.1, momentum=0.9, weight_decay=5e-5))
+
     def update() -> None:
-        kernels.sgd_update(b["grads"], b["master"], b["params"], b["momentum"], lr=0.1, momentum_coef=0.9,
-                           weight_decay=5e-5, decoupled=False, grad_coef=b["grad_coef"], found_inf=b["found_inf"])
+        kernels.update(update_args)
 
     def norm() -> None:
         kernels.grad_norm(b["grads"])

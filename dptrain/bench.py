@@ -1,10 +1,11 @@
 """``dptrain bench``: training throughput with a per-phase breakdown, as one JSON line.
 
-Three stages: ``warmup`` untimed steps; ``steps`` timed steps with no phase syncs (a device
-sync closes each step, so step times are real and overlap is undisturbed); then
-``phase_steps`` steps timed phase by phase with device syncs at phase boundaries, which
-give data_wait, forward, backward, exposed_comm (waiting for allreduces after backward
-returned) and update. Throughput figures come from the undisturbed steps only.
+Three stages: ``warmup`` untimed steps; ``steps`` timed steps (a device sync closes each
+step, so step times are real); then ``phase_steps`` steps timed phase by phase
+(``trace.PhaseTimer``: host times on the CPU, CUDA events on the compute stream on a GPU,
+which do not disturb the overlap), giving data_wait, forward, backward, exposed_comm (the
+compute stream, or the host on gloo, waiting for the allreduces after backward) and update.
+Throughput figures come from the untimed-phase steps only.
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
     tracer = Tracer(comm.rank) if trace else NullTracer(comm.rank)
     trainer = Trainer(cfg, comm, tracer=tracer)
     try:
-        trainer.phases.active = False
+        trainer.time_phases(False)
         for _ in range(warmup):
             trainer.train_step()
         _sync(device)
@@ -107,9 +108,10 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
             _sync(device)
             step_ms.append((time.perf_counter() - t0) * 1000.0)
         tracer.events.clear()
-        trainer.phases.active = True
+        trainer.time_phases(True)
         for _ in range(phase_steps):
             trainer.train_step()
+        phase_ms = trainer.phase_totals_ms()
         if trace:
             tracer.save(trace)
     finally:
@@ -127,7 +129,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         "step_ms_p90": round(_percentile(step_ms, 0.9), 3),
     }
     for ph in PHASES:  # None when --phase-steps 0 measured no phase (not 0.0, which would read as free)
-        rec[f"{ph}_ms"] = round(trainer.phases.totals_ms.get(ph, 0.0) / phase_steps, 3) if phase_steps else None
+        rec[f"{ph}_ms"] = round(phase_ms.get(ph, 0.0) / phase_steps, 3) if phase_steps else None
     rec.update({
         "peak_mem_bytes": peak_mem_bytes(device),
         "bytes_per_param": trainer.flat.bytes_per_param(),

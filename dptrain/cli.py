@@ -21,7 +21,6 @@ from dptrain.errors import (
     EXIT_USER_ERROR,
     ConfigError,
     RankFailure,
-    RunDirError,
     SetupError,
     UserError,
     first_line,
@@ -39,27 +38,6 @@ def _rank_and_world() -> tuple[int, int]:
     except SetupError:
         return 0, 1
     return t.rank, t.world_size
-
-
-def stop_with_the_launcher(topology: Topology) -> None:
-    """Under torchrun, ask Linux for a SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``).
-
-    torchrun stops its solvers when it is signalled, but a launcher killed with SIGKILL (an
-    OOM kill, a lost node agent) leaves them training as orphans. With this, each solver
-    snapshots at the next agreed iteration and exits, as on any SIGTERM.
-    """
-    if not sys.platform.startswith("linux") or not topology.under_launcher:
-        return
-    import ctypes
-    import signal
-
-    launcher = os.getppid()
-    pr_set_pdeathsig = 1
-    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
-        log.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-        return
-    if os.getppid() != launcher:  # it died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def error_line(e: UserError) -> str:
@@ -138,74 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def check_writable(run_dir: Path) -> None:
-    """train.run_dir must be creatable and writable, checked before anything is built."""
-    for p in (run_dir, *run_dir.parents):
-        if p.exists():
-            if p.is_dir() and not os.access(p, os.W_OK | os.X_OK):
-                raise ConfigError(f"train.run_dir {str(run_dir)!r}: {str(p)!r} is not writable (a read-only "
-                                  f"filesystem or folder); choose another run_dir")
-            return
-
-
-def _earlier_run(run_dir: Path) -> list[str]:
-    """Files of an earlier run in ``run_dir``: its metrics and snapshots."""
-    from dptrain.snapshot import list_snapshots
-
-    found = [p.name for _, p in list_snapshots(run_dir)]
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file() and metrics.stat().st_size:
-        found.insert(0, metrics.name)
-    return found
-
-
-def _refuse_earlier_run(run_dir: Path) -> None:
-    """A fresh run would append to the earlier run's metrics.jsonl and overwrite its snapshots."""
-    if found := _earlier_run(run_dir):
-        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
-        raise RunDirError(f"train.run_dir {str(run_dir)!r} holds an earlier run ({', '.join(found[:3])}{more}); "
-                         f"continue it with --resume auto, or choose another train.run_dir")
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    from dptrain.comm import Communicator
-    from dptrain.snapshot import resolve_resume
-    from dptrain.trace import Tracer
-    from dptrain.train import Trainer, pick_device
+    from dptrain.train import run_training
 
-    cfg = load_config(args.config, args.set)
-    topology = Topology.from_env()
-    if topology.rank == 0:  # rank 0 writes config.toml, metrics.jsonl and the snapshots
-        check_writable(Path(cfg.train.run_dir))
-    if not args.resume:
-        _refuse_earlier_run(Path(cfg.train.run_dir))
-    stop_with_the_launcher(topology)
-    device = pick_device(cfg.train.device, topology.local_rank)
-    if device.type == "cpu":
-        import torch
-
-        torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
-    comm = Communicator.from_env(topology, cfg.reducer.timeout_s, device)
-    tracer = Tracer(comm.rank) if args.trace else None
-    trainer = Trainer(cfg, comm, tracer=tracer)
-    try:
-        if args.resume:
-            path = resolve_resume(args.resume, cfg.train.run_dir)
-            if path is not None:
-                trainer.resume(path)  # checks first that every rank starts at the snapshot's iteration
-            else:
-                trainer.check_same_start(0)
-                dropped = trainer.metrics.drop_after(0)  # the crashed run's lines: this run writes them again
-                log.info("--resume auto: no snapshot in %s; starting fresh%s", cfg.train.run_dir,
-                         f" (dropped {dropped} metrics.jsonl line(s) of the earlier run)" if dropped else "")
-        result = trainer.fit()
-    finally:
-        trainer.close()
-        if tracer is not None:
-            log.info("trace written to %s", tracer.save(args.trace))
-    comm.close()
-    if comm.rank == 0 and "test_top1" in result:
-        log.info("final test top-1 %.4f top-5 %.4f", result["test_top1"], result["test_top5"])
+    run_training(load_config(args.config, args.set), resume=args.resume, trace=args.trace)
     return 0
 
 
@@ -231,9 +145,12 @@ DEMO_MARK = ".dptrain-demo"
 def _start_demo_run(run_dir: Path) -> None:
     """The demo starts over each time: it removes the outputs of its own earlier run, and
     refuses a folder holding a run it did not write."""
-    earlier = _earlier_run(run_dir)
+    from dptrain.checkpoint import RunDir
+
+    d = RunDir(run_dir)
+    earlier = d.earlier_run()
     if earlier and not (run_dir / DEMO_MARK).exists():
-        _refuse_earlier_run(run_dir)
+        d.refuse_earlier_run()
     for name in earlier:
         (run_dir / name).unlink()
     if earlier:

@@ -71,6 +71,18 @@ class _DoneWork:
         fn(now_us())
 
 
+def bind_thread_to_device(device: torch.device | None) -> None:
+    """Make the calling thread's CUDA calls go to ``device``.
+
+    A new thread's current device is GPU 0; its first CUDA call (an event query, a
+    synchronize) would create a context there, about 0.5 GiB per process, so with 8 solvers
+    GPU 0 would carry 8 contexts and run out of memory. Every dptrain thread that touches
+    CUDA calls this first. No-op for the CPU and None.
+    """
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class CompletionWatcher:
     """A daemon thread that polls ``is_done`` predicates (CUDA events), calls a callback when
     one turns true, and ``on_timeout`` when a deadline passes first.
@@ -80,7 +92,8 @@ class CompletionWatcher:
     Polling never blocks the device or the training thread.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, device: torch.device | None = None) -> None:
+        self._device = device
         self._items: list[tuple[Callable[[], bool], Callable[[float], None], float, Callable[[], None] | None]] = []
         self._cv = threading.Condition()
         self._stop = False
@@ -95,6 +108,7 @@ class CompletionWatcher:
             self._cv.notify()
 
     def _run(self) -> None:
+        bind_thread_to_device(self._device)  # it queries CUDA events: on its solver's GPU, not on GPU 0
         while True:
             with self._cv:
                 while not self._items and not self._stop:
@@ -285,7 +299,7 @@ class Communicator:
     def watcher(self) -> CompletionWatcher:
         """The completion watcher thread, started on first use."""
         if self._watcher is None:
-            self._watcher = CompletionWatcher(f"dptrain-comm-watch-{self.rank}")
+            self._watcher = CompletionWatcher(f"dptrain-comm-watch-{self.rank}", self.device)
         return self._watcher
 
     def allgather_object(self, obj: Any) -> list[Any]:

@@ -163,6 +163,10 @@ class SolverConfig:
     """Write a snapshot every this many iterations, and at the end. 0 = only at the end."""
     clip_gradients: float = 0.0
     """Clip the global L2 norm of the unscaled gradient to this value. 0 = off."""
+    max_nonfinite: int = 3
+    """Without loss scaling (fp32, bf16, or mode "none"), stop with an error after this many
+    consecutive iterations whose loss is not finite; the last good snapshot is kept. (With
+    loss scaling such a step is skipped and the scale lowered instead.)"""
     larc: bool = False
     """Layer-wise adaptive rate control (NVCaffe larc)."""
     larc_policy: Literal["scale", "clip"] = "clip"
@@ -187,6 +191,7 @@ class SolverConfig:
         for key in ("warmup_iter", "display", "test_interval", "test_iter", "snapshot"):
             _positive(f"solver.{key}", getattr(self, key), allow_zero=True)
         _positive("solver.clip_gradients", self.clip_gradients, allow_zero=True)
+        _positive("solver.max_nonfinite", self.max_nonfinite)
         _positive("solver.larc_eta", self.larc_eta)
         if not 0 <= self.warmup_start <= 1:
             raise ConfigError(f"solver.warmup_start must be in [0, 1], got {self.warmup_start}")

@@ -4,8 +4,9 @@ Every parameter of a given dtype is a view into one contiguous buffer, and its
 ``.grad`` is a view into a second one. Parameters are laid out in *reverse
 registration order* (an approximation of the order in which backward produces their
 gradients), each padded to ``ALIGN_ELEMS``, so a data-parallel bucket is a contiguous
-slice of the gradient buffer and needs no copy. The FP32 masters and the momentum are
-flat buffers with the same layout, which lets the update run as one pass.
+slice of the gradient buffer and needs no copy. The FP32 masters and the optimizer's
+state (SGD's momentum, Adam's moments) are flat buffers with the same layout, which lets
+the update run as one pass.
 
 Parameter identity survives: ``module.weight`` stays the same ``nn.Parameter``; only its
 storage moves (``param.data = view``), keeping its strides (channels_last included).
@@ -48,13 +49,14 @@ def _view(flat: torch.Tensor, like: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 class FlatGroup:
-    """The parameters of one dtype: model weights, grads, masters and momentum, all flat."""
+    """The parameters of one dtype: model weights, grads, masters and optimizer state, all flat."""
 
     def __init__(
         self,
         named_params: list[tuple[str, nn.Parameter]],
         *,
-        momentum_dtype: torch.dtype,
+        state_names: tuple[str, ...],
+        state_dtype: torch.dtype,
     ) -> None:
         assert named_params, "a flat group needs at least one parameter"
         self.dtype = named_params[0][1].dtype
@@ -72,33 +74,35 @@ class FlatGroup:
             s.param.grad = _view(self.grads, s.param, s.offset)
         # FP32 storage needs no separate master: the model weights are the masters.
         self.master = self.params if self.dtype == torch.float32 else self.params.float()  # [numel] fp32
-        self.momentum = torch.zeros(self.numel, dtype=momentum_dtype, device=self.device)  # [numel]
+        self.state = {name: torch.zeros(self.numel, dtype=state_dtype, device=self.device)  # [numel] each
+                      for name in state_names}
+        """The optimizer's per-element state, by name (SGD: "momentum")."""
 
     def relayout(self, names: list[str]) -> None:
         """Re-order the flat buffers so parameters sit in the order ``names`` (every name of
-        this group, once); values of weights, grads, masters and momentum move with them."""
+        this group, once); values of weights, grads, masters and state move with them."""
         by_name = {s.name: s for s in self.segments}
         if sorted(names) != sorted(by_name):
             raise RuntimeError("relayout needs every parameter of the group exactly once")
         old = by_name
         segments, numel = _layout([(n, by_name[n].param) for n in names])
+        sources = {"params": self.params, "grads": self.grads, **{f"state.{k}": v for k, v in self.state.items()}}
+        if self.master is not self.params:
+            sources["master"] = self.master
         bufs = {}
-        for attr in ("params", "grads", "momentum") + (() if self.master is self.params else ("master",)):
-            src = getattr(self, attr)
+        for key, src in sources.items():
             dst = torch.zeros(numel, dtype=src.dtype, device=src.device)
             for s in segments:
                 o = old[s.name]
                 dst[s.offset : s.offset + s.numel] = src[o.offset : o.offset + o.numel]
-            bufs[attr] = dst
+            bufs[key] = dst
         self.segments, self.numel = segments, numel
-        self.params, self.grads, self.momentum = bufs["params"], bufs["grads"], bufs["momentum"]
+        self.params, self.grads = bufs["params"], bufs["grads"]
+        self.state = {k: bufs[f"state.{k}"] for k in self.state}
         self.master = bufs.get("master", self.params)
         for s in segments:
             s.param.data = _view(self.params, s.param, s.offset)
             s.param.grad = _view(self.grads, s.param, s.offset)
-
-    def grad_slice(self, start: int, stop: int) -> torch.Tensor:
-        return self.grads[start:stop]
 
     def check_grad_views(self) -> None:
         """Raise if someone replaced a ``.grad`` (e.g. ``zero_grad(set_to_none=True)``)."""
@@ -124,12 +128,15 @@ class FlatGroup:
         if self.master is not self.params:
             self.params.copy_(self.master)
 
-    def momentum_state(self) -> dict[str, torch.Tensor]:
-        return {s.name: _view(self.momentum, s.param, s.offset).clone().contiguous() for s in self.segments}
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state per state name, then per parameter name (clones, unpadded)."""
+        return {k: {s.name: _view(buf, s.param, s.offset).clone().contiguous() for s in self.segments}
+                for k, buf in self.state.items()}
 
-    def load_momentum_state(self, state: dict[str, torch.Tensor]) -> None:
-        for s in self.segments:
-            _view(self.momentum, s.param, s.offset).copy_(state[s.name])
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for k, buf in self.state.items():
+            for s in self.segments:
+                _view(buf, s.param, s.offset).copy_(state[k][s.name])
 
 
 def _layout(named_params: list[tuple[str, nn.Parameter]]) -> tuple[list[Segment], int]:
@@ -153,38 +160,67 @@ def _is_dense(t: torch.Tensor) -> bool:
 
 
 class FlatParams:
-    """All trainable parameters of a model, grouped by dtype into flat buffers."""
+    """All trainable parameters of a model, grouped by dtype into flat buffers.
 
-    def __init__(self, model: nn.Module, *, momentum_dtype: torch.dtype) -> None:
+    ``state_names`` are the optimizer's per-element state buffers (SGD: ("momentum",)),
+    held in ``state_dtype`` for groups stored in reduced precision and in fp32 otherwise.
+    """
+
+    def __init__(self, model: nn.Module, *, state_names: tuple[str, ...] = ("momentum",),
+                 state_dtype: torch.dtype = torch.float32) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise RuntimeError("the model has no trainable parameters")
         named.reverse()  # backward produces the last layers' gradients first
-        self.layout_order: list[str] = [n for n, _ in named]
-        """Parameter names in layout order across groups; the reducer's launch order."""
+        self._layout_order: list[str] = [n for n, _ in named]
+        self._layout_version = 0
         by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
         for n, p in named:
             by_dtype.setdefault(p.dtype, []).append((n, p))
-        # FP32 masters need a momentum at least as wide as requested; fp16 momentum
+        # FP32 masters need state at least as wide as requested; a reduced-precision state
         # applies only to groups stored in reduced precision.
         self.groups: list[FlatGroup] = [
-            FlatGroup(ps, momentum_dtype=momentum_dtype if dt != torch.float32 else torch.float32)
+            FlatGroup(ps, state_names=state_names, state_dtype=state_dtype if dt != torch.float32 else torch.float32)
             for dt, ps in by_dtype.items()
         ]
+
+    @property
+    def layout_order(self) -> list[str]:
+        """Parameter names in layout order across groups; the reducer's launch order."""
+        return list(self._layout_order)
+
+    @property
+    def layout_version(self) -> int:
+        """Incremented by every :meth:`reorder`, so users of the segment lists know to rebuild
+        what they derived from them."""
+        return self._layout_version
+
+    def reorder(self, per_group: list[list[str]], layout_order: list[str]) -> None:
+        """Lay group ``i`` out in the order ``per_group[i]`` (values move with their parameters)
+        and record ``layout_order`` as the order across groups."""
+        if sorted(layout_order) != sorted(self._layout_order):
+            raise RuntimeError("reorder needs every parameter of the model exactly once")
+        for g, names in zip(self.groups, per_group):
+            if [s.name for s in g.segments] != names:
+                g.relayout(names)
+        self._layout_order = list(layout_order)
+        self._layout_version += 1
 
     @property
     def num_params(self) -> int:
         return sum(s.numel for g in self.groups for s in g.segments)
 
     def bytes_per_param(self) -> dict[str, float]:
-        """Bytes of device memory per parameter: weights, masters, momentum, grads."""
+        """Bytes of device memory per parameter: weights, masters, each state buffer, grads."""
         n = self.num_params
         weights = sum(g.params.numel() * g.params.element_size() for g in self.groups)
         masters = sum(g.master.numel() * 4 for g in self.groups if g.master is not g.params)
-        momentum = sum(g.momentum.numel() * g.momentum.element_size() for g in self.groups)
         grads = sum(g.grads.numel() * g.grads.element_size() for g in self.groups)
-        return {k: round(v / n, 3) for k, v in
-                {"weights": weights, "masters": masters, "momentum": momentum, "grads": grads}.items()}
+        out = {"weights": weights, "masters": masters}
+        for name in self.groups[0].state:
+            out[name] = sum(g.state[name].numel() * g.state[name].element_size() for g in self.groups)
+        out["grads"] = grads
+        return {k: round(v / n, 3) for k, v in out.items()}
 
     def check_grad_views(self) -> None:
         for g in self.groups:
@@ -204,12 +240,18 @@ class FlatParams:
         for g in self.groups:
             g.load_master_state(state)
 
-    def momentum_state(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state: {state name: {parameter name: values}} over every group."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
         for g in self.groups:
-            out.update(g.momentum_state())
+            for k, per_param in g.state_dict().items():
+                out.setdefault(k, {}).update(per_param)
         return out
 
-    def load_momentum_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        names = set(self.groups[0].state)
+        if set(state) != names:
+            raise SnapshotError(f"snapshot's optimizer state is {sorted(state)}, this optimizer's {sorted(names)}; "
+                                f"was it written with another solver.type?")
         for g in self.groups:
-            g.load_momentum_state(state)
+            g.load_state_dict(state)

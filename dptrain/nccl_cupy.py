@@ -30,7 +30,7 @@ from types import ModuleType
 import torch
 
 from dptrain.comm import Communicator, CompletionWatcher
-from dptrain.errors import RankFailure, SetupError
+from dptrain.errors import RankFailure, SetupError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,14 @@ HIGH_PRIORITY = -1
 """torch.cuda.Stream priority for the comm stream: lower is higher; -1 is valid on every
 torch 2.x (values beyond the device's range are clamped), as NVCaffe's highest-priority stream."""
 
+
+INSTALL_HINT = ("pip install 'dptrain[cuda13]' with a CUDA 13 torch (cupy-cuda13x, nvidia-nccl-cu13) or "
+                "'dptrain[cuda12]' with a CUDA 12 one; mixing them lets the other NCCL replace the one torch loads")
+SELF_CHECK_TIMEOUT_S = 60.0
+"""The first collective also sets NCCL's connections up: it may take seconds, whatever
+reducer.timeout_s a test sets for the buckets."""
+SELF_CHECK_ELEMS = 1031
+"""Elements of the known-value allreduce at communicator creation (odd: no size a kernel special-cases)."""
 
 NCCL_BF16_VERSION = 21000
 """ncclGetVersion() code of NCCL 2.10.0, the first release with ncclBfloat16."""
@@ -48,14 +56,13 @@ def _nccl() -> ModuleType:
     try:
         from cupy.cuda import nccl
     except ImportError as e:
-        raise SetupError(f"reducer.backend = \"cupy-nccl\" needs CuPy with NCCL ({e}); install cupy-cuda12x "
-                         "or use reducer.backend = \"torch\"") from e
+        raise SetupError(f"reducer.backend = \"cupy-nccl\" needs CuPy with NCCL ({e}); {INSTALL_HINT}, or use "
+                         "reducer.backend = \"torch\"") from e
     # cupy.cuda.nccl imports even when CuPy cannot load libnccl: it then only sets available = False
     # and has no NcclCommunicator, so check here rather than fail later with an AttributeError.
     if not getattr(nccl, "available", False) or not hasattr(nccl, "NcclCommunicator"):
         raise SetupError("reducer.backend = \"cupy-nccl\": CuPy is installed but cannot load the NCCL library "
-                         "(cupy.cuda.nccl.available is False); install nvidia-nccl-cu12 (pip install "
-                         "dptrain[cuda12]) or use reducer.backend = \"torch\"")
+                         f"(cupy.cuda.nccl.available is False); {INSTALL_HINT}, or use reducer.backend = \"torch\"")
     return nccl
 
 
@@ -84,6 +91,16 @@ def check_reducible(dtypes: set[torch.dtype]) -> None:
         _nccl_dtype(dtype)
 
 
+def known_sum_mismatch(result: torch.Tensor, world_size: int) -> str | None:
+    """Why ``result`` is not the sum of rank r contributing r + 1 everywhere, or None if it is."""
+    want = world_size * (world_size + 1) / 2
+    wrong = (result != want).nonzero().flatten()
+    if wrong.numel() == 0:
+        return None
+    i = int(wrong[0])
+    return f"{wrong.numel()} of {result.numel()} elements differ from {want:g}, e.g. element {i} = {float(result[i])}"
+
+
 class CupyWork:
     """One allreduce in flight on the comm stream."""
 
@@ -107,17 +124,37 @@ class CupyNcclCommunicator:
             raise RuntimeError(f"rank {comm.rank}: cupy-nccl needs a CUDA device, got {comm.device}")
         nccl = _nccl()
         self.rank, self.world_size, self.device, self.timeout_s = comm.rank, comm.world_size, comm.device, timeout_s
+        # The id goes to NcclCommunicator as get_unique_id() made it: a tuple of ints in CuPy 13,
+        # bytes in CuPy 14 (which rejects a tuple). Every rank runs the same CuPy, so rank 0's type fits.
         uid = comm.broadcast_object(nccl.get_unique_id() if comm.rank == 0 else None, src=0)
         with torch.cuda.device(self.device):  # NCCL binds the communicator to the current device
-            self._nccl = nccl.NcclCommunicator(self.world_size, tuple(uid), self.rank)
+            self._nccl = nccl.NcclCommunicator(self.world_size, uid, self.rank)
         self.stream = torch.cuda.Stream(self.device, priority=HIGH_PRIORITY)
-        self.watcher = CompletionWatcher(f"dptrain-cupy-nccl-{self.rank}")
+        self.watcher = CompletionWatcher(f"dptrain-cupy-nccl-{self.rank}", self.device)
         self._error: str | None = None
+        self._self_check()
         log.info("rank %d: cupy-nccl communicator (NCCL %s) on stream priority %d", self.rank,
                  nccl.get_version(), self.stream.priority)
 
-    def allreduce_async(self, tensor: torch.Tensor) -> CupyWork:
-        """In-place SUM of ``tensor`` (contiguous, on this device) over all ranks."""
+    def _self_check(self) -> None:
+        """One allreduce of known values before the first bucket: rank r contributes r + 1, so
+        every element must be W(W+1)/2. A wrong sum or a failure stops the run here, at
+        startup, instead of training on garbage gradients. A host sync, once."""
+        values = torch.full((SELF_CHECK_ELEMS,), float(self.rank + 1), device=self.device)  # [n] fp32
+        try:
+            self.allreduce_async(values, max(self.timeout_s, SELF_CHECK_TIMEOUT_S)).wait()
+            torch.cuda.current_stream(self.device).synchronize()
+        except Exception as e:  # noqa: BLE001 - any failure of the first collective means the backend is unusable
+            raise SetupError(f"rank {self.rank}: the cupy-nccl self-check allreduce failed ({type(e).__name__}: "
+                             f"{first_line(e)}); use reducer.backend = \"torch\"") from e
+        why = known_sum_mismatch(values.cpu(), self.world_size)
+        if why is not None:
+            raise SetupError(f"rank {self.rank}: the cupy-nccl self-check allreduce is wrong ({why}); use "
+                             f"reducer.backend = \"torch\"")
+
+    def allreduce_async(self, tensor: torch.Tensor, timeout_s: float | None = None) -> CupyWork:
+        """In-place SUM of ``tensor`` (contiguous, on this device) over all ranks; the watchdog
+        aborts it after ``timeout_s`` (default: the communicator's)."""
         self.raise_if_failed()
         assert tensor.is_contiguous() and tensor.device == self.device, "cupy-nccl needs a contiguous device tensor"
         ready = torch.cuda.Event()
@@ -129,7 +166,8 @@ class CupyNcclCommunicator:
         tensor.record_stream(self.stream)  # a no-op in effect for the long-lived flat buffers
         done = torch.cuda.Event()
         done.record(self.stream)
-        self.watcher.watch(done.query, lambda _t: None, deadline_s=time.monotonic() + self.timeout_s,
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        self.watcher.watch(done.query, lambda _t: None, deadline_s=deadline,
                            on_timeout=self._abort)
         return CupyWork(self, done)
 

@@ -103,8 +103,8 @@ def _ancestors(model: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
 class LossScaler:
     """Loss scaling whose whole state machine runs on the device.
 
-    ``found_inf`` ([1] fp32) is written by the solver's norm pass and read by the update
-    kernel, which skips the step when it is set. :meth:`update` advances the scale with
+    ``found_inf`` ([1] fp32) is set by :meth:`record_overflow` from the optimizer's norm pass
+    and read by the update kernel, which skips the step when it is set. :meth:`update` advances the scale with
     device ops only. The host reads device state only in :meth:`stats` and
     :meth:`check_floor`, which the trainer calls at display and snapshot boundaries.
 
@@ -130,9 +130,18 @@ class LossScaler:
         """``loss * S`` in fp32 (the loss itself when scaling is off)."""
         return loss * self.scale if self.enabled else loss
 
-    def inv_scale(self, world_size: int) -> torch.Tensor:
-        """``1 / (S * world_size)`` as a [1] fp32 device tensor: unscale and average in one factor."""
-        return (1.0 / world_size) / self.scale
+    def inv_scale(self, grad_divisor: int) -> torch.Tensor:
+        """``1 / (S * grad_divisor)`` as a [1] fp32 device tensor: unscale and average in one factor."""
+        return (1.0 / grad_divisor) / self.scale
+
+    def record_overflow(self, grad_norm: torch.Tensor) -> None:
+        """Set ``found_inf`` from the reduced gradient's norm (non-finite: skip this step).
+
+        Device ops only. Every rank holds the same reduced gradient, so every rank takes the
+        same decision without another collective. A no-op without loss scaling.
+        """
+        if self.enabled:
+            self.found_inf.copy_((~torch.isfinite(grad_norm)).float().reshape(1))
 
     def update(self) -> None:
         """Advance the scale after a step; device ops only, no host sync."""
@@ -183,10 +192,7 @@ class LossScaler:
         scaling), since a stale 65536 with scaling off would divide every gradient by it.
         A static scale always comes from the config. Skipped steps are counted on."""
         self._skipped.copy_(state["skipped"])
-        saved = state.get("mode")
-        if saved is None:  # a snapshot from before this field: a scale of 1 means no scaling (a dynamic
-            # scale at 1 is at its floor, which stops the run); any other, scaling in this run's mode
-            saved = "none" if float(state["scale"].item()) == 1.0 else (self.mode if self.enabled else "on")
+        saved = state["mode"]
         if saved != self.mode:
             log.warning("the snapshot's loss scaling is %s, this run's is %s: the scale restarts at %g",
                         saved, self.mode, float(self.scale.item()))

@@ -94,6 +94,7 @@ class Reducer:
         """Buffers averaged over ranks every synced iteration (BatchNorm's running mean/var)."""
         self._stats_numels = [t.numel() for t in self.running_stats]
         self._stats_flight: tuple[Work, torch.Tensor] | None = None
+        self._control: torch.Tensor | None = None
         self.world_size = comm.world_size
         self.fp32_reduce = cfg.reduce_dtype == "fp32"
         self.grad_divisor = 1 if (self.fp32_reduce or self.world_size == 1) else self.world_size
@@ -157,8 +158,14 @@ class Reducer:
 
     # ------------------------------------------------------------------ per micro-batch
 
-    def begin(self, sync: bool) -> None:
-        """Arm the hooks for the coming backward; ``sync=False`` only accumulates (iter_size)."""
+    def begin(self, sync: bool, control: torch.Tensor | None = None) -> None:
+        """Arm the hooks for the coming backward; ``sync=False`` only accumulates (iter_size).
+
+        ``control`` (a small fp32 device vector, see ``dptrain.control``) is summed over the
+        ranks with the running statistics, behind the first bucket, and holds the sums after
+        :meth:`wait`.
+        """
+        self._control = control if sync else None
         if not self._hooked:
             return
         with self._lock:
@@ -207,7 +214,7 @@ class Reducer:
             raise self._failure(b, e) from e
         self._next_launch += 1
         self.launch_log.append((b.index, t))
-        if self._next_launch == 1 and self.running_stats:
+        if self._next_launch == 1 and (self.running_stats or self._control is not None):
             self._launch_stats()
         rec = _Launched(b, work, upcast, start_us)
         if self.tracer.enabled:  # CPU: the event is written at wait(); CUDA: by the watcher, at completion
@@ -216,9 +223,13 @@ class Reducer:
         self._launched.append(rec)
 
     def _launch_stats(self) -> None:
-        """Start the running-statistics average, right behind the first bucket (caller holds the
-        lock). Every forward of the iteration is done by then, so it overlaps the rest of backward."""
-        stats = torch.cat([t.detach().reshape(-1).float() for t in self.running_stats])
+        """Start the running-statistics average (and the control vector's sum), right behind the
+        first bucket (caller holds the lock). Every forward of the iteration is done by then, so
+        it overlaps the rest of backward."""
+        parts = [t.detach().reshape(-1).float() for t in self.running_stats]
+        if self._control is not None:
+            parts.append(self._control)
+        stats = torch.cat(parts)
         try:
             self._stats_flight = (self._collective.allreduce_async(stats), stats)
         except Exception as e:
@@ -234,7 +245,12 @@ class Reducer:
             work.wait()
         except Exception as e:
             raise self._stats_failure(e) from e
-        stats.div_(self.world_size)
+        n = sum(self._stats_numels)
+        if self._control is not None:
+            self._control.copy_(stats[n:])  # a sum over the ranks, not an average
+        if not self.running_stats:
+            return
+        stats = stats[:n].div_(self.world_size)
         with torch.no_grad():  # one multi-tensor copy back, not a kernel per buffer (ResNet-50 has 106)
             torch._foreach_copy_(self.running_stats,
                                  [avg.view_as(t) for t, avg in zip(self.running_stats, stats.split(self._stats_numels))])
@@ -316,10 +332,7 @@ class Reducer:
         """Re-lay out the flat buffers and re-plan the buckets for gradient-ready ``order`` (collective)."""
         per_group, predicted = plan_from_ready_order(group_specs(self.flat), order, self.cfg.bucket_mb,
                                                      self.cfg.first_bucket_mb)
-        for g, names in zip(self.flat.groups, per_group):
-            if [s.name for s in g.segments] != names:
-                g.relayout(names)
-        self.flat.layout_order = order_from_ready(self.flat.layout_order, order)
+        self.flat.reorder(per_group, order_from_ready(self.flat.layout_order, order))
         plan = build_bucket_plan(group_specs(self.flat), self.cfg.bucket_mb, self.cfg.first_bucket_mb)
         assert plan.digest() == predicted.digest(), "relayout does not match the planned layout"
         self._set_plan(plan)
@@ -338,7 +351,7 @@ class Reducer:
         order = list(state.get("ready_order", []))
         if not (order and self._replan_pending):
             return
-        if set(order) - {n for n in self.flat.layout_order}:
+        if set(order) - set(self.flat.layout_order):
             log.warning("rank %d: the snapshot's bucket layout names parameters this model lacks; re-planning "
                         "from this run's gradient order instead", self.comm.rank)
             return

@@ -3,23 +3,22 @@
 One Trainer per solver process. The iteration is:
 
     for each of iter_size micro-batches:   data -> forward -> scaled loss -> backward
-                                            (the reducer allreduces buckets during the last backward)
+                                            (the reducer allreduces buckets during the last backward,
+                                             and with them the control flags: stop, non-finite loss)
     reducer.wait()                          the only point where compute waits on communication
-    solver.step()                           unscale, skip on overflow, update masters, write weights
+    optimizer.step()                        unscale, skip on overflow, update masters, write weights
 
-Nothing in the step reads a device value on the host; the host syncs only when it logs,
-tests, snapshots or polls for a stop request.
+Nothing in the step reads a device value on the host: the control flags are read back
+``ControlChannel.lag`` iterations later (``dptrain.control``), so a stop signal or a
+diverged loss is acted on at the same iteration on every rank. The host syncs only when
+it logs, tests or snapshots.
 """
 from __future__ import annotations
 
 import logging
-import signal
+import os
 import sys
-import threading
 import time
-from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,26 +27,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dptrain.checkpoint import (
+    RunDir,
+    StateParts,
+    capture,
+    check_same_start,
+    load_snapshot,
+    resolve_resume,
+    restore,
+    save_snapshot,
+    snapshot_path,
+)
 from dptrain.comm import Communicator
 from dptrain.config import TrainConfig, config_to_dict, dump_toml
+from dptrain.control import NONFINITE, STOP, ControlChannel, StopFlag
 from dptrain.data import build_source
 from dptrain.data.base import DROPPED_LABEL, DeviceFeeder
-from dptrain.data.sampling import ShardPlan, batches_per_epoch
-from dptrain.errors import ConfigError, RunDirError, SetupError, SnapshotError
+from dptrain.data.sampling import ShardPlan, batches_per_epoch, eval_range
+from dptrain.errors import ConfigError, DivergenceError, SetupError
 from dptrain.flat import FlatParams
 from dptrain.metrics import MetricsWriter
 from dptrain.models import build_model, check_input
+from dptrain.optimizer import MasterOptimizer
 from dptrain.precision import DTYPES, LossScaler, apply_precision, warn_if_slow_on_cpu
 from dptrain.reducer import Reducer
-from dptrain.snapshot import load_snapshot, remove_stale_temporaries, save_snapshot, snapshot_path
-from dptrain.solver import MasterSGD
-from dptrain.trace import NullTracer, Tracer, now_us
+from dptrain.topology import Topology
+from dptrain.trace import NullTracer, PhaseTimer, Tracer
 
 log = logging.getLogger(__name__)
-
-STOP_POLL_ITERS = 10
-"""With several solvers, a SIGTERM/SIGUSR1 is agreed on by a tiny allreduce every this many
-iterations (a host sync), so every rank snapshots and stops at the same iteration."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class RunPlan:
     batch_size: int
     iter_size: int
     global_batch: int
+    """Samples per iteration over all solvers: batch_size x world_size x iter_size."""
     micro_steps_per_epoch: int
     storage: str
     loss_scale: str
@@ -79,10 +87,8 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     if not torch.cuda.is_available():
         raise SetupError("train.device = \"cuda\" but no CUDA device is visible; use \"auto\" or \"cpu\"")
     if local_rank >= torch.cuda.device_count():
-        raise SetupError(
-            f"LOCAL_RANK {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
-            "start at most one process per GPU"
-        )
+        raise SetupError(f"LOCAL_RANK {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
+                         "start at most one process per GPU")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
@@ -101,8 +107,8 @@ def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.d
     comm.broadcast_module(model)
     fp32_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_precision(model, cfg.precision)
-    momentum_dtype = DTYPES[cfg.precision.momentum_dtype]
-    flat = FlatParams(model, momentum_dtype=momentum_dtype)
+    flat = FlatParams(model, state_names=MasterOptimizer.STATE_NAMES,
+                      state_dtype=DTYPES[cfg.precision.momentum_dtype])
     flat.load_master_state(fp32_weights)
     return model, flat
 
@@ -113,76 +119,11 @@ def running_stats(model: nn.Module) -> list[torch.Tensor]:
             if name.rsplit(".", 1)[-1] in ("running_mean", "running_var") and b.is_floating_point()]
 
 
-def _check_run_dir(run_dir: Path) -> None:
-    """train.run_dir must be a folder or creatable as one (every rank checks; rank 0 creates it)."""
-    for p in (run_dir, *run_dir.parents):
-        if p.exists():
-            if not p.is_dir():
-                raise ConfigError(f"train.run_dir {str(run_dir)!r}: {str(p)!r} is a file; choose another run_dir")
-            return
-
-
-class PhaseTimer:
-    """Times phases of a step. Inactive (free) unless tracing or benchmarking; when active
-    it synchronises the device at phase boundaries so the times are device times."""
-
-    def __init__(self, device: torch.device, tracer: Tracer, active: bool) -> None:
-        self.device, self.tracer, self.active = device, tracer, active
-        self.totals_ms: dict[str, float] = defaultdict(float)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        if not self.active:
-            yield
-            return
-        self._sync()
-        start = now_us()
-        yield
-        self._sync()
-        end = now_us()
-        self.totals_ms[name] += (end - start) / 1000.0
-        self.tracer.complete(name, start, end)
-
-
-class _StopFlag:
-    """Set by SIGTERM, SIGUSR1 or SIGINT (Ctrl-C); the trainer snapshots at the next agreed
-    iteration boundary and exits 0, as Caffe does on SIGINT. A second Ctrl-C stops at once,
-    without a snapshot."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.signum = 0
-
-    def __call__(self, signum: int, frame: object) -> None:
-        if self.signum == signal.SIGINT and signum in (signal.SIGINT, signal.SIGTERM):
-            raise KeyboardInterrupt  # a second Ctrl-C; torchrun turns its own second one into a SIGTERM
-        if signum == signal.SIGINT:
-            log.warning("Ctrl-C: snapshot at the next agreed iteration and stop; press it again to stop at once")
-        self.requested = True
-        self.signum = self.signum or signum
-
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        if threading.current_thread() is threading.main_thread():
-            old = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-            try:
-                yield
-            finally:
-                for s, h in old.items():
-                    signal.signal(s, h)
-        else:
-            yield
-
-
 class Trainer:
-    """One solver: model, flat buffers, scaler, reducer, solver and data, from the config."""
+    """One solver: model, flat buffers, scaler, reducer, optimizer and data, from the config."""
 
     def __init__(self, cfg: TrainConfig, comm: Communicator, *, tracer: Tracer | None = None,
-                 time_phases: bool = False) -> None:
+                 time_phases: bool = False, stop: StopFlag | None = None) -> None:
         self.cfg, self.comm = cfg, comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.device = comm.device
@@ -191,8 +132,8 @@ class Trainer:
         elif self.rank == 0:
             warn_if_slow_on_cpu(cfg.precision.storage, self.device)
         self.tracer = tracer or NullTracer(self.rank)
-        self.run_dir = Path(cfg.train.run_dir)
-        _check_run_dir(self.run_dir)
+        self.run_dir = RunDir(cfg.train.run_dir)
+        self.run_dir.check_usable(writer=False)
         self.source = build_source(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed, device=self.device,
                                    rank=self.rank, cores=comm.topology.cores_per_process)
         self.model, self.flat = build_model_and_params(cfg, comm, self.device, in_channels=self.source.sample_shape[2])
@@ -200,37 +141,45 @@ class Trainer:
         ls_mode = cfg.precision.resolved_loss_scale_mode()
         self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
         self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer, running_stats(self.model))
-        self.solver = MasterSGD(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor)
+        self.optimizer = MasterOptimizer(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor)
+        self.parts = StateParts(self.model, self.flat, self.optimizer, self.reducer, comm)
         self.shard = ShardPlan(self.rank, self.world_size, cfg.data.batch_size, cfg.train.seed,
                                cfg.data.shuffle == "epoch")
         self.plan = RunPlan(
             rank=self.rank, world_size=self.world_size, device=str(self.device),
             batch_size=cfg.data.batch_size, iter_size=cfg.solver.iter_size,
             global_batch=cfg.data.batch_size * self.world_size * cfg.solver.iter_size,
-            micro_steps_per_epoch=batches_per_epoch(self.source.num_train, self.shard.global_batch),
+            micro_steps_per_epoch=batches_per_epoch(self.source.num_train, self.shard.samples_per_step),
             storage=cfg.precision.storage, loss_scale=ls_mode,
         )
         self.dtype = DTYPES[cfg.precision.storage]
         self.iteration = 0
         self.lr = 0.0
         self.phases = PhaseTimer(self.device, self.tracer, time_phases or self.tracer.enabled)
+        self.stop = stop or StopFlag()
+        self.control = ControlChannel(comm, self.device)
+        self._stop_at: int | None = None
+        self._nonfinite_since: int | None = None
+        self._saved_at: int | None = None
+        """Iteration of the snapshot last written or resumed from: a stop there writes nothing new."""
         self._feeder: DeviceFeeder | None = None
+        self._iter_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self._loss_from = 0
         """Iteration since which _loss_sum accumulates (the last display); saved in snapshots."""
-        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if self.rank == 0 else None)
+        self.metrics = MetricsWriter(self.run_dir.metrics if self.rank == 0 else None)
 
     # ------------------------------------------------------------------ data
 
-    def _feeder_for(self, start_micro_step: int) -> DeviceFeeder:
-        stream = self.source.train_batches(self.shard, start_micro_step)
+    def _feeder_for(self, stream: Any) -> DeviceFeeder:
         return DeviceFeeder(stream, device=self.device, dtype=self.dtype, mean=self.source.mean,
                             scale=self.source.scale, channels_last=self.cfg.model.channels_last,
                             mean_image=self.source.mean_image)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._feeder is None:
-            self._feeder = self._feeder_for(self.iteration * self.plan.iter_size)
+            start = self.iteration * self.plan.iter_size
+            self._feeder = self._feeder_for(self.source.train_batches(self.shard, start))
         with self.phases("data_wait"):
             return next(self._feeder)
 
@@ -259,107 +208,184 @@ class Trainer:
         """One iteration: iter_size micro-batches, the reduce, and the fused update."""
         self.model.train()
         n = self.plan.iter_size
+        self._iter_loss.zero_()
         for micro in range(n):
             x, y = self._next_batch()
-            self.reducer.begin(sync=micro == n - 1)
+            last = micro == n - 1
             with self.phases("forward"):
                 loss = F.cross_entropy(self._forward(x).float(), y) / n
-            if micro == n - 1 and self._feeder is not None:
+            self._iter_loss += loss.detach()
+            control = self.control.vector(self.stop.requested, self._iter_loss) if last else None
+            self.reducer.begin(sync=last, control=control)
+            if last and self._feeder is not None:
                 self._feeder.prefetch()  # next batch's H2D copy overlaps this backward
             with self.phases("backward"):
                 self.scaler.scale_loss(loss).backward()
-            self._loss_sum += loss.detach()
+        self._loss_sum += self._iter_loss
         with self.phases("exposed_comm"):
             self.reducer.wait()
         with self.phases("update"):
-            self.lr = self.solver.step(self.iteration)
+            self.lr = self.optimizer.step(self.iteration)
         self.iteration += 1
+        self.control.submit(self.iteration, reduce=False)  # summed by the reducer's collective
+
+    def _read_control(self, flags: Any) -> None:
+        """Act on the control sums read back for earlier iterations (see dptrain.control)."""
+        for step, sums in flags:
+            if sums[STOP] > 0 and self._stop_at is None:
+                self._stop_at = step + self.control.lag
+            if self.scaler.enabled:  # a non-finite loss is an overflow there: the scaler skips the step
+                continue
+            if sums[NONFINITE] == 0:
+                self._nonfinite_since = None
+                continue
+            self._nonfinite_since = self._nonfinite_since or step
+            if step - self._nonfinite_since + 1 >= self.cfg.solver.max_nonfinite:
+                raise self._divergence(f"the loss was not finite on {int(sums[NONFINITE])} rank(s) at iteration "
+                                       f"{step}, {step - self._nonfinite_since + 1} iteration(s) in a row since "
+                                       f"{self._nonfinite_since} (solver.max_nonfinite = "
+                                       f"{self.cfg.solver.max_nonfinite}), with no loss scaling to skip those steps")
+
+    def _divergence(self, what: str) -> DivergenceError:
+        saved = self._saved_at
+        kept = f"the last good snapshot is {snapshot_path(self.run_dir.path, saved)}" if saved is not None else \
+            "no snapshot was written"
+        return DivergenceError(f"{what}; lower solver.base_lr or set solver.clip_gradients, then resume; {kept}")
+
+    def stop_due(self) -> bool:
+        """Whether every rank stops after this iteration (reads what the control channel has)."""
+        self._read_control(self.control.ready(self.iteration))
+        return self._stop_at is not None and self.iteration >= self._stop_at
+
+    def agree_stop(self) -> bool:
+        """Before a test phase: settle every pending control read and ask every rank now (a
+        blocking collective; tests are rare), so a stop never starts a new test."""
+        self._read_control(self.control.drain())
+        flag = torch.tensor([1.0 if self.stop.requested else 0.0], device=self.device)
+        self.comm.allreduce_sum_(flag)
+        return self._stop_at is not None or bool(flag.item() > 0)
+
+    def time_phases(self, active: bool) -> None:
+        """Start (or stop) timing the phases of the coming steps, from zero."""
+        self.phases.reset()
+        self.phases.active = active or self.tracer.enabled
+
+    def phase_totals_ms(self) -> dict[str, float]:
+        """Milliseconds per phase over the steps timed since :meth:`time_phases`."""
+        return self.phases.totals_ms()
 
     # ------------------------------------------------------------------ test
 
     @torch.no_grad()
-    def test(self) -> dict[str, float]:
-        """Top-1/top-5 over the whole test set; every sample counts once across ranks."""
+    def test(self) -> dict[str, float] | None:
+        """Top-1/top-5 over the whole test set, every sample counted once across ranks; None
+        when a stop request abandoned it (every rank at the same batch).
+
+        Each batch sums a stop flag over the ranks (one small async collective, read back
+        ``control.lag`` batches later). Every rank runs the same number of rounds, the most
+        any rank's slice needs, so the collectives pair up when the slices differ by a batch.
+        """
         self.model.eval()
         counts = torch.zeros(4, dtype=torch.float64, device=self.device)  # correct1, correct5, n, bad records
-        stream = self.source.test_batches(self.rank, self.world_size, self.cfg.data.test_batch_size)
-        feeder = DeviceFeeder(stream, device=self.device, dtype=self.dtype, mean=self.source.mean,
-                              scale=self.source.scale, channels_last=self.cfg.model.channels_last,
-                              mean_image=self.source.mean_image)
+        bs = self.cfg.data.test_batch_size
+        rounds = max(-(-len(eval_range(self.source.num_test, r, self.world_size)) // bs)
+                     for r in range(self.world_size))
+        if self.cfg.solver.test_iter:
+            rounds = min(rounds, self.cfg.solver.test_iter)
+        feeder = self._feeder_for(self.source.test_batches(self.rank, self.world_size, bs))
+        control = ControlChannel(self.comm, self.device)
+        abandon_at: int | None = None
         try:
-            for i, (x, y) in enumerate(feeder):
-                if self.cfg.solver.test_iter and i >= self.cfg.solver.test_iter:
+            for i in range(rounds):
+                batch = next(feeder, None)
+                if batch is not None:
+                    x, y = batch
+                    top5 = self._forward(x).float().topk(min(5, self.cfg.model.num_classes), dim=1).indices
+                    kept = y != DROPPED_LABEL  # a bad record skipped under data.max_bad_records scores nothing
+                    hit = (top5 == y[:, None]) & kept[:, None]
+                    counts[0] += hit[:, 0].sum()
+                    counts[1] += hit.any(dim=1).sum()
+                    counts[2] += kept.sum()
+                control.vector(self.stop.requested)
+                control.submit(i, reduce=True)
+                for step, sums in control.ready(i):
+                    if sums[STOP] > 0 and abandon_at is None:
+                        abandon_at = step + control.lag
+                if abandon_at is not None and i >= abandon_at:
                     break
-                top5 = self._forward(x).float().topk(min(5, self.cfg.model.num_classes), dim=1).indices
-                kept = y != DROPPED_LABEL  # a bad record skipped under data.max_bad_records scores nothing
-                hit = (top5 == y[:, None]) & kept[:, None]
-                counts[0] += hit[:, 0].sum()
-                counts[1] += hit.any(dim=1).sum()
-                counts[2] += kept.sum()
+            for step, sums in control.drain():  # the last rounds' flags: every rank reads the same
+                if sums[STOP] > 0 and abandon_at is None:
+                    abandon_at = step
             counts[3] += feeder.last_info.get("bad_records", 0)
         finally:
             feeder.close()
+            self.model.train()
+        if abandon_at is not None:
+            self._stop_at = self.iteration
+            return None
         self.comm.allreduce_sum_(counts)
         c1, c5, total, bad = counts.tolist()
-        self.model.train()
         res = {"test_top1": c1 / max(total, 1), "test_top5": c5 / max(total, 1), "test_samples": int(total)}
         return {**res, "test_bad_records": int(bad)} if bad else res
 
     # ------------------------------------------------------------------ snapshots
 
-    def state_dict(self) -> dict[str, Any]:
-        """Snapshot content; collective (every rank's RNG state is gathered)."""
-        model_state = {k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone()
-                       for k, v in self.model.state_dict().items()}
-        model_state.update(self.flat.master_state())
-        rng = {"torch": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {
-            "iteration": self.iteration,
-            "model": model_state,
-            "solver": self.solver.state_dict(),
-            "reducer": self.reducer.state_dict(),
-            "rng": self.comm.allgather_object(rng),
-            "data": {"micro_step": self.iteration * self.plan.iter_size, "world_size": self.world_size,
-                     "batch_size": self.plan.batch_size, "seed": self.cfg.train.seed},
-            "display": {"loss_from": self._loss_from,
-                        "loss_sum": self.comm.allgather_object(float(self._loss_sum))},
-            "config": config_to_dict(self.cfg),
-        }
+    def _snapshot_state(self) -> dict[str, Any]:
+        """The snapshot content; collective (every rank's RNG and running loss are gathered)."""
+        return capture(
+            self.parts, iteration=self.iteration,
+            data={"micro_step": self.iteration * self.plan.iter_size, "world_size": self.world_size,
+                  "batch_size": self.plan.batch_size, "seed": self.cfg.train.seed},
+            display={"loss_from": self._loss_from, "loss_sum": self.comm.allgather_object(float(self._loss_sum))},
+            config=config_to_dict(self.cfg))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a snapshot: masters (weights re-derived), buffers, momentum, scaler, RNG, position."""
-        params = {n for n, _ in self.model.named_parameters()}
-        buffers = {k: v for k, v in state["model"].items() if k not in params}
-        missing = self.model.load_state_dict(buffers, strict=False)
-        if missing.unexpected_keys:
-            raise SnapshotError(f"snapshot has keys this model lacks: {missing.unexpected_keys[:5]}; "
-                             "was it written for another model.name?")
-        for name, p in self.model.named_parameters():
-            saved = state["model"].get(name)
-            if saved is None or saved.shape != p.shape:
-                got = "missing" if saved is None else f"{list(saved.shape)}"
-                raise SnapshotError(f"snapshot's {name!r} is {got} but this model's is {list(p.shape)}; was it written "
-                                 f"with another model.num_classes / model.width / input channels?")
-        self.reducer.load_state_dict(state.get("reducer", {}))  # may re-lay out the flat buffers: first
-        self.flat.load_master_state(state["model"])
-        self.solver.load_state_dict(state["solver"])
-        rng = state["rng"][self.rank] if self.rank < len(state["rng"]) else state["rng"][0]
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
+    def save(self) -> Path | None:
+        """Write snapshot_iter_<iteration>.pt (rank 0) after every rank contributed its state.
+
+        Refuses non-finite masters (a diverged run keeps its last good snapshot), and writes
+        nothing when this iteration's snapshot was just written or resumed from.
+        """
+        path = snapshot_path(self.run_dir.path, self.iteration)
+        if self._saved_at == self.iteration:
+            return path if self.rank == 0 else None
+        if not all(bool(torch.isfinite(g.master).all()) for g in self.flat.groups):
+            raise self._divergence(f"the weights are not finite at iteration {self.iteration}, so no snapshot was "
+                                   f"written")
+        state = self._snapshot_state()
+        self._saved_at = self.iteration
+        if self.rank != 0:
+            return None
+        save_snapshot(state, path)
+        log.info("snapshot %s", path)
+        return path
+
+    def resume(self, path: Path) -> None:
+        """Continue from snapshot ``path``: every rank checks first that all start at its iteration."""
+        state = load_snapshot(path)
+        check_same_start(self.comm, int(state["iteration"]))
+        restore(self.parts, state)
         self.iteration = int(state["iteration"])
         self._feeder = None
-        display = state.get("display")  # snapshots before this field restart the running loss
-        if display is not None and self.rank < len(display["loss_sum"]):
+        self._saved_at = self.iteration
+        display = state["display"]
+        if self.rank < len(display["loss_sum"]):
             self._loss_from = int(display["loss_from"])
             self._loss_sum.fill_(display["loss_sum"][self.rank])
         else:
             self._loss_from = self.iteration
-        self._warn_if_data_setup_changed(state.get("data", {}), len(state["rng"]))
+        self._warn_if_data_setup_changed(state["data"])
+        dropped = self.metrics.drop_after(self.iteration)  # lines a crashed run wrote past its last snapshot
+        log.info("resumed from %s at iteration %d%s", path, self.iteration,
+                 f"; dropped {dropped} metrics.jsonl line(s) past it" if dropped else "")
 
-    def _warn_if_data_setup_changed(self, data: dict[str, Any], ranks_saved: int) -> None:
+    def start_over(self) -> None:
+        """``--resume auto`` found no snapshot: start at 0, dropping what a crashed run logged."""
+        check_same_start(self.comm, 0)
+        dropped = self.metrics.drop_after(0)  # the crashed run's lines: this run writes them again
+        log.info("--resume auto: no snapshot in %s; starting fresh%s", self.run_dir.path,
+                 f" (dropped {dropped} metrics.jsonl line(s) of the earlier run)" if dropped else "")
+
+    def _warn_if_data_setup_changed(self, data: dict[str, Any]) -> None:
         """Resuming with another batch size, world size, iter_size or seed is allowed, but the run
         no longer continues the interrupted one sample for sample: say so."""
         now = {"world_size": self.world_size, "batch_size": self.plan.batch_size, "seed": self.cfg.train.seed,
@@ -369,36 +395,6 @@ class Trainer:
             log.warning("resuming with another data setup than the snapshot's (%s): training goes on, but the sample "
                         "order (and, for more ranks, the RNG streams) differ from an uninterrupted run",
                         ", ".join(changed))
-        if self.rank >= ranks_saved:
-            log.warning("rank %d: the snapshot holds RNG states for %d rank(s); this rank starts from rank 0's",
-                        self.rank, ranks_saved)
-
-    def save(self) -> Path | None:
-        """Write snapshot_iter_<iteration>.pt (rank 0) after every rank contributed its RNG state."""
-        state = self.state_dict()
-        if self.rank != 0:
-            return None
-        path = save_snapshot(state, snapshot_path(self.run_dir, self.iteration))
-        log.info("snapshot %s", path)
-        return path
-
-    def check_same_start(self, iteration: int) -> None:
-        """Every rank must start at the same iteration (collective; before any other collective
-        of a resume): a node that found no snapshot (node-local run dirs) would otherwise train
-        from scratch beside resumed ones."""
-        starts = self.comm.allgather_object(iteration)
-        if len(set(starts)) > 1:
-            listed = ", ".join(f"rank {r}: {it}" for r, it in enumerate(starts))
-            raise SnapshotError(f"the ranks resumed at different iterations ({listed}); every rank must read the "
-                             f"same snapshot: use a train.run_dir all nodes share, or pass --resume PATH")
-
-    def resume(self, path: Path) -> None:
-        state = load_snapshot(path)
-        self.check_same_start(int(state["iteration"]))
-        self.load_state_dict(state)
-        dropped = self.metrics.drop_after(self.iteration)  # lines a crashed run wrote past its last snapshot
-        log.info("resumed from %s at iteration %d%s", path, self.iteration,
-                 f"; dropped {dropped} metrics.jsonl line(s) past it" if dropped else "")
 
     # ------------------------------------------------------------------ loop
 
@@ -425,39 +421,37 @@ class Trainer:
         self.scaler.check_floor()
         return rec
 
-    def _stop_agreed(self, flag: _StopFlag) -> bool:
-        if self.world_size == 1:
-            return flag.requested
-        if self.iteration % STOP_POLL_ITERS:
-            return False
-        t = torch.tensor([1.0 if flag.requested else 0.0], device=self.device)
-        self.comm.allreduce_sum_(t)
-        return bool(t.item() > 0)
+    def _stopped(self, last: dict[str, Any]) -> dict[str, Any]:
+        log.warning("rank %d: %s; snapshot at iteration %d and stop", self.rank, self.stop.why, self.iteration)
+        self.save()
+        return {**last, "stopped_by_signal": True}
 
     def fit(self) -> dict[str, Any]:
-        """Train to solver.max_iter (or until SIGTERM/SIGUSR1/Ctrl-C); return the last metrics."""
+        """Train to solver.max_iter (or until SIGTERM/SIGUSR1/Ctrl-C); return the last metrics.
+
+        A stop request is acted on after the iteration it reaches every rank (``control.lag``
+        iterations later on CUDA), between test batches, or before a test starts: the run
+        writes a snapshot and returns. The final snapshot is written before the final test,
+        so a stop during that test loses nothing.
+        """
         s = self.cfg.solver
         if self.rank == 0:
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
-            except OSError as e:
-                raise RunDirError(f"cannot write {str(self.run_dir / 'config.toml')!r} ({e.strerror or e}); "
-                                 f"choose another train.run_dir") from e
-            if removed := remove_stale_temporaries(self.run_dir):
-                log.info("removed %d temporary file(s) of interrupted snapshot writes", removed)
+            self.run_dir.prepare(dump_toml(self.cfg))
         log.info("%s", self.plan.describe())
         log.info("bytes per parameter: %s (%d parameters)", self.flat.bytes_per_param(), self.flat.num_params)
         if self.iteration >= s.max_iter:  # e.g. --resume auto on a finished run: its final test and snapshot exist
             log.warning("iteration %d is already at solver.max_iter = %d: nothing to train; raise solver.max_iter "
                         "to continue", self.iteration, s.max_iter)
             return {}
-        flag, last, bar = _StopFlag(), {}, _progress(self.rank, s.max_iter, self.iteration)
+        last: dict[str, Any] = {}
+        bar = _progress(self.rank, s.max_iter, self.iteration)
         t_last, it_last = time.perf_counter(), self.iteration
-        with flag.installed():
+        with self.stop.installed():
             while self.iteration < s.max_iter:
                 self.train_step()
                 bar.update(1)
+                if self.stop_due():
+                    return self._stopped(last)
                 it = self.iteration
                 if s.display and it % s.display == 0:
                     last = self._display(t_last, it_last)
@@ -466,27 +460,32 @@ class Trainer:
                     log.info("iter %d loss %.4f lr %.5g %.1f img/s scale %g skipped %d", it, last["loss"],
                              last["lr"], last["images_per_s"], last["loss_scale"], last["skipped_steps"])
                 if s.test_interval and it % s.test_interval == 0 and it < s.max_iter:
-                    last = {**last, **self._test_and_log()}
+                    if self.agree_stop():
+                        return self._stopped(last)
+                    res = self._test_and_log()
+                    if res is None:
+                        return self._stopped(last)
+                    last = {**last, **res}
                 if s.snapshot and it % s.snapshot == 0 and it < s.max_iter:
                     self.scaler.check_floor()
                     self.save()
-                if self._stop_agreed(flag):
-                    why = f"signal {signal.Signals(flag.signum).name} received" if flag.signum else \
-                        "another rank received a stop signal"
-                    log.warning("rank %d: %s; snapshot at iteration %d and stop", self.rank, why, it)
-                    self.save()
-                    return {**last, "stopped_by_signal": True}
             bar.close()
-            # still under the handlers: a SIGTERM now only sets the flag, and this save is the snapshot it asks for
+            self._read_control(self.control.drain())
+            if self._stop_at is not None:
+                return self._stopped(last)
             self.scaler.check_floor()
-            last = {**last, **self._test_and_log()}
-            self.save()
-        return last
+            self.save()  # before the final test: a stop during it loses nothing
+            res = self._test_and_log()
+            if res is None:
+                return self._stopped(last)
+        return {**last, **res}
 
-    def _test_and_log(self) -> dict[str, Any]:
+    def _test_and_log(self) -> dict[str, Any] | None:
         if self.source.num_test == 0:  # no data.test_path (or an empty one): no test phase, no made-up 0 %
             return {}
         res = self.test()
+        if res is None:
+            return None
         self.metrics.write({"iter": self.iteration, **res})
         log.info("iter %d test top-1 %.4f top-5 %.4f (%d samples)", self.iteration, res["test_top1"],
                  res["test_top5"], res["test_samples"])
@@ -516,3 +515,67 @@ def _progress(rank: int, total: int, start: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, initial=start, unit="it", dynamic_ncols=True)
+
+
+def stop_with_the_launcher(topology: Topology) -> None:
+    """Under torchrun, ask Linux for a SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``).
+
+    torchrun stops its solvers when it is signalled, but a launcher killed with SIGKILL (an
+    OOM kill, a lost node agent) leaves them training as orphans. With this, each solver
+    snapshots at the next agreed iteration and exits, as on any SIGTERM.
+    """
+    if not sys.platform.startswith("linux") or not topology.under_launcher:
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
+        log.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+        return
+    if os.getppid() != launcher:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | None = None) -> dict[str, Any]:
+    """``dptrain train``: check and lock the run directory, build this solver, train, test.
+
+    Order matters for a user on a cluster: the run directory, the lock and ``--resume PATH``
+    are checked before anything slow is built; the stop handlers are installed before the
+    first build step, so a SIGTERM at startup ends in a snapshot at the first iteration.
+    """
+    topology = Topology.from_env()
+    run_dir = RunDir(cfg.train.run_dir)
+    run_dir.check_usable(writer=topology.rank == 0)
+    if topology.rank == 0:  # rank 0 writes config.toml, metrics.jsonl and the snapshots
+        run_dir.lock()
+    try:
+        resume_path = resolve_resume(resume, run_dir.path) if resume else None
+        if not resume:
+            run_dir.refuse_earlier_run()
+        stop = StopFlag()
+        with stop.installed():
+            stop_with_the_launcher(topology)
+            device = pick_device(cfg.train.device, topology.local_rank)
+            if device.type == "cpu":
+                torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
+            comm = Communicator.from_env(topology, cfg.reducer.timeout_s, device)
+            tracer = Tracer(comm.rank) if trace else None
+            trainer = Trainer(cfg, comm, tracer=tracer, stop=stop)
+            try:
+                if resume_path is not None:
+                    trainer.resume(resume_path)
+                elif resume:
+                    trainer.start_over()
+                result = trainer.fit()
+            finally:
+                trainer.close()
+                if tracer is not None and trace:
+                    log.info("trace written to %s", tracer.save(trace))
+            comm.close()
+    finally:
+        run_dir.unlock()
+    if "test_top1" in result and not result.get("stopped_by_signal"):
+        log.info("final test top-1 %.4f top-5 %.4f", result["test_top1"], result["test_top5"])
+    return result

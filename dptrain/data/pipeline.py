@@ -49,7 +49,7 @@ class TrainSequence:
 
     def __init__(self, num_samples: int, plan: ShardPlan, start_step: int) -> None:
         self._num, self._plan, self._start = num_samples, plan, start_step
-        self._per_epoch = batches_per_epoch(num_samples, plan.global_batch)
+        self._per_epoch = batches_per_epoch(num_samples, plan.samples_per_step)
         self.span = self._per_epoch * plan.batch_size
         """Records this rank reads per epoch (its shard)."""
         self._shards: dict[int, np.ndarray] = {}

@@ -23,7 +23,7 @@ def _trainer(overrides, out, tracer=None):
 
 
 def _bits(t: Trainer) -> list[torch.Tensor]:
-    return [x.clone() for g in t.flat.groups for x in (g.params, g.master, g.momentum)]
+    return [x.clone() for g in t.flat.groups for x in (g.params, g.master, g.state["momentum"])]
 
 
 def _overflow_rank(rank, world, out):

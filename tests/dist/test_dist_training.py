@@ -9,6 +9,7 @@ import torch
 
 from dist_harness import run_ranks
 from dptrain.comm import Communicator
+from dptrain.checkpoint import check_same_start
 from dptrain.errors import SnapshotError
 from dptrain.topology import Topology
 from dptrain.config import load_config
@@ -84,16 +85,16 @@ def _resume_rank(rank, world, out, overrides, steps):
     first = _trainer(overrides, f"{out}/first", world)
     for _ in range(steps // 2):
         first.train_step()
-    state = [first.state_dict()]
-    torch.distributed.broadcast_object_list(state, src=0)  # what save() writes: rank 0's copy
+    first.save()  # rank 0 writes what every rank resumes from
+    torch.distributed.barrier()
     second = _trainer(overrides, f"{out}/second", world)
-    second.load_state_dict(state[0])
+    second.resume(Path(out) / "first" / f"snapshot_iter_{steps // 2}.pt")
     for _ in range(steps - steps // 2):
         second.train_step()
     stats = {k: v for k, v in second.model.state_dict().items() if "running" in k}
-    torch.save({"whole": {**_masters(whole), **whole.flat.momentum_state(),
+    torch.save({"whole": {**_masters(whole), **whole.flat.state_dict()["momentum"],
                           **{k: v for k, v in whole.model.state_dict().items() if "running" in k}},
-                "resumed": {**_masters(second), **second.flat.momentum_state(), **stats},
+                "resumed": {**_masters(second), **second.flat.state_dict()["momentum"], **stats},
                 "layouts_equal": whole.flat.layout_order == second.flat.layout_order}, Path(out) / f"rank{rank}.pt")
 
 
@@ -123,7 +124,7 @@ def _start_rank(rank, world, out):
         if rank == 0:
             t.resume(Path(out) / "first" / "snapshot_iter_2.pt")
         else:
-            t.check_same_start(0)
+            check_same_start(t.comm, 0)
     except SnapshotError as e:
         Path(out, f"rank{rank}.txt").write_text(str(e))
 

@@ -62,7 +62,7 @@ class Swapped(nn.Module):
 def build(comm: Communicator, model: nn.Module, storage: str = "fp32", tracer: Tracer | None = None,
           **cfg: object) -> tuple[FlatParams, Reducer]:
     model.to(DTYPES[storage])
-    flat = FlatParams(model, momentum_dtype=torch.float32)
+    flat = FlatParams(model, state_dtype=torch.float32)
     cfg = {"bucket_mb": 5 * KIB, "first_bucket_mb": 1 * KIB, **cfg}
     return flat, Reducer(flat, ReducerConfig(**cfg), comm, tracer or NullTracer(comm.rank))
 
@@ -93,7 +93,7 @@ def _stats_rank(rank: int, world: int, out: str) -> None:
     torch.manual_seed(0)
     model = Tiny()
     mean, var = torch.full((6,), float(rank)), torch.full((2, 3), 2.0 ** rank)  # any shapes, distinct per rank
-    flat = FlatParams(model, momentum_dtype=torch.float32)
+    flat = FlatParams(model, state_dtype=torch.float32)
     reducer = Reducer(flat, ReducerConfig(bucket_mb=5 * KIB, first_bucket_mb=1 * KIB), comm, NullTracer(rank),
                       running_stats=[mean, var])
     reducer.begin(sync=True)
@@ -267,7 +267,7 @@ def _comm_rank(rank: int, world: int) -> None:
     model = WithBuffers().to(memory_format=torch.channels_last)  # conv weight: not contiguous()
     model.bn.running_mean.fill_(rank)
     model.bn.num_batches_tracked.fill_(rank + 7)
-    flat = FlatParams(model, momentum_dtype=torch.float32)
+    flat = FlatParams(model, state_dtype=torch.float32)
     ptrs = [p.data_ptr() for p in model.parameters()]
     comm.broadcast_module(model)
     assert [p.data_ptr() for p in model.parameters()] == ptrs, "broadcast must write into the flat views"

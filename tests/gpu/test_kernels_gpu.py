@@ -1,7 +1,7 @@
 """CuPy kernels vs their torch references on the GPU, and the step with no host sync.
 
-The update is compared bit-for-bit: the kernel is compiled with --fmad=false and rounds
-its scalars as torch does (see sgd_update.cu), so no tolerance is needed. The norm sums
+The update is compared bit-for-bit: the kernel is compiled with --fmad=false --ftz=false and
+rounds its scalars as the spec does (see update.cu), so no tolerance is needed. The norm sums
 in a different order than torch, so it gets a relative tolerance (see there).
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ from torch import nn
 from dptrain import kernels
 from dptrain.config import LossScaleConfig, SolverConfig
 from dptrain.flat import FlatParams
-from dptrain.kernels import grad_norm_reference, sgd_update_reference
+from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, reference, selfcheck
+from dptrain.optimizer import MasterOptimizer
 from dptrain.precision import LossScaler
-from dptrain.solver import MasterSGD
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,9 +78,11 @@ def _scalars(skip: float) -> dict[str, torch.Tensor]:
 
 
 def _update(fn, c: dict[str, torch.Tensor], *, with_scale: bool, skip: float = 0.0,
-            scalars: dict[str, torch.Tensor] | None = None, **kw) -> None:
-    fn(c["grads"], c["master"], c["params"], c["momentum"], lr_scale=c["lr_scale"] if with_scale else None,
-       **(scalars if scalars is not None else _scalars(skip)), **kw)
+            scalars: dict[str, torch.Tensor] | None = None, lr: float, momentum_coef: float, weight_decay: float,
+            decoupled: bool) -> None:
+    fn(UpdateArgs(rule="sgd", grads=c["grads"], master=c["master"], params=c["params"], state=(c["momentum"],),
+                  lr_scale=c["lr_scale"] if with_scale else None, **(scalars if scalars is not None else _scalars(skip)),
+                  hyper=Hyper(lr=lr, momentum=momentum_coef, weight_decay=weight_decay, decoupled=decoupled)))
 
 
 @pytest.mark.parametrize("storage", STORAGE)
@@ -91,15 +93,15 @@ def test_sgd_kernel_bit_exact(storage, mom, decay, offset):
     n = 64 * 1001 + 3  # not a multiple of 4: the scalar tail runs too
     case = _case(storage, mom, n, offset, seed=1)
     assert kernels.kernel_backend(case["grads"]) == "cupy"
-    want_vec = kernels.VECTOR_ELEMS if offset == 0 else 1
-    assert kernels._vector_width([case["grads"], case["master"], case["momentum"]]) == want_vec
+    want_vec = cuda.VECTOR_ELEMS if offset == 0 else 1
+    assert cuda.vector_width([case["grads"], case["master"], case["momentum"]]) == want_vec
     # lr/wd large so the decay term dominates and a mis-rounded coefficient shows (see tests/unit/test_kernels.py)
     kw = dict(lr=0.9137, momentum_coef=0.9, weight_decay=0.0 if decay == "none" else 0.7,
               decoupled=decay == "decoupled")
     for with_scale in (False, True):
         got, want = _clone(case), _clone(case)
-        _update(kernels.sgd_update, got, with_scale=with_scale, skip=0.0, **kw)
-        _update(sgd_update_reference, want, with_scale=with_scale, skip=0.0, **kw)
+        _update(kernels.update, got, with_scale=with_scale, skip=0.0, **kw)
+        _update(reference, want, with_scale=with_scale, skip=0.0, **kw)
         for name in ("grads", "master", "params", "momentum"):
             assert torch.equal(_bits(got[name]), _bits(want[name])), f"{name} with_scale={with_scale}"
 
@@ -108,7 +110,7 @@ def test_sgd_kernel_bit_exact(storage, mom, decay, offset):
 def test_sgd_kernel_skip_leaves_state_bit_identical(flag):
     case = _case(torch.float16, torch.float32, 4096, 0, seed=2)
     got = _clone(case)
-    _update(kernels.sgd_update, got, with_scale=True, skip=flag, lr=0.1, momentum_coef=0.9, weight_decay=5e-4,
+    _update(kernels.update, got, with_scale=True, skip=flag, lr=0.1, momentum_coef=0.9, weight_decay=5e-4,
             decoupled=False)
     for name in ("master", "params", "momentum"):
         assert torch.equal(_bits(got[name]), _bits(case[name])), name
@@ -123,8 +125,8 @@ def test_sgd_kernel_runs_on_torch_current_stream():
     want = _clone(case)
     want["grads"].copy_(fresh)
     kw = dict(lr=0.1, momentum_coef=0.9, weight_decay=0.0, decoupled=False)
-    _update(sgd_update_reference, want, with_scale=False, skip=0.0, **kw)
-    _update(kernels.sgd_update, _clone(case), with_scale=False, **kw)  # compile/load before the timed part
+    _update(reference, want, with_scale=False, skip=0.0, **kw)
+    _update(kernels.update, _clone(case), with_scale=False, **kw)  # compile/load before the timed part
     got = _clone(case)
     # Made before the spin: created inside it, torch.tensor(..., device="cuda") would block the host
     # until the side stream drained, and a kernel on any stream would then see the fresh grads.
@@ -135,7 +137,7 @@ def test_sgd_kernel_runs_on_torch_current_stream():
     with torch.cuda.stream(side):
         torch.cuda._sleep(100_000_000)  # ~50 ms of spinning before the grads are written
         got["grads"].copy_(fresh)
-        _update(kernels.sgd_update, got, with_scale=False, scalars=scalars, **kw)
+        _update(kernels.update, got, with_scale=False, scalars=scalars, **kw)
         assert not side.query(), "the host must not have waited for the side stream before the launch"
     side.synchronize()
     assert torch.equal(_bits(got["master"]), _bits(want["master"]))
@@ -165,13 +167,13 @@ def _toy_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).cuda().half()
 
 
-def _solver(model: nn.Module, **solver_kw) -> MasterSGD:
-    flat = FlatParams(model, momentum_dtype=torch.float32)
+def _solver(model: nn.Module, **solver_kw) -> MasterOptimizer:
+    flat = FlatParams(model, state_dtype=torch.float32)
     scaler = LossScaler(LossScaleConfig(init_scale=1024.0, growth_interval=3), "dynamic", torch.device("cuda"))
-    return MasterSGD(flat, SolverConfig(base_lr=0.1, **solver_kw), scaler, world_size=1)
+    return MasterOptimizer(flat, SolverConfig(base_lr=0.1, **solver_kw), scaler, grad_divisor=1)
 
 
-def _backward(model: nn.Module, solver: MasterSGD, seed: int) -> None:
+def _backward(model: nn.Module, solver: MasterOptimizer, seed: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(32, 64, device="cuda", generator=gen).half()
     loss = model(x).float().square().mean()
@@ -210,6 +212,27 @@ def test_solver_kernel_and_reference_agree_over_steps(monkeypatch):
             _backward(model, solver, it)
             solver.step(it)
         g = solver.flat.groups[0]
-        states.append([_bits(t).clone() for t in (g.master, g.momentum, g.params)])
+        states.append([_bits(t).clone() for t in (g.master, g.state["momentum"], g.params)])
     for a, b in zip(*states, strict=True):
         assert torch.equal(a, b)
+
+
+def test_self_check_passes_on_this_gpu():
+    """What a solver runs at first use: every rule, dtype, alignment, subnormals and a skip."""
+    assert selfcheck.run(torch.cuda.current_device()) is None
+    assert kernels.cuda_unusable(torch.cuda.current_device()) is None
+
+
+def test_kernels_keep_fp32_subnormals_like_the_reference():
+    """CuPy would add -ftz=true; dptrain compiles with its own NVRTC call, so a momentum that decays
+    below 2^-126 on a parameter whose gradient is 0 stays equal to torch's."""
+    n = 1024
+    case = _case(torch.float16, torch.float32, n, 0, seed=5)
+    case["grads"].zero_()
+    case["momentum"].fill_(3e-39)  # subnormal fp32: m*h = 2.7e-39 is subnormal too
+    got, want = _clone(case), _clone(case)
+    kw = dict(lr=0.1, momentum_coef=0.9, weight_decay=0.0, decoupled=False)
+    _update(kernels.update, got, with_scale=False, **kw)
+    _update(reference, want, with_scale=False, **kw)
+    assert torch.count_nonzero(want["momentum"]) == n  # the reference keeps them
+    assert torch.equal(_bits(got["momentum"]), _bits(want["momentum"]))

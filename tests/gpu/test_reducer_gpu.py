@@ -116,7 +116,7 @@ def _nccl_rank(rank: int, world: int, backend: str) -> None:
         for reduce_dtype in ("storage", "fp32"):
             torch.manual_seed(0)
             model = Tiny().to(device, storage)
-            flat = FlatParams(model, momentum_dtype=torch.float32)
+            flat = FlatParams(model, state_dtype=torch.float32)
             tracer = Tracer(rank)
             reducer = Reducer(flat, ReducerConfig(backend=backend, reduce_dtype=reduce_dtype, bucket_mb=256 * KIB,
                                                   first_bucket_mb=64 * KIB), comm, tracer)

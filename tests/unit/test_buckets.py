@@ -133,26 +133,27 @@ class _Swapped(nn.Module):
 def test_replan_predicts_the_relayout_of_the_flat_buffers():
     torch.manual_seed(0)
     model = _Swapped()
-    flat = FlatParams(model, momentum_dtype=torch.float32)
+    flat = FlatParams(model, state_dtype=torch.float32)
     assert flat.layout_order == ["early.bias", "early.weight", "late.bias", "late.weight"]
     values = {n: p.detach().clone() for n, p in model.named_parameters()}
     for g in flat.groups:
         g.grads.copy_(torch.arange(g.numel, dtype=g.grads.dtype))
-        g.momentum.copy_(torch.arange(g.numel, dtype=g.momentum.dtype) * 2)
+        g.state["momentum"].copy_(torch.arange(g.numel, dtype=g.state["momentum"].dtype) * 2)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    momentum = flat.momentum_state()
+    momentum = flat.state_dict()["momentum"]
     ready = ["late.bias", "late.weight", "early.bias", "early.weight"]  # what backward reports
     per_group, predicted = plan_from_ready_order(group_specs(flat), ready, bucket_mb=1e-9, first_bucket_mb=1e-9)
     assert per_group == [ready]
-    flat.groups[0].relayout(per_group[0])
-    flat.layout_order = order_from_ready(flat.layout_order, ready)
+    version = flat.layout_version
+    flat.reorder(per_group, order_from_ready(flat.layout_order, ready))
+    assert flat.layout_version == version + 1
     actual = build_bucket_plan(group_specs(flat), 1e-9, 1e-9)
     assert actual.digest() == predicted.digest()
     assert names(actual) == [(n,) for n in ready]
     flat.check_grad_views()  # grads are still views into the (new) flat buffer
     for n, p in model.named_parameters():  # values moved with their parameters, bit for bit
         assert torch.equal(p.detach(), values[n]) and torch.equal(p.grad, grads[n]), n
-    assert all(torch.equal(flat.momentum_state()[n], momentum[n]) for n in momentum)
+    assert all(torch.equal(flat.state_dict()["momentum"][n], momentum[n]) for n in momentum)
 
 
 # ---------------------------------------------------------------- Reducer without a process group
@@ -160,7 +161,7 @@ def test_replan_predicts_the_relayout_of_the_flat_buffers():
 
 def test_single_process_reducer_is_inert():
     model = nn.Linear(4, 2)
-    flat = FlatParams(model, momentum_dtype=torch.float32)
+    flat = FlatParams(model, state_dtype=torch.float32)
     comm = Communicator.from_env(Topology(), 60, torch.device("cpu"))  # conftest clears WORLD_SIZE: one process
     reducer = Reducer(flat, ReducerConfig(backend="cupy-nccl"), comm, NullTracer())  # no effect, just a warning
     assert comm.world_size == 1 and reducer.grad_divisor == 1
@@ -174,6 +175,6 @@ def test_single_process_reducer_is_inert():
 
 def test_cupy_backend_on_cpu_is_refused_before_any_collective():
     comm = Communicator(Topology(world_size=2, local_world_size=2), device=torch.device("cpu"), backend="gloo")
-    flat = FlatParams(nn.Linear(2, 2), momentum_dtype=torch.float32)
+    flat = FlatParams(nn.Linear(2, 2), state_dtype=torch.float32)
     with pytest.raises(ConfigError, match=r"rank 0: reducer.backend = \"cupy-nccl\" needs CUDA devices"):
         Reducer(flat, ReducerConfig(backend="cupy-nccl"), comm, NullTracer())

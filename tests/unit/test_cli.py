@@ -43,11 +43,19 @@ def test_missing_config_file(capsys, tmp_path):
     assert "missing.toml' not found" in capsys.readouterr().err
 
 
-def test_missing_snapshot_on_resume(cfg, capsys, tmp_path):
+def test_missing_snapshot_on_resume_is_reported_before_anything_is_built(cfg, capsys, tmp_path, monkeypatch):
+    import dptrain.train as train
+
+    def never(*a, **k):
+        raise AssertionError("built a model/process group before checking --resume PATH")
+
+    monkeypatch.setattr(train, "Trainer", never)
+    monkeypatch.setattr(train.Communicator, "from_env", never)
     run = tmp_path / "run"
     args = ["train", "--config", cfg(""), f"--set=train.run_dir=\"{run}\"", "--resume", str(tmp_path / "x.pt")]
     assert main(args) == 2
-    assert "x.pt' not found" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--resume '" in err[0] and "x.pt': no such snapshot file" in err[0], err
 
 
 def test_subprocess_exit_code_and_no_traceback(cfg):

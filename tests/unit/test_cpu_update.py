@@ -1,4 +1,4 @@
-"""The in-place CPU update path against the torch reference that defines the rule."""
+"""The CPU backends (in place, compiled) against the torch reference that defines the rule."""
 from __future__ import annotations
 
 import itertools
@@ -6,7 +6,8 @@ import itertools
 import pytest
 import torch
 
-from dptrain.kernels import kernel_backend, sgd_update, sgd_update_cpu, sgd_update_reference
+from dptrain.kernels import Hyper, UpdateArgs, kernel_backend, reference, update
+from dptrain.kernels.cpu import update_compiled, update_inplace
 
 CASES = list(itertools.product([torch.float16, torch.bfloat16, torch.float32], [torch.float32, torch.float16],
                                [False, True], [False, True]))
@@ -21,6 +22,13 @@ def _state(storage, mom_dtype, n=777, seed=0):
     return grads, master, params, momentum
 
 
+def _args(state, *, lr, momentum_coef, weight_decay, decoupled, grad_coef, found_inf, lr_scale=None) -> UpdateArgs:
+    g, w, p, m = state
+    return UpdateArgs(rule="sgd", grads=g, master=w, params=p, state=(m,), grad_coef=grad_coef, found_inf=found_inf,
+                      lr_scale=lr_scale, hyper=Hyper(lr=lr, momentum=momentum_coef, weight_decay=weight_decay,
+                                                     decoupled=decoupled))
+
+
 def _clone(state):
     g, w, p, m = (x.clone() for x in state)
     return g, w, (w if state[2] is state[1] else p), m
@@ -33,8 +41,8 @@ def test_cpu_path_matches_reference(storage, mom_dtype, decoupled, larc):
     kw = dict(lr=0.1, momentum_coef=0.9, weight_decay=5e-4, decoupled=decoupled,
               grad_coef=torch.tensor([0.25]), found_inf=torch.zeros(1), lr_scale=lr_scale)
     ref, cpu = _clone(state), _clone(state)
-    sgd_update_reference(*ref, **kw)
-    sgd_update_cpu(*cpu, **kw)
+    reference(_args(ref, **kw))
+    update_inplace(_args(cpu, **kw))
     # The CPU path computes m*h + lr*g as one add_(alpha=lr), the reference as two rounded
     # products and a sum: results differ by at most a couple of fp32 ulps of values ~1.
     torch.testing.assert_close(cpu[1], ref[1], rtol=0, atol=5e-7)
@@ -46,8 +54,8 @@ def test_cpu_path_matches_reference(storage, mom_dtype, decoupled, larc):
 def test_cpu_path_skips_bit_exactly():
     state = _state(torch.float16, torch.float32)
     before = _clone(state)
-    sgd_update_cpu(*state, lr=0.1, momentum_coef=0.9, weight_decay=5e-4, decoupled=False,
-                   grad_coef=torch.tensor([1.0]), found_inf=torch.ones(1))
+    update_inplace(_args(state, lr=0.1, momentum_coef=0.9, weight_decay=5e-4, decoupled=False,
+                         grad_coef=torch.tensor([1.0]), found_inf=torch.ones(1)))
     for a, b in zip(state[1:], before[1:]):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert torch.count_nonzero(state[0]) == 0
@@ -59,14 +67,12 @@ def test_dispatch_uses_cpu_path_unless_forced(monkeypatch):
     monkeypatch.setenv("DPTRAIN_KERNELS", "torch")
     assert kernel_backend(t) == "torch"
     state = _state(torch.float32, torch.float32, n=8)
-    sgd_update(*state, lr=0.1, momentum_coef=0.9, weight_decay=0.0, decoupled=False,
-               grad_coef=torch.tensor([1.0]), found_inf=torch.zeros(1))
+    update(_args(state, lr=0.1, momentum_coef=0.9, weight_decay=0.0, decoupled=False,
+                 grad_coef=torch.tensor([1.0]), found_inf=torch.zeros(1)))
     assert torch.count_nonzero(state[0]) == 0
 
 
 def test_compiled_cpu_update_matches_reference():
-    from dptrain.kernels import sgd_update_cpu_fused
-
     # One variant (the demo/benchmark one: bf16 storage, fp32 momentum, L2): each variant costs
     # a ~15 s inductor compile on a fresh machine.
     state = _state(torch.bfloat16, torch.float32)
@@ -76,28 +82,26 @@ def test_compiled_cpu_update_matches_reference():
     for lr in (0.1, 0.05):  # a new lr must not need a recompile (it travels as a tensor)
         for s in (ref, fused):
             s[0].copy_(state[0])
-        sgd_update_reference(*ref, lr=lr, **kw)
-        sgd_update_cpu_fused(*fused, lr=lr, **kw)
+        reference(_args(ref, lr=lr, **kw))
+        update_compiled(_args(fused, lr=lr, **kw))
     # inductor may contract a*b+c into one rounding (the reference rounds each op): ~1 fp32 ulp
     torch.testing.assert_close(fused[1], ref[1], rtol=0, atol=5e-7)
     torch.testing.assert_close(fused[3], ref[3], rtol=0, atol=5e-7)
     assert torch.equal(fused[2], fused[1].to(torch.bfloat16)) and torch.count_nonzero(fused[0]) == 0
     skipped = _clone(fused)
-    sgd_update_cpu_fused(*skipped, lr=0.1, **{**kw, "found_inf": torch.ones(1)})
+    update_compiled(_args(skipped, lr=0.1, **{**kw, "found_inf": torch.ones(1)}))
     assert torch.equal(skipped[1], fused[1]) and torch.equal(skipped[3], fused[3])
 
 
 def test_compiled_cpu_update_rounds_fp16_momentum_like_the_reference():
     """With fp16 momentum the rule is h = half(m*h + g); w -= lr * float(h). inductor used to
     drop the rounding, so the master moved by the unrounded history (off by ~1e-4)."""
-    from dptrain.kernels import sgd_update_cpu_fused
-
     state = _state(torch.float16, torch.float16)
     kw = dict(lr=0.1, momentum_coef=0.9, weight_decay=5e-4, decoupled=False, grad_coef=torch.tensor([0.25]),
               found_inf=torch.zeros(1))
     ref, fused = _clone(state), _clone(state)
-    sgd_update_reference(*ref, **kw)
-    sgd_update_cpu_fused(*fused, **kw)
+    reference(_args(ref, **kw))
+    update_compiled(_args(fused, **kw))
     assert torch.equal(fused[3], ref[3])
     torch.testing.assert_close(fused[1], ref[1], rtol=0, atol=5e-7)
     assert torch.equal(fused[2], fused[1].to(torch.float16))

@@ -1,11 +1,11 @@
 """Kernel references, dispatch, and the CUDA source checked on the CPU.
 
-The torch references are the oracle: here they are checked against a hand-written
-per-element loop in numpy fp32 arithmetic. The CUDA file cannot run without a GPU, but
-with ``nvcc`` on the machine (CUDA toolkit, no driver needed) it is compiled with every
-template instance that kernels.py asks NVRTC for, and its per-thread code
+The torch reference (``kernels.spec``) is the oracle: here it is checked against a
+hand-written per-element loop in numpy fp32 arithmetic. The CUDA file cannot run without a
+GPU, but with ``nvcc`` on the machine (CUDA toolkit, no driver needed) it is compiled with
+every template instance the run-time path asks NVRTC for, and its per-thread code
 (``dpt::sgd_update_thread``, ``__host__ __device__``) runs on the host over a small
-emulated grid and is compared bit-for-bit with :func:`sgd_update_reference`.
+emulated grid and is compared bit-for-bit with the reference.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ import torch
 
 from dptrain import kernels
 from dptrain.errors import ConfigError, SetupError
-from dptrain.kernels import grad_norm_reference, sgd_update_reference
+from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, reference
+from dptrain.kernels.spec import RULES, sgd_scalars
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -37,6 +38,21 @@ coefficient differently from the reference changes most elements and fails the b
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of ``t``, so torch.equal tells -0.0 from +0.0 and compares NaNs."""
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def sgd_update_reference(grads, master, params, momentum, *, lr, momentum_coef, weight_decay, decoupled,
+                         grad_coef, found_inf, lr_scale=None):
+    """The reference through the old flat signature, so the cases below read as before."""
+    reference(sgd_args(grads, master, params, momentum, lr=lr, momentum_coef=momentum_coef,
+                       weight_decay=weight_decay, decoupled=decoupled, grad_coef=grad_coef, found_inf=found_inf,
+                       lr_scale=lr_scale))
+
+
+def sgd_args(grads, master, params, momentum, *, lr, momentum_coef, weight_decay, decoupled, grad_coef, found_inf,
+             lr_scale=None) -> UpdateArgs:
+    return UpdateArgs(rule="sgd", grads=grads, master=master, params=params, state=(momentum,), grad_coef=grad_coef,
+                      found_inf=found_inf, lr_scale=lr_scale,
+                      hyper=Hyper(lr=lr, momentum=momentum_coef, weight_decay=weight_decay, decoupled=decoupled))
 
 
 def _to_dtype_scalar(x: np.float32, dtype: torch.dtype) -> np.float32:
@@ -175,33 +191,36 @@ def test_bad_backend_env_is_rejected(monkeypatch):
 
 
 def test_forced_cupy_without_cupy_is_an_error(monkeypatch):
-    monkeypatch.setattr(kernels, "_cupy", lambda: None)
-    on_cuda = SimpleNamespace(is_cuda=True)  # stands in for a CUDA tensor on this CPU machine
+    monkeypatch.setattr(cuda, "cupy_module", lambda: None)
+    kernels.cuda_unusable.cache_clear()
+    on_cuda = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # a CUDA tensor on this CPU machine
     monkeypatch.setenv(kernels.KERNELS_ENV, "cupy")
-    with pytest.raises(SetupError, match="DPTRAIN_KERNELS=cupy but CuPy is not importable"):
+    with pytest.raises(SetupError, match="DPTRAIN_KERNELS=cupy but the CuPy update kernels cannot run on cuda:0: "
+                                         "CuPy is not importable"):
         kernels.kernel_backend(on_cuda)
     monkeypatch.setenv(kernels.KERNELS_ENV, "auto")
     assert kernels.kernel_backend(on_cuda) == "torch"  # auto falls back to the reference
+    kernels.cuda_unusable.cache_clear()
 
 
 def test_kernel_wrappers_reject_bad_layouts():
     cpu = torch.device("cpu")
     with pytest.raises(RuntimeError, match="master must be a contiguous 1-D tensor of 8 elements"):
-        kernels._check_flat("master", torch.zeros(2, 4), 8, (torch.float32,), cpu)
+        cuda.check_flat("master", torch.zeros(2, 4), 8, (torch.float32,), cpu)
     with pytest.raises(RuntimeError, match="master must be a contiguous 1-D tensor"):
-        kernels._check_flat("master", torch.zeros(16)[::2], 8, (torch.float32,), cpu)
+        cuda.check_flat("master", torch.zeros(16)[::2], 8, (torch.float32,), cpu)
     with pytest.raises(RuntimeError, match="momentum has dtype torch.float64"):
-        kernels._check_flat("momentum", torch.zeros(8, dtype=torch.float64), 8, kernels.MOMENTUM_DTYPES, cpu)
+        cuda.check_flat("momentum", torch.zeros(8, dtype=torch.float64), 8, RULES["sgd"].state_dtypes, cpu)
     with pytest.raises(RuntimeError, match="found_inf must be one fp32 element"):
-        kernels._check_scalar("found_inf", torch.zeros(1, dtype=torch.float16), cpu)
-    kernels._check_scalar("grad_coef", torch.tensor(0.5), cpu)  # 0-dim is fine too
+        cuda.check_scalar("found_inf", torch.zeros(1, dtype=torch.float16), cpu)
+    cuda.check_scalar("grad_coef", torch.tensor(0.5), cpu)  # 0-dim is fine too
 
 
 def test_vector_width_follows_alignment():
     buf = torch.zeros(64)  # allocator alignment: far more than 16 bytes
-    assert kernels._vector_width([buf, buf.half()]) == kernels.VECTOR_ELEMS
-    assert kernels._vector_width([buf[4:], buf.half()[4:]]) == kernels.VECTOR_ELEMS
-    assert kernels._vector_width([buf, buf[1:]]) == 1
+    assert cuda.vector_width([buf, buf.half()]) == cuda.VECTOR_ELEMS
+    assert cuda.vector_width([buf[4:], buf.half()[4:]]) == cuda.VECTOR_ELEMS
+    assert cuda.vector_width([buf, buf[1:]]) == 1
 
 
 def test_dispatchers_forced_to_torch_equal_the_references(monkeypatch):
@@ -212,7 +231,7 @@ def test_dispatchers_forced_to_torch_equal_the_references(monkeypatch):
               found_inf=torch.zeros(1))
     a = {k: v.clone() for k, v in case.items()}
     b = {k: v.clone() for k, v in case.items()}
-    kernels.sgd_update(a["grads"], a["master"], a["params"], a["momentum"], lr_scale=a["lr_scale"], **kw)
+    kernels.update(sgd_args(a["grads"], a["master"], a["params"], a["momentum"], lr_scale=a["lr_scale"], **kw))
     sgd_update_reference(b["grads"], b["master"], b["params"], b["momentum"], lr_scale=b["lr_scale"], **kw)
     for name in ("grads", "master", "params", "momentum"):
         assert torch.equal(_bits(a[name]), _bits(b[name])), name
@@ -220,18 +239,19 @@ def test_dispatchers_forced_to_torch_equal_the_references(monkeypatch):
 
 
 def test_package_imports_without_cupy():
-    """kernels.py must not import CuPy at import time (CPU machines have none)."""
-    code = "import sys, dptrain.kernels, dptrain.solver; assert 'cupy' not in sys.modules"
+    """The kernels package must not import CuPy at import time (CPU machines have none)."""
+    code = "import sys, dptrain.kernels, dptrain.optimizer; assert 'cupy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_cuda_source_exists_with_every_name_expression():
-    src = kernels.SGD_SOURCE.read_text()
+    src = cuda.SOURCE.read_text()
     for name in ("dptrain_sgd_update", "dptrain_sumsq_partial", "dptrain_norm_finish"):
         assert f"{name}(" in src
     assert "#include <cuda_fp16.h>" in src and "#include <cuda_bf16.h>" in src
-    assert len(kernels.SGD_KERNEL_NAMES) == 3 * 2 * 2  # storage x momentum x vector width
-    assert "--fmad=false" in kernels.NVRTC_OPTIONS
+    sgd = [n for n in cuda.name_expressions() if n.startswith("dptrain_sgd_update<")]
+    assert len(sgd) == 3 * 2 * 2  # storage x momentum x vector width
+    assert "--fmad=false" in cuda.NVRTC_OPTIONS and "--ftz=false" in cuda.NVRTC_OPTIONS
 
 
 # ----------------------------------------------------------------------------- bandwidth benchmark
@@ -274,7 +294,7 @@ def test_bandwidth_benchmark_on_cpu_reports_the_reference_only(capsys):
 NVCC = shutil.which("nvcc")
 _CODES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _HARNESS = r"""
-#include "sgd_update.cu"
+#include "update.cu"
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -347,16 +367,16 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> Path:
-    """Compile sgd_update.cu with every NVRTC name expression plus the host harness (about 3 s)."""
+    """Compile update.cu with every NVRTC name expression plus the host harness (about 3 s)."""
     if NVCC is None:
-        pytest.skip("nvcc (CUDA toolkit) not on PATH: cannot compile dptrain/csrc/sgd_update.cu on this machine")
+        pytest.skip("nvcc (CUDA toolkit) not on PATH: cannot compile dptrain/csrc/update.cu on this machine")
     d = tmp_path_factory.mktemp("cuda")
-    names = kernels.SGD_KERNEL_NAMES + kernels.NORM_KERNEL_NAMES
+    names = cuda.name_expressions()
     addresses = "\n".join(f"void* const kernel_address_{i} = (void*)&{n};" for i, n in enumerate(names))
     (d / "harness.cu").write_text(_HARNESS.replace("@KERNEL_ADDRESSES@", addresses))
-    opts = [o for o in kernels.NVRTC_OPTIONS if o != "--std=c++17"]
+    opts = [o for o in cuda.NVRTC_OPTIONS if o != "--std=c++17"]
     cmd = [NVCC, "-std=c++17", *opts, "-arch=sm_80", "-diag-suppress=177", "-Xcompiler", "-ffp-contract=off",
-           f"-I{kernels.SGD_SOURCE.parent}", str(d / "harness.cu"), "-o", str(d / "harness")]
+           f"-I{cuda.SOURCE.parent}", str(d / "harness.cu"), "-o", str(d / "harness")]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, f"nvcc failed:\n{res.stderr[-4000:]}"
     return d / "harness"
@@ -370,7 +390,8 @@ def _emulate(harness: Path, work: Path, case: dict[str, torch.Tensor], *, vec: i
     storage, mom = case["params"].dtype, case["momentum"].dtype
     params_is_master = storage == torch.float32
     n = case["grads"].numel()
-    *floats, decay_mode = kernels.sgd_scalars(lr, momentum_coef, weight_decay, decoupled)
+    *floats, decay_mode = cuda.kernel_scalars(sgd_scalars(Hyper(lr=lr, momentum=momentum_coef,
+                                                                 weight_decay=weight_decay, decoupled=decoupled)))
     np.array([n, nthreads, decay_mode, int(with_scale), int(params_is_master)], dtype=np.int64).tofile(work / "ints")
     np.array(floats, dtype=np.float32).tofile(work / "floats")
     raw = {"grads": case["grads"], "master": case["master"], "params": case["params"], "momentum": case["momentum"],

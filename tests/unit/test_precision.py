@@ -8,8 +8,8 @@ from torch import nn
 from dptrain.config import LossScaleConfig, PrecisionConfig, SolverConfig
 from dptrain.errors import LossScaleError
 from dptrain.flat import ALIGN_ELEMS, FlatParams
+from dptrain.optimizer import MasterOptimizer
 from dptrain.precision import LossScaler, apply_precision
-from dptrain.solver import MasterSGD
 
 CPU = torch.device("cpu")
 
@@ -19,7 +19,7 @@ def _scaler(mode: str = "dynamic", **cfg) -> LossScaler:
 
 
 def _step(scaler: LossScaler, overflow: bool) -> None:
-    """What MasterSGD.step does to the scaler: set the device flag, then update()."""
+    """What MasterOptimizer.step does to the scaler: set the device flag, then update()."""
     scaler.found_inf.fill_(1.0 if overflow else 0.0)
     scaler.update()
 
@@ -146,22 +146,6 @@ def test_resume_into_dynamic_or_static_starts_from_the_config_scale():
     assert _scale(same) == 256.0
 
 
-def test_resume_of_a_snapshot_without_the_mode_field():
-    fp16 = _scaler()
-    _step(fp16, overflow=True)
-    old = {k: v for k, v in fp16.state_dict().items() if k != "mode"}
-    again = _scaler()
-    again.load_state_dict(old)
-    assert _scale(again) == 32768.0
-    off = _scaler("none")
-    off.load_state_dict(old)
-    assert _scale(off) == 1.0
-    fp32 = {k: v for k, v in _scaler("none").state_dict().items() if k != "mode"}  # an old fp32 snapshot
-    fp16 = _scaler(init_scale=1024.0)
-    fp16.load_state_dict(fp32)
-    assert _scale(fp16) == 1024.0  # scale 1 meant no scaling: start from the config's scale
-
-
 # ----------------------------------------------------------------------------- precision policy
 
 
@@ -212,7 +196,7 @@ def test_flat_params_keep_identity_and_are_views():
     net = _Net().to(memory_format=torch.channels_last)
     params_before = dict(net.named_parameters())
     conv_stride = net.conv.weight.stride()
-    flat = FlatParams(net, momentum_dtype=torch.float32)
+    flat = FlatParams(net, state_dtype=torch.float32)
     (group,) = flat.groups
     for name, p in net.named_parameters():
         assert p is params_before[name]
@@ -232,7 +216,7 @@ def test_flat_params_keep_identity_and_are_views():
 def test_backward_accumulates_into_flat_grads():
     torch.manual_seed(0)
     net = _Net()
-    flat = FlatParams(net, momentum_dtype=torch.float32)
+    flat = FlatParams(net, state_dtype=torch.float32)
     (group,) = flat.groups
     x = torch.randn(2, 3, 6, 6)
     net(x).sum().backward()
@@ -248,14 +232,14 @@ def test_backward_accumulates_into_flat_grads():
 
 def test_writing_a_flat_buffer_moves_the_model_weights():
     net = nn.Linear(3, 2)
-    flat = FlatParams(net, momentum_dtype=torch.float32)
+    flat = FlatParams(net, state_dtype=torch.float32)
     flat.groups[0].params.fill_(0.5)
     assert torch.all(net.weight == 0.5) and torch.all(net.bias == 0.5)
 
 
 def test_replaced_grad_is_detected():
     net = nn.Linear(3, 2)
-    flat = FlatParams(net, momentum_dtype=torch.float32)
+    flat = FlatParams(net, state_dtype=torch.float32)
     net.weight.grad = None
     with pytest.raises(RuntimeError, match="gradient of weight is no longer a view"):
         flat.check_grad_views()
@@ -267,19 +251,19 @@ def _aligned_linear() -> nn.Module:
 
 def test_bytes_per_param_fp16_storage():
     net = _aligned_linear().half()
-    assert FlatParams(net, momentum_dtype=torch.float32).bytes_per_param() == {
+    assert FlatParams(net, state_dtype=torch.float32).bytes_per_param() == {
         "weights": 2.0, "masters": 4.0, "momentum": 4.0, "grads": 2.0}
-    assert FlatParams(_aligned_linear().half(), momentum_dtype=torch.float16).bytes_per_param()["momentum"] == 2.0
+    assert FlatParams(_aligned_linear().half(), state_dtype=torch.float16).bytes_per_param()["momentum"] == 2.0
 
 
 def test_bytes_per_param_fp32_storage_has_no_masters():
-    assert FlatParams(_aligned_linear(), momentum_dtype=torch.float32).bytes_per_param() == {
+    assert FlatParams(_aligned_linear(), state_dtype=torch.float32).bytes_per_param() == {
         "weights": 4.0, "masters": 0.0, "momentum": 4.0, "grads": 4.0}
 
 
 def test_bytes_per_param_counts_padding():
     net = nn.Linear(3, 1, bias=False).half()  # 3 elements padded to 64
-    assert FlatParams(net, momentum_dtype=torch.float32).bytes_per_param()["weights"] == round(64 * 2 / 3, 3)
+    assert FlatParams(net, state_dtype=torch.float32).bytes_per_param()["weights"] == round(64 * 2 / 3, 3)
 
 
 # ----------------------------------------------------------------------------- underflow
@@ -296,10 +280,10 @@ def _underflow_run(mode: str, steps: int) -> tuple[nn.Module, torch.Tensor, list
     nn.init.constant_(net.weight, 0.25)  # y = 1, so dL/dy = 1e-8 * (1 - 3) = -2e-8
     net.half()
     w0 = net.weight.detach().clone()
-    flat = FlatParams(net, momentum_dtype=torch.float32)
+    flat = FlatParams(net, state_dtype=torch.float32)
     scaler = _scaler(mode, init_scale=2.0**16)
     # lr compensates the tiny true gradient so the masters move visibly: dw = lr * 2e-8 = 0.02 / step
-    solver = MasterSGD(flat, SolverConfig(base_lr=1e6, momentum=0.0, weight_decay=0.0), scaler, world_size=1)
+    solver = MasterOptimizer(flat, SolverConfig(base_lr=1e6, momentum=0.0, weight_decay=0.0), scaler, grad_divisor=1)
     x = torch.ones(1, 4, dtype=torch.float16)
     losses, grads = [], []
     for it in range(steps):

@@ -12,6 +12,7 @@ from dptrain.data.sampling import (
     rank_batch_indices,
     rank_epoch_shard,
 )
+from dptrain.errors import ConfigError
 
 
 def test_global_batch_independent_of_world_size():
@@ -57,7 +58,7 @@ def test_unshuffled_epochs_continue_where_the_last_one_stopped():
 
 
 def test_too_small_dataset_raises():
-    with pytest.raises(ValueError, match="fewer than one global batch"):
+    with pytest.raises(ConfigError, match="fewer than one step over all solvers"):
         batches_per_epoch(10, 64)
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dptrain.checkpoint import SNAPSHOT_FORMAT, list_snapshots, load_snapshot, resolve_resume, save_snapshot
 from dptrain.comm import Communicator
 from dptrain.config import load_config
-from dptrain.errors import ConfigError, RunDirError, SnapshotError
-from dptrain.snapshot import list_snapshots, load_snapshot, resolve_resume, save_snapshot
+from dptrain.errors import RunDirError, SnapshotError
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 
@@ -66,7 +66,7 @@ def test_resume_is_bit_exact(tmp_path, storage):
     for name, w in masters(straight).items():
         assert torch.equal(w, masters(resumed)[name]), name
     for g_a, g_b in zip(straight.flat.groups, resumed.flat.groups):
-        assert torch.equal(g_a.momentum, g_b.momentum)
+        assert torch.equal(g_a.state["momentum"], g_b.state["momentum"])
         assert torch.equal(g_a.params, g_b.params)
 
 
@@ -76,12 +76,12 @@ def test_snapshot_holds_fp32_masters_and_state(tmp_path):
     state = load_snapshot(t.save())
     assert state["iteration"] == 1
     assert all(v.dtype == torch.float32 for k, v in state["model"].items() if v.is_floating_point())
-    assert set(state["solver"]) == {"momentum", "scaler"}
+    assert set(state["optimizer"]) == {"rule", "state", "scaler"}
     assert state["data"]["micro_step"] == 1 and state["config"]["precision"]["storage"] == "bf16"
 
 
 def test_torn_snapshot_never_replaces_good_one(tmp_path, monkeypatch):
-    good = save_snapshot({"iteration": 1, "model": {}, "solver": {}, "rng": [], "config": {}},
+    good = save_snapshot({"format": SNAPSHOT_FORMAT, "iteration": 1, "model": {}, "optimizer": {}, "rng": [], "config": {}},
                          tmp_path / "snapshot_iter_1.pt")
 
     def boom(*a, **k):
@@ -94,8 +94,30 @@ def test_torn_snapshot_never_replaces_good_one(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["snapshot_iter_1.pt"]  # no temp file left
 
 
+def test_snapshot_of_an_older_format_or_with_code_in_it_is_refused_in_one_line(tmp_path):
+    import os
+
+    old = save_snapshot({"iteration": 3, "model": {}, "solver": {}, "rng": [], "config": {}}, tmp_path / "old.pt")
+    with pytest.raises(SnapshotError, match=r"old\.pt' has format 1, this dptrain reads format 2; resume it with"):
+        load_snapshot(old)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    torch.save({"format": SNAPSHOT_FORMAT, "iteration": 1, "x": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(SnapshotError) as e:
+        load_snapshot(tmp_path / "evil.pt")
+    assert "holds a posix.system" in str(e.value) and "does not run code from a file" in str(e.value)
+    assert "weights_only" not in str(e.value) and "\n" not in str(e.value)  # never torch's advice to run it
+    (tmp_path / "junk.pt").write_bytes(bytes(range(256)) * 20)
+    with pytest.raises(SnapshotError, match=r"junk\.pt' cannot be read \(not a snapshot's content: Unsupported"):
+        load_snapshot(tmp_path / "junk.pt")
+
+
 def test_resume_auto_skips_unreadable_newest(tmp_path):
-    save_snapshot({"iteration": 3, "model": {}, "solver": {}, "rng": [], "config": {}},
+    save_snapshot({"format": SNAPSHOT_FORMAT, "iteration": 3, "model": {}, "optimizer": {}, "rng": [],
+                   "config": {}},
                   tmp_path / "snapshot_iter_3.pt")
     (tmp_path / "snapshot_iter_9.pt").write_bytes(b"torn")
     assert resolve_resume("auto", tmp_path) == tmp_path / "snapshot_iter_3.pt"
@@ -165,21 +187,29 @@ def test_resume_after_a_crash_keeps_metrics_identical_to_an_uninterrupted_run(tm
     assert strip(tmp_path / "b") == strip(tmp_path / "a")
 
 
-def test_a_signal_during_the_final_test_still_writes_the_final_snapshot(tmp_path, monkeypatch):
+def test_a_signal_during_the_final_test_abandons_it_after_the_final_snapshot(tmp_path, monkeypatch):
+    """The final snapshot is written before the final test, so a preemption notice during that
+    test stops it at the next batch and loses nothing."""
     import os
     import signal
 
-    t = make_trainer(tmp_path, "solver.max_iter=4", "solver.display=0")
-    real_test = Trainer.test
+    t = make_trainer(tmp_path, "solver.max_iter=4", "solver.display=0", "data.test_batch_size=20")
+    real_forward = Trainer._forward
+    calls = []
 
-    def test_then_preempted(self):
-        os.kill(os.getpid(), signal.SIGTERM)  # e.g. a preemption notice during the final test
-        return real_test(self)
+    def forward_then_preempted(self, x):
+        if not self.model.training:
+            calls.append(x.shape[0])
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # e.g. a preemption notice during the final test
+        return real_forward(self, x)
 
-    monkeypatch.setattr(Trainer, "test", test_then_preempted)
+    monkeypatch.setattr(Trainer, "_forward", forward_then_preempted)
     result = t.fit()
     t.close()
-    assert "test_top1" in result and [n for n, _ in list_snapshots(tmp_path)] == [4]
+    assert result.get("stopped_by_signal") is True and "test_top1" not in result
+    assert len(calls) == 2  # abandoned at the next test batch: the 297 digits would take 15
+    assert [n for n, _ in list_snapshots(tmp_path)] == [4]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
@@ -199,15 +229,15 @@ def test_resuming_with_another_batch_setup_says_the_run_no_longer_continues_samp
 def test_ctrl_c_asks_for_a_snapshot_and_a_second_one_stops_at_once():
     import signal
 
-    from dptrain.train import _StopFlag
+    from dptrain.control import StopFlag
 
-    flag = _StopFlag()
+    flag = StopFlag()
     flag(signal.SIGINT, None)
     assert flag.requested and flag.signum == signal.SIGINT
     for second in (signal.SIGINT, signal.SIGTERM):  # torchrun turns its own second Ctrl-C into a SIGTERM
         with pytest.raises(KeyboardInterrupt):
             flag(second, None)
-    term = _StopFlag()
+    term = StopFlag()
     term(signal.SIGTERM, None)
     term(signal.SIGTERM, None)  # a repeated SIGTERM still waits for the snapshot
     assert term.requested and term.signum == signal.SIGTERM
@@ -218,7 +248,7 @@ def test_stale_snapshot_temporaries_are_removed_and_write_errors_are_one_line(tm
 
     import torch
 
-    from dptrain.snapshot import remove_stale_temporaries, save_snapshot
+    from dptrain.checkpoint import remove_stale_temporaries, save_snapshot
 
     dead = tmp_path / ".snapshot_iter_5.pt.999999999.tmp"  # no such pid
     mine = tmp_path / f".snapshot_iter_6.pt.{os.getpid()}.tmp"
@@ -236,15 +266,16 @@ def test_stale_snapshot_temporaries_are_removed_and_write_errors_are_one_line(tm
     assert not list(tmp_path.glob(".snapshot_iter_7*"))
 
 
-def test_run_dir_that_is_not_writable_is_a_config_error(tmp_path, monkeypatch):
+def test_run_dir_that_is_not_writable_is_a_one_line_error(tmp_path, monkeypatch):
     import os
 
-    from dptrain.cli import check_writable
+    from dptrain.checkpoint import RunDir
 
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
-    with pytest.raises(ConfigError, match=r"train\.run_dir .*run': .* is not writable"):
-        check_writable(tmp_path / "run")
+    with pytest.raises(RunDirError, match=r"train\.run_dir .*run': .* is not writable"):
+        RunDir(tmp_path / "run").check_usable(writer=True)
+    RunDir(tmp_path / "run").check_usable(writer=False)  # ranks that write nothing there do not care
     t = make_trainer(tmp_path / "run")  # bench builds a Trainer too, and writes nothing there: no check
     t.close()
 

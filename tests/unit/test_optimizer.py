@@ -1,4 +1,4 @@
-"""MasterSGD on CPU: lr policies, overflow skip, fp16 momentum, clipping, LARC, resume."""
+"""MasterOptimizer on CPU: lr policies, overflow skip, fp16 momentum, clipping, LARC, resume."""
 from __future__ import annotations
 
 import math
@@ -9,8 +9,8 @@ from torch import nn
 
 from dptrain.config import LossScaleConfig, PrecisionConfig, SolverConfig
 from dptrain.flat import FlatParams
+from dptrain.optimizer import CLIP_EPS, MasterOptimizer, learning_rate
 from dptrain.precision import LossScaler, apply_precision
-from dptrain.solver import CLIP_EPS, MasterSGD, learning_rate
 
 CPU = torch.device("cpu")
 
@@ -43,72 +43,73 @@ def test_learning_rate_policies(cfg, expected):
 # ----------------------------------------------------------------------------- overflow skip
 
 
-def _fp16_net_with_bn() -> tuple[nn.Module, FlatParams, MasterSGD]:
+def _fp16_net_with_bn() -> tuple[nn.Module, FlatParams, MasterOptimizer]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
     apply_precision(net, PrecisionConfig(storage="fp16"))
-    flat = FlatParams(net, momentum_dtype=torch.float32)
+    flat = FlatParams(net, state_dtype=torch.float32)
     scaler = LossScaler(LossScaleConfig(init_scale=1024.0), "dynamic", CPU)
-    solver = MasterSGD(flat, SolverConfig(base_lr=0.1, momentum=0.9, weight_decay=5e-4), scaler, world_size=1)
-    return net, flat, solver
+    optimizer = MasterOptimizer(flat, SolverConfig(base_lr=0.1, momentum=0.9, weight_decay=5e-4), scaler,
+                                grad_divisor=1)
+    return net, flat, optimizer
 
 
-def _backward(net: nn.Module, solver: MasterSGD, seed: int) -> None:
+def _backward(net: nn.Module, optimizer: MasterOptimizer, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(8, 8, generator=gen).half()
-    solver.scaler.scale_loss(net(x).float().square().mean()).backward()
+    optimizer.scaler.scale_loss(net(x).float().square().mean()).backward()
 
 
 def test_inf_gradient_skips_step_bit_identically_and_halves_scale():
-    net, flat, solver = _fp16_net_with_bn()
+    net, flat, optimizer = _fp16_net_with_bn()
     assert sorted(str(g.dtype) for g in flat.groups) == ["torch.float16", "torch.float32"]  # BN group is fp32
-    _backward(net, solver, 0)
-    solver.step(0)  # a clean step first, so the momentum is not zero
-    _backward(net, solver, 1)
+    _backward(net, optimizer, 0)
+    optimizer.step(0)  # a clean step first, so the momentum is not zero
+    _backward(net, optimizer, 1)
     fp16_group = next(g for g in flat.groups if g.dtype == torch.float16)
     fp16_group.grads[3] = float("inf")
-    before = [_bits(t).clone() for g in flat.groups for t in (g.params, g.master, g.momentum)]
-    assert any(torch.count_nonzero(g.momentum) > 0 for g in flat.groups)
-    solver.step(1)
-    after = [_bits(t) for g in flat.groups for t in (g.params, g.master, g.momentum)]
+    before = [_bits(t).clone() for g in flat.groups for t in (g.params, g.master, g.state["momentum"])]
+    assert any(torch.count_nonzero(g.state["momentum"]) > 0 for g in flat.groups)
+    optimizer.step(1)
+    after = [_bits(t) for g in flat.groups for t in (g.params, g.master, g.state["momentum"])]
     for a, b in zip(before, after, strict=True):
         assert torch.equal(a, b)
     assert all(torch.count_nonzero(g.grads) == 0 for g in flat.groups)  # grads cleared for the next step
-    assert solver.scaler.stats() == {"loss_scale": 512.0, "skipped_steps": 1}
-    _backward(net, solver, 2)
-    solver.step(2)  # and training goes on
+    assert optimizer.scaler.stats() == {"loss_scale": 512.0, "skipped_steps": 1}
+    _backward(net, optimizer, 2)
+    optimizer.step(2)  # and training goes on
     assert not torch.equal(_bits(fp16_group.master), before[1])
 
 
 def test_nan_gradient_is_an_overflow_too():
-    net, flat, solver = _fp16_net_with_bn()
-    _backward(net, solver, 0)
+    net, flat, optimizer = _fp16_net_with_bn()
+    _backward(net, optimizer, 0)
     flat.groups[0].grads[0] = float("nan")
     master = [g.master.clone() for g in flat.groups]
-    solver.step(0)
+    optimizer.step(0)
     assert all(torch.equal(m, g.master) for m, g in zip(master, flat.groups, strict=True))
-    assert solver.scaler.stats()["skipped_steps"] == 1
+    assert optimizer.scaler.stats()["skipped_steps"] == 1
 
 
 def test_resume_restores_momentum_and_scaler_bit_exactly():
-    net, flat, solver = _fp16_net_with_bn()
+    net, flat, optimizer = _fp16_net_with_bn()
     for it in range(2):
-        _backward(net, solver, it)
-        solver.step(it)
-    state = solver.state_dict()
+        _backward(net, optimizer, it)
+        optimizer.step(it)
+    state = optimizer.state_dict()
     masters = flat.master_state()
-    net2, flat2, solver2 = _fp16_net_with_bn()
+    net2, flat2, optimizer2 = _fp16_net_with_bn()
     flat2.load_master_state(masters)
-    solver2.load_state_dict(state)
-    for n_, s_ in ((net, solver), (net2, solver2)):
+    optimizer2.load_state_dict(state)
+    for n_, s_ in ((net, optimizer), (net2, optimizer2)):
         _backward(n_, s_, 2)
         s_.step(2)
     for g1, g2 in zip(flat.groups, flat2.groups, strict=True):
-        for t1, t2 in ((g1.master, g2.master), (g1.momentum, g2.momentum), (g1.params, g2.params)):
+        for t1, t2 in ((g1.master, g2.master), (g1.state["momentum"], g2.state["momentum"]), (g1.params, g2.params)):
             assert torch.equal(_bits(t1), _bits(t2))
-    assert solver.scaler.state_dict().keys() == solver2.scaler.state_dict().keys()
-    for k, v in solver.scaler.state_dict().items():
-        other = solver2.scaler.state_dict()[k]
+    assert optimizer.scaler.state_dict().keys() == optimizer2.scaler.state_dict().keys()
+    for k, v in optimizer.scaler.state_dict().items():
+        other = optimizer2.scaler.state_dict()[k]
         assert (v == other) if isinstance(v, str) else torch.equal(v, other), k
 
 
@@ -126,13 +127,14 @@ def _momentum_run(momentum_dtype: torch.dtype) -> torch.Tensor:
     p = nn.Parameter(torch.zeros(64, dtype=torch.float16))
     holder = nn.Module()
     holder.p = p
-    flat = FlatParams(holder, momentum_dtype=momentum_dtype)
+    flat = FlatParams(holder, state_dtype=momentum_dtype)
     scaler = LossScaler(LossScaleConfig(), "none", CPU)
-    solver = MasterSGD(flat, SolverConfig(base_lr=MOM_LR, momentum=MOM_M, weight_decay=0.0), scaler, world_size=1)
+    optimizer = MasterOptimizer(flat, SolverConfig(base_lr=MOM_LR, momentum=MOM_M, weight_decay=0.0), scaler,
+                                grad_divisor=1)
     g = torch.linspace(0.5, 1.5, 64) * MOM_G
     for it in range(MOM_STEPS):
         p.grad.copy_(g.half())  # p.grad is a view into the flat fp16 gradient buffer
-        solver.step(it)
+        optimizer.step(it)
     return flat.groups[0].master.clone()
 
 
@@ -166,9 +168,9 @@ class _TwoParams(nn.Module):
         self.b = nn.Parameter(torch.tensor(b))
 
 
-def _fp32_solver(model: nn.Module, scaler: LossScaler, **cfg) -> tuple[FlatParams, MasterSGD]:
-    flat = FlatParams(model, momentum_dtype=torch.float32)
-    return flat, MasterSGD(flat, SolverConfig(weight_decay=0.0, **cfg), scaler, world_size=1)
+def _fp32_solver(model: nn.Module, scaler: LossScaler, **cfg) -> tuple[FlatParams, MasterOptimizer]:
+    flat = FlatParams(model, state_dtype=torch.float32)
+    return flat, MasterOptimizer(flat, SolverConfig(weight_decay=0.0, **cfg), scaler, grad_divisor=1)
 
 
 @pytest.mark.parametrize("scaled_grads, factor", [([24.0, 32.0, 0.0], 1 / 5), ([0.8, 1.6, 0.0], 1.0)],
@@ -177,9 +179,9 @@ def test_clipping_scales_the_unscaled_gradient(scaled_grads, factor):
     """Loss scale 8: the unscaled gradient is [3, 4] (norm 5, clipped to 1) or [0.1, 0.2] (kept)."""
     model = _TwoParams([1.0, 1.0, 1.0], [1.0])
     scaler = LossScaler(LossScaleConfig(init_scale=8.0), "static", CPU)
-    _, solver = _fp32_solver(model, scaler, base_lr=0.5, momentum=0.0, clip_gradients=1.0)
+    _, optimizer = _fp32_solver(model, scaler, base_lr=0.5, momentum=0.0, clip_gradients=1.0)
     model.a.grad.copy_(torch.tensor(scaled_grads))
-    solver.step(0)
+    optimizer.step(0)
     unscaled = torch.tensor(scaled_grads) / 8
     norm = unscaled.norm().item()
     clip = min(1.0, 1.0 / (norm + CLIP_EPS)) if factor != 1.0 else 1.0
@@ -194,13 +196,13 @@ def test_larc_policies(policy):
     lr, m, eta = 0.1, 0.9, 0.001
     model = _TwoParams([3.0, 4.0, 0.0, 0.0], [1.0, 2.0, 2.0])  # |w| = 5 and 3
     scaler = LossScaler(LossScaleConfig(), "none", CPU)
-    _, solver = _fp32_solver(model, scaler, base_lr=lr, momentum=m, larc=True, larc_policy=policy, larc_eta=eta)
+    _, optimizer = _fp32_solver(model, scaler, base_lr=lr, momentum=m, larc=True, larc_policy=policy, larc_eta=eta)
     ga = torch.tensor([0.0, 0.0, 0.6, 0.8])  # |g| = 1    -> rate 5e-4 (< lr)
     gb = torch.tensor([0.0, 0.0, 1e-3])  # |g| = 1e-3 -> rate 0.3  (> lr)
     model.a.grad.copy_(ga)
     model.b.grad.copy_(gb)
     wa, wb = model.a.detach().clone(), model.b.detach().clone()
-    solver.step(0)
+    optimizer.step(0)
     rate_a, rate_b = (1 - m) * eta * 5 / 1, (1 - m) * eta * 3 / 1e-3
     lr_a, lr_b = (lr * rate_a, lr * rate_b) if policy == "scale" else (min(lr, rate_a), min(lr, rate_b))
     # first step from zero momentum: h = lr_e*g, w -= h. Norms are fp32: 1e-5 relative covers them.

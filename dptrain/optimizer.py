@@ -1,4 +1,8 @@
-"""Master-weight SGD: learning-rate policies and the fused unscale/skip/update step."""
+"""The optimizer: learning-rate policies and the fused unscale/skip/update step on FP32 masters.
+
+"Solver" in dptrain names the process (one per GPU) and, after Caffe, the config section
+``[solver]``; the update rule that section configures is the optimizer, here.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,6 +10,7 @@ import torch
 from dptrain import kernels
 from dptrain.config import SolverConfig
 from dptrain.flat import FlatParams
+from dptrain.kernels import Hyper, UpdateArgs
 from dptrain.precision import LossScaler
 
 CLIP_EPS = 1e-6
@@ -35,39 +40,42 @@ def learning_rate(cfg: SolverConfig, it: int) -> float:
     return lr
 
 
-class MasterSGD:
-    """SGD with momentum on flat FP32 masters; writes the storage-dtype weights back.
+class MasterOptimizer:
+    """Momentum SGD on flat FP32 masters; writes the storage-dtype weights back.
 
     ``step`` runs, per flat group: one norm pass (overflow flag and clipping norm) and one
-    fused update (unscale by 1/(S*world_size), clip, decay, momentum, master update,
+    fused update (unscale by 1/(S*grad_divisor), clip, decay, momentum, master update,
     weight write-back, gradient zeroing). Nothing is read on the host.
     """
 
-    def __init__(self, flat: FlatParams, cfg: SolverConfig, scaler: LossScaler, world_size: int) -> None:
-        self.flat, self.cfg, self.scaler, self.world_size = flat, cfg, scaler, world_size
+    RULE = "sgd"
+    STATE_NAMES = ("momentum",)
+
+    def __init__(self, flat: FlatParams, cfg: SolverConfig, scaler: LossScaler, grad_divisor: int) -> None:
+        self.flat, self.cfg, self.scaler, self.grad_divisor = flat, cfg, scaler, grad_divisor
         self._need_norm = scaler.enabled or cfg.clip_gradients > 0
-        self._lengths: dict[int, tuple[list, torch.Tensor]] = {}  # group -> (its segments, padded numels)
+        self._lengths: dict[int, torch.Tensor] = {}  # group -> padded numels of its segments
+        self._lengths_version = -1
 
     def step(self, it: int) -> float:
         """Apply iteration ``it``'s update; return the learning rate used."""
         lr = learning_rate(self.cfg, it)
-        coef = self.scaler.inv_scale(self.world_size)
+        coef = self.scaler.inv_scale(self.grad_divisor)
         if self._need_norm:
             norms = torch.stack([kernels.grad_norm(g.grads) for g in self.flat.groups])
             total = norms.square().sum().sqrt()  # norm of the loss-scaled, rank-summed gradient
-            if self.scaler.enabled:
-                self.scaler.found_inf.copy_((~torch.isfinite(total)).float().reshape(1))
+            self.scaler.record_overflow(total)
             if self.cfg.clip_gradients > 0:
                 unscaled = total * coef
                 coef = coef * (self.cfg.clip_gradients / (unscaled + CLIP_EPS)).clamp(max=1.0)
+        hyper = Hyper(lr=lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay,
+                      decoupled=self.cfg.decay_mode == "decoupled")
         for i, g in enumerate(self.flat.groups):
             lr_scale = self._larc_scale(i, lr, coef) if self.cfg.larc else None
-            kernels.sgd_update(
-                g.grads, g.master, g.params, g.momentum,
-                lr=lr, momentum_coef=self.cfg.momentum, weight_decay=self.cfg.weight_decay,
-                decoupled=self.cfg.decay_mode == "decoupled", grad_coef=coef,
-                found_inf=self.scaler.found_inf, lr_scale=lr_scale, cpu_fused=self.cfg.cpu_fused_update,
-            )
+            kernels.update(UpdateArgs(rule=self.RULE, grads=g.grads, master=g.master, params=g.params,
+                                      state=tuple(g.state[k] for k in self.STATE_NAMES), grad_coef=coef,
+                                      found_inf=self.scaler.found_inf, hyper=hyper, lr_scale=lr_scale),
+                           cpu_fused=self.cfg.cpu_fused_update)
         self.scaler.update()
         return lr
 
@@ -92,16 +100,17 @@ class MasterSGD:
     def _padded_numels(self, i: int) -> torch.Tensor:
         """Padded length of each segment of group ``i`` as a device tensor, built once per layout:
         creating it is a host-to-device copy, which would be a host sync in every step."""
-        g = self.flat.groups[i]
-        cached = self._lengths.get(i)
-        if cached is None or cached[0] is not g.segments:  # relayout() replaces the segment list
-            numels = torch.tensor([s.padded_numel for s in g.segments], device=g.master.device)  # [segments] int64
-            cached = self._lengths[i] = (g.segments, numels)
-        return cached[1]
+        if self._lengths_version != self.flat.layout_version:
+            self._lengths, self._lengths_version = {}, self.flat.layout_version
+        if i not in self._lengths:
+            g = self.flat.groups[i]
+            self._lengths[i] = torch.tensor([s.padded_numel for s in g.segments],
+                                            device=g.master.device)  # [segments] int64
+        return self._lengths[i]
 
     def state_dict(self) -> dict[str, object]:
-        return {"momentum": self.flat.momentum_state(), "scaler": self.scaler.state_dict()}
+        return {"rule": self.RULE, "state": self.flat.state_dict(), "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        self.flat.load_momentum_state(state["momentum"])  # type: ignore[arg-type]
+        self.flat.load_state_dict(state["state"])  # type: ignore[arg-type]
         self.scaler.load_state_dict(state["scaler"])  # type: ignore[arg-type]

@@ -1,34 +1,43 @@
-// Fused master-weight SGD update and gradient L2 norm over dptrain's flat buffers.
+// The fused update rules and the gradient L2 norm over dptrain's flat buffers.
 //
-// Compiled at run time by CuPy (NVRTC) in dptrain/kernels.py (`_module`), with
-//   options          --std=c++17 --fmad=false -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
-//   name_expressions kernels.SGD_KERNEL_NAMES + kernels.NORM_KERNEL_NAMES (every template instance below)
-// and launched on torch's current stream with raw data_ptr() pointers (no copies, no host sync).
+// Compiled at run time by NVRTC through dptrain/kernels/nvrtc.py (never by CuPy, whose own
+// options include -ftz=true), by kernels.cuda.compile_module, with
+//   options          kernels.cuda.NVRTC_OPTIONS: --std=c++17 --fmad=false --ftz=false --prec-div=true
+//                    --prec-sqrt=true -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__,
+//                    -I<the CUDA headers beside NVRTC> and -arch=sm_<device>
+//   name_expressions kernels.cuda.name_expressions() (every template instance below)
+// then loaded by CuPy from the cubin and launched on torch's current stream with raw data_ptr()
+// pointers (no copies, no host sync). tests/unit/test_kernels.py compiles this file the same way for
+// sm_80 and sm_90 on a machine without a GPU.
 //
-// The torch references in dptrain/kernels.py (sgd_update_reference, grad_norm_reference) define
-// the semantics; tests/unit/test_kernels.py (host emulation) and tests/gpu/test_kernels_gpu.py check
-// the update bit-exactly against them. Bit-exactness needs:
+// The torch reference in dptrain/kernels/spec.py defines the semantics; tests/unit/test_kernels.py
+// (host emulation) and tests/gpu/test_kernels_gpu.py check every rule bit-exactly against it, and
+// kernels/selfcheck.py does so at first use on each GPU. Bit-exactness needs:
 //   * every multiply and add rounded separately, as the reference's separate torch ops do:
 //     --fmad=false stops the compiler contracting a*b+c into one FMA (which rounds once);
-//   * host scalars rounded like torch rounds a Python float against an fp32 tensor: fp32(lr),
-//     fp32(weight_decay), fp32(momentum_coef), and fp32(weight_decay*lr) computed in double
-//     (the reference's `weight_decay * lr * w` multiplies the two Python floats first);
+//   * fp32 subnormals kept (--ftz=false), as torch's CUDA kernels keep them;
+//   * host scalars rounded as spec.py rounds them (Rule.scalars: fp32 of each hyper-parameter, and
+//     fp32(weight_decay*lr) computed in double for the decoupled decay);
 //   * round-to-nearest-even conversions (__float2half_rn, __float2bfloat16_rn), as torch's casts.
 // The *_thread functions are __host__ __device__ so the CPU tests can run the exact per-thread code.
 //
-// Types: T (storage) is float, __half or __nv_bfloat16; M (momentum) is float or __half; V is the
-// elements per vector access: 4 when every pointer is aligned to 4 elements (flat buffers are:
-// each parameter starts at a multiple of 64 elements), else 1.
+// Every rule's kernel takes one argument list (kernels.cuda.update_args):
+//   grads, master, params (nullptr: the master), *state, lr_scale (nullptr: 1), grad_coef, found_inf,
+//   *the rule's scalars, n
+// Types: T (storage) is float, __half or __nv_bfloat16; M (state) per the rule's state_dtypes; V is the
+// elements per vector access: 4 when every pointer is aligned to 4 elements (flat buffers are: each
+// parameter starts at a multiple of 64 elements), else 1.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
 namespace dpt {
 
-constexpr int kBlockThreads = 256;  // kernels.BLOCK_THREADS; the block reductions assume it
+constexpr int kBlockThreads = 256;  // kernels.cuda.BLOCK_THREADS; the block reductions assume it
 constexpr int kDecayNone = 0;       // weight_decay == 0
 constexpr int kDecayL2 = 1;         // Caffe: g += wd * w
 constexpr int kDecayDecoupled = 2;  // w -= wd * lr * w beside the momentum step
+static_assert(kDecayNone == 0 && kDecayL2 == 1 && kDecayDecoupled == 2, "decay modes are spec.DECAY_* in kernels/spec.py");
 
 __host__ __device__ __forceinline__ float to_float(float x) { return x; }
 __host__ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -72,7 +81,7 @@ __host__ __device__ __forceinline__ float momentum_step(__half& h, float m, floa
   return lr_e * __half2float(h);
 }
 
-// One element of sgd_update_reference: g16 is float(grads[i]), w the fp32 master (in/out),
+// One element of spec.sgd_math: g16 is float(grads[i]), w the fp32 master (in/out),
 // h the momentum (in/out), s the LARC lr multiplier (used only when has_scale).
 template <typename M>
 __host__ __device__ __forceinline__ void sgd_element(float g16, float coef, float s, bool has_scale,
@@ -187,8 +196,9 @@ __device__ __forceinline__ float block_sum(float v) {
 // SGDRegUpdateAllAndClear): unscale + clip (grad_coef), weight decay, momentum, fp32 master
 // update, storage-dtype weight write-back, gradient zeroing; a set found_inf skips all of it
 // except the zeroing, so master, params and momentum stay bit-identical.
-// Host wrapper: kernels._sgd_update_cupy (via kernels.sgd_update), on torch's current stream.
-// Launch: grid (min(cdiv(n/V, 256), 16 * SM count),), block (256,); grid-stride, any grid works.
+// Host wrapper: kernels.cuda.update (via kernels.update), on torch's current stream.
+// Launch: grid (min(cdiv(n/V, 256), 2 waves of resident blocks per the occupancy API),), block (256,);
+// grid-stride, any grid works.
 // Arguments (all 1-D, contiguous, same length n and layout; pointers 4*sizeof aligned when V = 4):
 //   grads          T*            [n] storage dtype, loss-scaled summed gradient; zeroed on return
 //   master         float*        [n] fp32 master weights
@@ -220,7 +230,7 @@ dptrain_sgd_update(T* grads, float* master, T* params, M* momentum, const float*
 // dptrain_sumsq_partial<T, V>: stage 1 of the L2 norm. Each block writes the fp32 sum of squares of
 // the elements its threads visit (grid-stride) to partials[blockIdx.x]. Two stages instead of
 // atomicAdd keep the result deterministic for a given n and alignment.
-// Host wrapper: kernels._grad_norm_cupy (via kernels.grad_norm), on torch's current stream.
+// Host wrapper: kernels.cuda.grad_norm (via kernels.grad_norm), on torch's current stream.
 // Launch: grid (min(cdiv(n/V, 256), 1024),) -- a function of n only, for determinism; block (256,).
 // Arguments:
 //   x         const T*   [n] storage dtype gradient buffer, contiguous (4*sizeof(T) aligned if V = 4)
@@ -236,7 +246,7 @@ dptrain_sumsq_partial(const T* x, long long n, float* partials) {
 
 // ---------------------------------------------------------------------------------------------
 // dptrain_norm_finish: stage 2 of the L2 norm: out[0] = sqrt(sum(partials)), in fp32.
-// Host wrapper: kernels._grad_norm_cupy, right after dptrain_sumsq_partial on the same stream.
+// Host wrapper: kernels.cuda.grad_norm, right after dptrain_sumsq_partial on the same stream.
 // Launch: grid (1,), block (256,).
 // Arguments:
 //   partials  const float*  [count] fp32 block sums from stage 1

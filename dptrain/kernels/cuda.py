@@ -1,0 +1,238 @@
+"""The CUDA backend: dptrain/csrc/update.cu compiled by NVRTC, loaded and launched through CuPy.
+
+Every rule's kernel takes the same argument list, built once here from :class:`UpdateArgs`:
+
+    grads, master, params (nullptr when it is the master), *state, lr_scale (or nullptr),
+    grad_coef, found_inf, *rule scalars (fp32 floats, int32 flags), n
+
+and is named ``dptrain_<rule>_update<T, M, V>`` (storage dtype, state dtype, vector width).
+Kernels launch on torch's current stream with raw ``data_ptr()`` pointers: no copies, no
+host sync. The module is compiled once per process and device by :mod:`.nvrtc`, with
+:data:`NVRTC_OPTIONS` and nothing else (CuPy never compiles it, so none of CuPy's own
+options, such as ``-ftz=true``, apply). CuPy is imported lazily: the package imports
+without it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import tempfile
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from dptrain.errors import SetupError
+from dptrain.kernels import nvrtc
+from dptrain.kernels.spec import RULES, Rule, UpdateArgs, rule_of
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "update.cu"
+NVRTC_OPTIONS = (
+    "--std=c++17",
+    "--fmad=false",  # no a*b+c contraction: the reference rounds every multiply and add
+    "--ftz=false",  # keep fp32 subnormals, as torch does (NVRTC's default; stated, since CuPy adds -ftz=true)
+    "--prec-div=true",  # IEEE division and square root, as torch's CUDA kernels
+    "--prec-sqrt=true",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",  # conversions are explicit; also decouples fp16/bf16 headers of
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",  # different CUDA versions
+)
+BLOCK_THREADS = 256
+"""Threads per block of every kernel; equals ``dpt::kBlockThreads`` in update.cu."""
+VECTOR_ELEMS = 4
+"""Elements per vector access when every pointer allows it (flat buffers are 64-element aligned)."""
+UPDATE_WAVES = 2
+"""The update grid holds this many waves of resident blocks (occupancy API); the grid-stride
+loop covers the rest. Two waves leave the tail of one wave to overlap the next."""
+FALLBACK_BLOCKS_PER_SM = 8
+"""Blocks per SM assumed when the occupancy API is unavailable: a 256-thread block with up to
+~48 registers per thread fits 5 per SM (64k registers), so 8 is under two waves."""
+NORM_MAX_BLOCKS = 1024
+"""Stage-1 blocks of the norm; a function of n only, so the sum order is deterministic."""
+
+CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+STORAGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+NORM_FINISH = "dptrain_norm_finish"
+
+
+def update_kernel_name(rule: Rule, storage: torch.dtype, state: torch.dtype, vec: int) -> str:
+    return f"dptrain_{rule.name}_update<{CTYPES[storage]}, {CTYPES[state]}, {vec}>"
+
+
+def norm_kernel_name(dtype: torch.dtype, vec: int) -> str:
+    return f"dptrain_sumsq_partial<{CTYPES[dtype]}, {vec}>"
+
+
+def name_expressions() -> tuple[str, ...]:
+    """Every kernel instance the run-time path may launch: what NVRTC must lower."""
+    updates = tuple(update_kernel_name(r, s, m, v) for r in RULES.values() for s in STORAGE_DTYPES
+                    for m in r.state_dtypes for v in (VECTOR_ELEMS, 1))
+    norms = tuple(norm_kernel_name(s, v) for s in STORAGE_DTYPES for v in (VECTOR_ELEMS, 1))
+    return updates + norms + (NORM_FINISH,)
+
+
+def compile_module(arch: str, library: str | None = None) -> nvrtc.Compiled:
+    """update.cu compiled for ``arch`` ("sm_90", or "compute_90" for PTX) exactly as a solver
+    compiles it at first use: :data:`NVRTC_OPTIONS`, the headers beside NVRTC, every name."""
+    lib = library or nvrtc.find_library()
+    options = (*NVRTC_OPTIONS, f"-I{nvrtc.find_include(lib)}")
+    return nvrtc.compile_cuda(SOURCE.read_text(), name=SOURCE.name, options=options,
+                              name_expressions=name_expressions(), arch=arch, library=lib)
+
+
+# --------------------------------------------------------------------------------------- CuPy
+
+
+@functools.cache
+def cupy_module() -> ModuleType | None:
+    """CuPy, imported on first use; None (logged once) when it is not installed."""
+    try:
+        import cupy
+    except ImportError as e:
+        log.warning("CuPy is not importable (%s); CUDA tensors use the torch reference updates", e)
+        return None
+    return cupy
+
+
+class _Loaded:
+    """update.cu's cubin loaded on one device, with its lowered names."""
+
+    def __init__(self, device_index: int) -> None:
+        cupy = cupy_module()
+        major, minor = torch.cuda.get_device_capability(device_index)
+        cuda_major = int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
+        compiled = compile_module(f"sm_{major}{minor}", nvrtc.find_library(cuda_major))
+        # CuPy loads a cubin from a file (cuModuleLoad); the file is only needed while loading
+        digest = hashlib.sha256(compiled.binary).hexdigest()[:16]
+        with tempfile.TemporaryDirectory(prefix="dptrain-cubin-") as d:
+            path = Path(d) / f"update-{digest}.cubin"
+            path.write_bytes(compiled.binary)
+            with cupy.cuda.Device(device_index):
+                self.module = cupy.RawModule(path=str(path))
+                self.functions = {expr: self.module.get_function(low) for expr, low in compiled.lowered.items()}
+        self.device_index = device_index
+        self.arch = compiled.arch
+
+
+@functools.cache
+def loaded(device_index: int) -> _Loaded:
+    """The compiled module on ``device_index`` (compiled and loaded on first call)."""
+    try:
+        return _Loaded(device_index)
+    except nvrtc.NvrtcError as e:
+        raise SetupError(f"compiling {SOURCE.name} failed: {e}") from e
+
+
+@functools.cache
+def _stream(ptr: int, device_index: int) -> Any:
+    """CuPy's handle of torch's stream ``ptr``, made once per stream (a new ExternalStream per
+    launch warns in CuPy 14 and costs a Python object per kernel)."""
+    cupy = cupy_module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(ptr, device_index)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _resident_blocks(expr: str, device_index: int) -> int:
+    """Blocks of kernel ``expr`` resident per SM at BLOCK_THREADS threads (occupancy API)."""
+    cupy = cupy_module()
+    fn = loaded(device_index).functions[expr]
+    try:
+        with cupy.cuda.Device(device_index):
+            return max(1, int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, BLOCK_THREADS, 0)))
+    except (AttributeError, RuntimeError) as e:  # an older CuPy without the binding
+        log.debug("occupancy API unavailable (%s); assuming %d blocks per SM", e, FALLBACK_BLOCKS_PER_SM)
+        return FALLBACK_BLOCKS_PER_SM
+
+
+def _launch(expr: str, device: torch.device, blocks: int, args: tuple) -> None:
+    """Launch kernel ``expr`` on torch's current stream of ``device``; asynchronous."""
+    cupy = cupy_module()
+    fn = loaded(device.index).functions[expr]
+    stream = _stream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    with cupy.cuda.Device(device.index):
+        fn((blocks,), (BLOCK_THREADS,), args, stream=stream)
+
+
+def vector_width(tensors: list[torch.Tensor]) -> int:
+    """VECTOR_ELEMS when every tensor's start is aligned to VECTOR_ELEMS of its elements, else 1."""
+    ok = all(t.data_ptr() % (VECTOR_ELEMS * t.element_size()) == 0 for t in tensors)
+    return VECTOR_ELEMS if ok else 1
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def check_flat(name: str, t: torch.Tensor, n: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
+    if t.dim() != 1 or t.numel() != n or not t.is_contiguous() or t.device != device:
+        raise RuntimeError(f"{name} must be a contiguous 1-D tensor of {n} elements on {device}, "
+                           f"got shape {tuple(t.shape)} strides {t.stride()} on {t.device}")
+    if t.dtype not in dtypes:
+        raise RuntimeError(f"{name} has dtype {t.dtype}; the CUDA kernel supports {dtypes}")
+
+
+def check_scalar(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.numel() != 1 or t.dtype != torch.float32 or t.device != device:
+        raise RuntimeError(f"{name} must be one fp32 element on {device} (the kernel reads it there), "
+                           f"got shape {tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def kernel_scalars(scalars: tuple) -> tuple:
+    """A rule's scalars as kernel arguments: float fields fp32, int fields int32."""
+    return tuple(np.int32(v) if isinstance(v, int) else np.float32(v) for v in scalars)
+
+
+def update_args(a: UpdateArgs, rule: Rule) -> tuple:
+    """The kernel argument tuple of one update (see the module docstring); checks every layout."""
+    n, dev = a.numel, a.grads.device
+    check_flat("grads", a.grads, n, STORAGE_DTYPES, dev)
+    check_flat("master", a.master, n, (torch.float32,), dev)
+    check_flat("params", a.params, n, (a.grads.dtype,), dev)
+    for name, t in zip(rule.state_names, a.state):
+        check_flat(name, t, n, rule.state_dtypes, dev)
+    check_scalar("grad_coef", a.grad_coef, dev)
+    check_scalar("found_inf", a.found_inf, dev)
+    if a.lr_scale is not None:
+        check_flat("lr_scale", a.lr_scale, n, (torch.float32,), dev)
+    params = None if a.params.data_ptr() == a.master.data_ptr() else a.params  # fp32: written once, as the master
+    return (_ptr(a.grads), _ptr(a.master), _ptr(params), *(_ptr(t) for t in a.state), _ptr(a.lr_scale),
+            _ptr(a.grad_coef), _ptr(a.found_inf), *kernel_scalars(rule.scalars(a.hyper)), np.int64(n))
+
+
+def update(a: UpdateArgs) -> None:
+    """Launch the rule's fused kernel over one flat group on the current stream."""
+    rule = rule_of(a)
+    if len({t.dtype for t in a.state}) > 1:
+        raise RuntimeError(f"rule {rule.name}: the CUDA kernel takes one state dtype, got "
+                           f"{[t.dtype for t in a.state]}")
+    args = update_args(a, rule)
+    vec = vector_width([t for t in (a.grads, a.master, a.params, *a.state, a.lr_scale) if t is not None])
+    expr = update_kernel_name(rule, a.grads.dtype, a.state[0].dtype, vec)
+    dev = a.grads.device
+    cap = UPDATE_WAVES * _resident_blocks(expr, dev.index) * _sm_count(dev.index)
+    _launch(expr, dev, max(1, min(-(-(a.numel // vec) // BLOCK_THREADS), cap)), args)
+
+
+def grad_norm(grads: torch.Tensor) -> torch.Tensor:
+    """Two-stage L2 norm on the current stream: block sums of squares, then their sum's sqrt."""
+    n = grads.numel()
+    check_flat("grads", grads, n, STORAGE_DTYPES, grads.device)
+    vec = vector_width([grads])
+    blocks = max(1, min(-(-(n // vec) // BLOCK_THREADS), NORM_MAX_BLOCKS))
+    partials = torch.empty(blocks, dtype=torch.float32, device=grads.device)  # [blocks] fp32 scratch
+    out = torch.empty((), dtype=torch.float32, device=grads.device)  # [] fp32
+    _launch(norm_kernel_name(grads.dtype, vec), grads.device, blocks, (_ptr(grads), np.int64(n), _ptr(partials)))
+    _launch(NORM_FINISH, grads.device, 1, (_ptr(partials), np.int32(blocks), _ptr(out)))
+    return out

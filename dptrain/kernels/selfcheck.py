@@ -1,0 +1,113 @@
+"""First-use self-check of the CUDA kernels against the torch reference, on the device itself.
+
+The first time a process asks for the CuPy kernels on a device (``kernels.kernel_backend``)
+it compiles them and runs every rule over small buffers that cover each storage dtype,
+each state dtype, the vector path and the scalar tail (aligned and misaligned starts),
+per-element lr multipliers, both decay modes, fp32 subnormals and an overflow (skipped)
+step, comparing the kernel's bits with the reference's. It costs a few milliseconds after
+the compile. A mismatch or a failure makes the dispatch fall back to the reference with
+one warning (``DPTRAIN_KERNELS=auto``) or stop (``DPTRAIN_KERNELS=cupy``).
+
+:func:`compare` takes the kernel as an argument, so the check itself runs on the CPU in the
+tests with a deliberately wrong kernel.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import torch
+
+from dptrain.kernels import cuda
+from dptrain.kernels.spec import RULES, Hyper, UpdateArgs, grad_norm_reference, reference
+
+CHECK_NUMEL = 203
+"""Not a multiple of the vector width (4): the scalar tail runs too."""
+NORM_RTOL = 1e-5
+"""The norm kernel sums per block, then the block sums: fp32 reordering over 203 squares
+stays far below this (each partial rounds at 2^-24 relative)."""
+STORAGE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _placed(values: torch.Tensor, dtype: torch.dtype, device: torch.device, offset: int) -> torch.Tensor:
+    """``values`` as ``dtype`` on ``device``, starting ``offset`` elements into a larger buffer
+    (offset 1 breaks the 4-element alignment, so the kernel takes its scalar path)."""
+    full = torch.zeros(values.numel() + offset, dtype=dtype, device=device)
+    full[offset:] = values.to(dtype)
+    return full[offset:]
+
+
+def cases(device: torch.device) -> Iterator[tuple[str, UpdateArgs]]:
+    """(label, arguments) of every combination the self-check runs."""
+    gen = torch.Generator().manual_seed(20261124)
+    n = CHECK_NUMEL
+    for rule in RULES.values():
+        for storage in STORAGE:
+            for state_dtype in rule.state_dtypes:
+                for offset, decoupled, scaled, skip in ((0, False, False, False), (1, True, True, False),
+                                                        (0, True, True, True)):
+                    mag = torch.exp2(torch.randint(-30, 12, (n,), generator=gen).float())
+                    grads = torch.randn(n, generator=gen) * mag
+                    grads[::11] = 0.0  # with a tiny history: fp32 subnormal intermediates (m*h < 2^-126)
+                    master = torch.randn(n, generator=gen) * 0.1
+                    state = torch.randn(len(rule.state_names), n, generator=gen) * 0.01
+                    state[:, ::11] = 3e-39  # a subnormal fp32 history
+                    m = _placed(master, torch.float32, device, offset)
+                    args = UpdateArgs(
+                        rule=rule.name,
+                        grads=_placed(grads, storage, device, offset),
+                        master=m,
+                        params=m if storage == torch.float32 else _placed(master, storage, device, offset),
+                        state=tuple(_placed(s, state_dtype, device, offset) for s in state),
+                        grad_coef=torch.tensor([0.37 / 4096], device=device),
+                        found_inf=torch.tensor([1.0 if skip else 0.0], device=device),
+                        hyper=Hyper(lr=0.9137, momentum=0.9, weight_decay=0.7, decoupled=decoupled),
+                        lr_scale=_placed(torch.rand(n, generator=gen) * 2, torch.float32, device, offset)
+                        if scaled else None,
+                    )
+                    label = (f"{rule.name} storage {str(storage)[6:]} state {str(state_dtype)[6:]} offset {offset} "
+                             f"{'decoupled' if decoupled else 'l2'}{' lr_scale' if scaled else ''}"
+                             f"{' skipped' if skip else ''}")
+                    yield label, args
+
+
+def _clone(a: UpdateArgs) -> UpdateArgs:
+    master = a.master.clone()
+    return replace(a, grads=a.grads.clone(), master=master,
+                   params=master if a.params is a.master else a.params.clone(),
+                   state=tuple(s.clone() for s in a.state))
+
+
+def compare(kernel: Callable[[UpdateArgs], None], norm: Callable[[torch.Tensor], torch.Tensor],
+            device: torch.device) -> str | None:
+    """Run ``kernel`` and the reference on every case; the first difference, or None."""
+    for label, args in cases(device):
+        want, got = _clone(args), _clone(args)
+        reference(want)
+        kernel(got)
+        for name in ("grads", "master", "params"):
+            if not torch.equal(_bits(getattr(got, name)), _bits(getattr(want, name))):
+                return f"{label}: {name} differs from the torch reference"
+        for i, (g, w) in enumerate(zip(got.state, want.state)):
+            if not torch.equal(_bits(g), _bits(w)):
+                return f"{label}: state {RULES[args.rule].state_names[i]} differs from the torch reference"
+        grads = args.grads
+        got_norm, want_norm = norm(grads), grad_norm_reference(grads)
+        if not torch.allclose(got_norm, want_norm, rtol=NORM_RTOL, atol=0):
+            return f"{label}: gradient norm {float(got_norm)} vs the reference's {float(want_norm)}"
+    inf = torch.tensor([1.0, float("inf")], device=device)
+    if not torch.isinf(norm(inf)):
+        return "gradient norm of a buffer holding inf is not inf"
+    return None
+
+
+def run(device_index: int) -> str | None:
+    """The self-check on ``cuda:device_index``: None when the kernels match the reference,
+    else the first mismatch. Compiles the kernels first (compile errors raise)."""
+    device = torch.device("cuda", device_index)
+    with torch.cuda.device(device):
+        return compare(cuda.update, cuda.grad_norm, device)

@@ -1,0 +1,224 @@
+"""The CUDA path proven as far as a CPU can: NVRTC compiles it, and the first-use self-check decides.
+
+The compile check runs NVRTC (the ``nvidia-cuda-nvrtc`` wheel of the test extra; no GPU, no
+driver) on ``dptrain/csrc/update.cu`` exactly as a solver does at first use on a GPU:
+``kernels.cuda.compile_module``, the same options, headers and name expressions. It must
+pass here for the GPUs dptrain targets (A100 sm_80, H100/H200 sm_90), and it fails on any
+compile error. The self-check's decision (use the kernels, fall back with one warning,
+or stop) is tested with injected failures.
+"""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dptrain import kernels
+from dptrain.errors import SetupError
+from dptrain.kernels import cuda, nvrtc, selfcheck
+from dptrain.kernels.spec import RULES, UpdateArgs, reference
+
+ELF_MAGIC = b"\x7fELF"
+
+
+@pytest.fixture(scope="module")
+def library() -> str:
+    """NVRTC from the test extra; a missing one fails the check rather than skipping it."""
+    return nvrtc.find_library()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_update_cu_compiles_for_each_target_gpu_and_every_name_lowers(library, arch):
+    compiled = cuda.compile_module(arch, library)
+    assert compiled.binary.startswith(ELF_MAGIC), "a cubin for the target GPU"
+    assert set(compiled.lowered) == set(cuda.name_expressions())
+    for expr, low in compiled.lowered.items():
+        assert low.startswith("_Z") or low == expr, f"{expr} did not lower to a mangled name: {low}"
+    assert "error" not in compiled.log.lower() and "warning" not in compiled.log.lower(), compiled.log
+    assert compiled.options[:len(cuda.NVRTC_OPTIONS)] == cuda.NVRTC_OPTIONS  # nothing added before ours
+
+
+def test_ptx_keeps_subnormals_and_rounds_every_multiply_and_add(library):
+    """The reference rounds each fp32 op and keeps subnormals: no .ftz, no fused multiply-add.
+    The same source with CuPy's -ftz=true appended does flush, so this check can fail."""
+    ptx = cuda.compile_module("compute_90", library).binary.decode(errors="replace")
+    assert ".ftz" not in ptx
+    assert "fma.rn.f32" not in ptx and "mul.rn.f32" in ptx
+    flushed = nvrtc.compile_cuda(cuda.SOURCE.read_text(), name="update.cu",
+                                 options=(*cuda.NVRTC_OPTIONS, f"-I{nvrtc.find_include(library)}", "-ftz=true"),
+                                 name_expressions=cuda.name_expressions(), arch="compute_90", library=library)
+    assert ".ftz.f32" in flushed.binary.decode(errors="replace")
+
+
+def test_a_source_that_does_not_compile_fails_with_nvrtc_s_log(library):
+    broken = cuda.SOURCE.read_text().replace("namespace dpt {", "namespace dpt { this is not C++;", 1)
+    with pytest.raises(nvrtc.NvrtcError, match=r"compiling update\.cu for sm_90 failed: NVRTC_ERROR_COMPILATION\n"
+                                                r".*error"):
+        nvrtc.compile_cuda(broken, name="update.cu", options=(*cuda.NVRTC_OPTIONS, f"-I{nvrtc.find_include(library)}"),
+                           name_expressions=cuda.name_expressions(), arch="sm_90", library=library)
+
+
+def test_a_name_expression_that_does_not_exist_fails(library):
+    with pytest.raises(nvrtc.NvrtcError, match="dptrain_nosuch_update"):
+        nvrtc.compile_cuda(cuda.SOURCE.read_text(), name="update.cu",
+                           options=(*cuda.NVRTC_OPTIONS, f"-I{nvrtc.find_include(library)}"),
+                           name_expressions=("dptrain_nosuch_update<float, float, 4>",), arch="sm_90",
+                           library=library)
+
+
+def test_nvrtc_matching_torch_s_cuda_major_is_preferred(monkeypatch):
+    libs = ["/x/nvidia/cu13/lib/libnvrtc.so.13", "/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"]
+    monkeypatch.delenv(nvrtc.NVRTC_ENV, raising=False)
+    monkeypatch.setattr(nvrtc, "_candidates", lambda: libs)
+    assert nvrtc.find_library(12) == libs[1]
+    assert nvrtc.find_library(13) == libs[0]
+    assert nvrtc.find_library(None) == libs[0]  # the newest
+    monkeypatch.setattr(nvrtc, "_candidates", lambda: [])
+    monkeypatch.setattr(nvrtc.ctypes.util, "find_library", lambda name: None)
+    with pytest.raises(nvrtc.NvrtcError, match="NVRTC not found: pip install nvidia-cuda-nvrtc"):
+        nvrtc.find_library(13)
+
+
+# --------------------------------------------------------------------------------------- self-check
+
+
+def test_self_check_cases_cover_every_rule_dtype_alignment_and_a_skip():
+    labels = [label for label, _ in selfcheck.cases(torch.device("cpu"))]
+    for rule in RULES.values():
+        for storage in ("float16", "bfloat16", "float32"):
+            for state in rule.state_dtypes:
+                mine = [x for x in labels if f"{rule.name} storage {storage} state {str(state)[6:]} " in x]
+                assert any("offset 0" in x for x in mine) and any("offset 1" in x for x in mine), mine
+                assert any("skipped" in x for x in mine) and any("lr_scale" in x for x in mine), mine
+
+
+def test_self_check_passes_a_kernel_equal_to_the_reference_and_names_a_wrong_one():
+    cpu = torch.device("cpu")
+    assert selfcheck.compare(reference, kernels.grad_norm_reference, cpu) is None
+
+    def off_by_one_ulp(a: UpdateArgs) -> None:
+        reference(a)
+        a.master.view(torch.int32)[5] += 1
+
+    why = selfcheck.compare(off_by_one_ulp, kernels.grad_norm_reference, cpu)
+    assert why is not None and why.startswith("sgd storage float16 state float32 offset 0 l2: master differs"), why
+
+    def flushes(a: UpdateArgs) -> None:  # what -ftz=true would do to a subnormal history
+        reference(a)
+        for s in a.state:
+            s.masked_fill_(s.abs() < 1.2e-38, 0.0)
+
+    why = selfcheck.compare(flushes, kernels.grad_norm_reference, cpu)
+    assert why is not None and "state momentum differs" in why, why
+
+
+@pytest.fixture()
+def fake_gpu(monkeypatch):
+    """A CUDA tensor stand-in and an importable 'CuPy', with the per-device verdict cache cleared."""
+    monkeypatch.setattr(cuda, "cupy_module", lambda: SimpleNamespace())
+    kernels.cuda_unusable.cache_clear()
+    kernels._warn_fallback.cache_clear()
+    yield SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    kernels.cuda_unusable.cache_clear()
+    kernels._warn_fallback.cache_clear()
+
+
+@pytest.mark.parametrize("failure, fragment", [
+    (lambda i: "sgd storage float16 state float32 offset 1 decoupled lr_scale: master differs from the torch "
+               "reference", "master differs from the torch reference"),
+    (lambda i: (_ for _ in ()).throw(nvrtc.NvrtcError("CUDA headers (cuda_fp16.h, cuda_bf16.h) not found")),
+     "NvrtcError: CUDA headers (cuda_fp16.h, cuda_bf16.h) not found"),
+    (lambda i: (_ for _ in ()).throw(RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")),
+     "RuntimeError: CUDA_ERROR_NO_BINARY_FOR_GPU"),
+])
+def test_auto_falls_back_to_the_reference_with_one_warning_and_cupy_stops(fake_gpu, monkeypatch, caplog, failure,
+                                                                         fragment):
+    monkeypatch.setattr(selfcheck, "run", failure)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "auto")
+    with caplog.at_level(logging.WARNING, logger="dptrain.kernels"):
+        assert kernels.kernel_backend(fake_gpu) == "torch"
+        assert kernels.kernel_backend(fake_gpu) == "torch"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and fragment in warnings[0] and "torch reference" in warnings[0], warnings
+    monkeypatch.setenv(kernels.KERNELS_ENV, "cupy")
+    with pytest.raises(SetupError) as e:
+        kernels.kernel_backend(fake_gpu)
+    assert str(e.value).startswith("DPTRAIN_KERNELS=cupy but the CuPy update kernels cannot run on cuda:0: ")
+    assert fragment in str(e.value) and str(e.value).endswith("; fix that or set DPTRAIN_KERNELS=auto")
+
+
+def test_a_passing_self_check_selects_the_kernels_once_per_device(fake_gpu, monkeypatch):
+    runs = []
+    monkeypatch.setattr(selfcheck, "run", lambda i: runs.append(i))
+    assert kernels.kernel_backend(fake_gpu) == "cupy"
+    assert kernels.kernel_backend(fake_gpu) == "cupy"
+    assert runs == [0]
+    monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
+    assert kernels.kernel_backend(fake_gpu) == "torch"
+
+
+# --------------------------------------------------------------------------------------- cupy-nccl and threads
+
+
+def test_known_value_allreduce_check():
+    from dptrain.nccl_cupy import known_sum_mismatch
+
+    assert known_sum_mismatch(torch.full((7,), 6.0), world_size=3) is None  # 1 + 2 + 3
+    bad = torch.full((7,), 6.0)
+    bad[4] = 3.0  # e.g. one rank's contribution missing
+    assert known_sum_mismatch(bad, world_size=3) == "1 of 7 elements differ from 6, e.g. element 4 = 3.0"
+
+
+def test_cupy_nccl_passes_the_unique_id_as_cupy_made_it(monkeypatch):
+    """CuPy 14's get_unique_id() returns bytes and NcclCommunicator rejects a tuple; CuPy 13's is a
+    tuple. Whatever rank 0's CuPy made reaches every rank's NcclCommunicator unchanged."""
+    import dptrain.nccl_cupy as nc
+
+    made = []
+
+    class FakeNccl:
+        available = True
+
+        def __init__(self, uid_value):
+            self.uid_value = uid_value
+
+        def get_unique_id(self):
+            return self.uid_value
+
+        def get_version(self):
+            return 22000
+
+        def NcclCommunicator(self, ndev, uid, rank):  # noqa: N802 - CuPy's name
+            made.append(uid)
+            raise RuntimeError("stop here: the id is what this test checks")
+
+    comm = SimpleNamespace(device=torch.device("cuda", 0), rank=0, world_size=2,
+                           broadcast_object=lambda obj, src=0: obj)
+    monkeypatch.setattr(nc.torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    for uid in (b"\x01" * 128, tuple(range(128))):
+        monkeypatch.setattr(nc, "_nccl", lambda uid=uid: FakeNccl(uid))
+        with pytest.raises(RuntimeError, match="stop here"):
+            nc.CupyNcclCommunicator(comm, timeout_s=5)
+        assert made[-1] is uid
+
+
+def test_threads_that_touch_cuda_bind_to_their_solver_s_gpu(monkeypatch):
+    from dptrain import comm
+
+    bound = []
+    monkeypatch.setattr(comm.torch.cuda, "set_device", lambda d: bound.append(d))
+    comm.bind_thread_to_device(torch.device("cuda", 3))
+    comm.bind_thread_to_device(torch.device("cpu"))
+    comm.bind_thread_to_device(None)
+    assert bound == [torch.device("cuda", 3)]
+    watcher = comm.CompletionWatcher("test-watcher", torch.device("cuda", 5))
+    done = []
+    watcher.watch(lambda: True, done.append)
+    for _ in range(200):
+        if done:
+            break
+        __import__("time").sleep(0.01)
+    watcher.close()
+    assert done and bound[-1] == torch.device("cuda", 5)  # set in the watcher thread, before its first query
