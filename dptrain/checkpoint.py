@@ -23,6 +23,7 @@ import pickle
 import re
 import shutil
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 SNAPSHOT_FORMAT = 2
 """Version of the snapshot layout; a snapshot of another version is refused with one line."""
 LOCK_NAME = ".dptrain.lock"
+LOCK_HOLDER_READS, LOCK_HOLDER_WAIT_S = 20, 0.05
+"""How long a refused run waits for the holder to name itself in the lock file (1 s at most)."""
 _NAME = re.compile(r"^snapshot_iter_(\d+)\.pt$")
 _REQUIRED = ("format", "iteration", "model", "optimizer", "rng", "config")
 
@@ -206,8 +209,7 @@ class RunDir:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
+            holder = self._holder(f)
             f.close()
             raise RunDirError(f"train.run_dir {str(self.path)!r} is in use by another run ({holder}); wait for it "
                               f"to end or choose another train.run_dir") from None
@@ -216,6 +218,17 @@ class RunDir:
         f.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
         f.flush()
         self._lock_file = f
+
+    @staticmethod
+    def _holder(f: IO[str]) -> str:
+        """The lock file's "host H pid P" line; the holder writes it just after taking the lock,
+        so a run that started at the same moment may have to wait a moment to read it."""
+        for _ in range(LOCK_HOLDER_READS):
+            f.seek(0)
+            if holder := f.read().strip():
+                return holder
+            time.sleep(LOCK_HOLDER_WAIT_S)
+        return "another process"
 
     def unlock(self) -> None:
         if self._lock_file is not None:

@@ -201,6 +201,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def failure_summary(codes: dict[int, int]) -> str:
+    """The launcher's one line about failed solvers: each rank's exit code or the signal that
+    killed it, and where to look. A rank killed by a signal printed nothing (torchrun stops the
+    survivors with SIGTERM, then SIGKILL), so only ranks that exited with a code are pointed to."""
+    import signal
+
+    def one(rank: int, code: int) -> str:
+        if code >= 0:
+            return f"rank {rank} exit {code}"
+        try:
+            return f"rank {rank} killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"rank {rank} killed by signal {-code}"
+
+    listed = ", ".join(one(r, c) for r, c in codes.items())
+    spoke = [r for r, c in codes.items() if c > 0]
+    where = (f"the error line of rank {', '.join(map(str, spoke))} is above" if spoke else
+             "none of them printed an error: they were killed (by torchrun after another failure, or by the system, "
+             "e.g. out of memory)")
+    return f"dptrain: {len(codes)} solver process(es) failed ({listed}); {where}"
+
+
 def torchrun_main(argv: list[str] | None = None) -> int:
     """``python -m dptrain.torchrun …``: torchrun, exiting with the solvers' code and without its traceback.
 
@@ -219,8 +241,7 @@ def torchrun_main(argv: list[str] | None = None) -> int:
         run(argv)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in sorted(e.failures.items())}
-        listed = ", ".join(f"rank {r} exit {c}" for r, c in codes.items())
-        print(f"dptrain: {len(codes)} solver process(es) failed ({listed}); their errors are above", file=sys.stderr)
+        print(failure_summary(codes), file=sys.stderr)
         if EXIT_USER_ERROR in codes.values():
             return EXIT_USER_ERROR
         first = next(iter(codes.values()))

@@ -483,6 +483,7 @@ class Trainer:
     def _test_and_log(self) -> dict[str, Any] | None:
         if self.source.num_test == 0:  # no data.test_path (or an empty one): no test phase, no made-up 0 %
             return {}
+        log.info("iter %d: test phase over %d samples", self.iteration, self.source.num_test)
         res = self.test()
         if res is None:
             return None

@@ -1,0 +1,192 @@
+"""What a user on a cluster relies on: one run per run_dir, a stop at startup, a diverged run
+stopped with its last good snapshot kept, and error lines that say what happened."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dptrain.checkpoint import RunDir, list_snapshots, save_snapshot
+from dptrain.cli import failure_summary, main
+from dptrain.errors import RunDirError
+
+DIGITS = ["model.name=\"lenet\"", "data.source=\"digits\"", "data.batch_size=16", "solver.display=5"]
+
+
+def _args(run: Path, *sets: str) -> list[str]:
+    out = []
+    for s in (*DIGITS, f"train.run_dir={json.dumps(str(run))}", *sets):
+        out += ["--set", s]
+    return out
+
+
+@pytest.fixture()
+def empty_cfg(tmp_path) -> str:
+    p = tmp_path / "c.toml"
+    p.write_text("")
+    return str(p)
+
+
+# --------------------------------------------------------------------------------------- run_dir lock
+
+
+def test_run_dir_lock_names_its_holder_and_goes_with_the_process(tmp_path):
+    first = RunDir(tmp_path / "run")
+    first.lock()
+    with pytest.raises(RunDirError, match=rf"is in use by another run \(host {socket.gethostname()} pid "
+                                          rf"{os.getpid()}\); wait for it to end or choose another"):
+        RunDir(tmp_path / "run").lock()
+    first.unlock()
+    again = RunDir(tmp_path / "run")
+    again.lock()  # released: taken at once
+    again.unlock()
+
+
+@pytest.mark.parametrize("resume", [[], ["--resume", "auto"]], ids=["fresh", "resume-auto"])
+def test_two_runs_started_together_on_one_run_dir(tmp_path, empty_cfg, resume):
+    """Both start at once: one trains, the other exits 2 naming the holder; nothing is interleaved."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dptrain", "train", "--config", empty_cfg, *resume,
+           *_args(run, "solver.max_iter=100000", "solver.snapshot=0")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+             for _ in range(2)]
+    try:
+        loser = None
+        deadline = time.monotonic() + 120
+        while loser is None and time.monotonic() < deadline:
+            loser = next((p for p in procs if p.poll() is not None), None)
+            time.sleep(0.1)
+        assert loser is not None, "neither run refused the shared run_dir"
+        winner = next(p for p in procs if p is not loser)
+        err = loser.stderr.read().strip().splitlines()
+        assert loser.returncode == 2, err
+        assert len(err) == 1 and "is in use by another run (host " in err[0] and f"pid {winner.pid})" in err[0], err
+        assert winner.poll() is None, "the first run must go on"
+        winner.send_signal(signal.SIGTERM)
+        assert winner.wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert len(list_snapshots(run)) == 1  # only the winner's stop snapshot
+
+
+# --------------------------------------------------------------------------------------- stops
+
+
+def test_a_stop_at_startup_ends_in_a_snapshot_at_the_first_iteration(tmp_path, empty_cfg, monkeypatch, caplog):
+    import logging
+
+    import dptrain.train as train
+
+    real = train.build_source
+
+    def slow_startup(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)  # e.g. the scheduler preempts while the data opens
+        return real(*a, **k)
+
+    monkeypatch.setattr(train, "build_source", slow_startup)
+    with caplog.at_level(logging.INFO):
+        assert main(["train", "--config", empty_cfg, *_args(tmp_path / "run", "solver.max_iter=1000")]) == 0
+    assert [it for it, _ in list_snapshots(tmp_path / "run")] == [1]
+    assert "final test top-1" not in caplog.text and "signal SIGTERM received; snapshot at iteration 1" in caplog.text
+
+
+def test_a_stop_on_a_snapshot_iteration_writes_that_snapshot_once(tmp_path, monkeypatch):
+    import dptrain.train as train
+    from dptrain.comm import Communicator
+    from dptrain.config import load_config
+    from dptrain.topology import Topology
+    from dptrain.train import Trainer
+
+    writes = []
+    monkeypatch.setattr(train, "save_snapshot", lambda state, path: writes.append(path.name) or save_snapshot(state, path))
+    cfg = load_config(None, ["model.name=lenet", "data.source=digits", "data.batch_size=16", "solver.snapshot=5",
+                             "solver.max_iter=100", "solver.display=0", f"train.run_dir={json.dumps(str(tmp_path))}"])
+    t = Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cpu")))
+    real_step = t.train_step
+
+    def step():
+        real_step()
+        if t.iteration == 4:
+            t.stop.requested = True  # read back after iteration 5, which also snapshots
+
+    t.train_step = step
+    result = t.fit()
+    t.close()
+    assert result["stopped_by_signal"] and t.iteration == 5
+    assert writes == ["snapshot_iter_5.pt"]
+
+
+# --------------------------------------------------------------------------------------- divergence
+
+
+DIVERGES = ["solver.max_iter=2000", "solver.base_lr=50.0", "solver.momentum=0.99", "solver.max_nonfinite=3"]
+
+
+def test_a_non_finite_loss_without_loss_scaling_stops_with_exit_2(tmp_path, empty_cfg, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--config", empty_cfg, *_args(run, "solver.snapshot=0", *DIVERGES)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    line = err[0]
+    assert line.startswith("dptrain: error: the loss was not finite on 1 rank(s) at iteration "), line
+    assert "3 iteration(s) in a row since" in line and "(solver.max_nonfinite = 3), with no loss scaling" in line
+    assert line.endswith("lower solver.base_lr or set solver.clip_gradients, then resume; no snapshot was written")
+    stopped_at = int(line.split("at iteration ")[1].split(",")[0])
+    assert stopped_at < 2000 and list_snapshots(run) == []
+
+
+def test_a_diverged_run_keeps_its_last_good_snapshot_and_never_writes_a_non_finite_one(tmp_path, empty_cfg, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--config", empty_cfg, *_args(run, "solver.snapshot=2", *DIVERGES)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    snaps = list_snapshots(run)
+    assert snaps and line.endswith(f"then resume; the last good snapshot is {snaps[0][1]}"), line
+    for _, path in snaps:
+        state = torch.load(path, weights_only=True)
+        assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point()), path
+    assert "not finite at iteration" in line  # the loss or, at a snapshot, the weights
+
+
+# --------------------------------------------------------------------------------------- lines
+
+
+def test_launcher_summary_points_at_errors_only_where_a_solver_printed_one():
+    assert failure_summary({0: 2, 1: -15}) == ("dptrain: 2 solver process(es) failed (rank 0 exit 2, rank 1 killed by "
+                                               "SIGTERM); the error line of rank 0 is above")
+    only_killed = failure_summary({0: -9, 1: -9})
+    assert "rank 0 killed by SIGKILL, rank 1 killed by SIGKILL" in only_killed
+    assert "above" not in only_killed and "none of them printed an error" in only_killed
+
+
+def test_disk_full_reports_the_free_space_after_removing_the_partial_file(tmp_path, monkeypatch):
+    import shutil
+
+    import dptrain.checkpoint as ck
+
+    seen = []
+    real_usage = shutil.disk_usage
+
+    def usage(folder):
+        seen.append(sorted(p.name for p in Path(folder).iterdir()))
+        return real_usage(folder)
+
+    def full(state, f):
+        f.write(b"x" * 1000)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck.shutil, "disk_usage", usage)
+    monkeypatch.setattr(ck.torch, "save", full)
+    with pytest.raises(RunDirError, match="No space left on device.*MiB free there"):
+        save_snapshot({"x": 1}, tmp_path / "snapshot_iter_3.pt")
+    assert seen == [[]]  # the temporary was gone when the free space was measured
