@@ -1,3 +1,3 @@
-from dptrain.cli import main
+from dptrain.cli import run
 
-raise SystemExit(main())
+run()

@@ -101,12 +101,14 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        trainer.clock.take()  # per-rank step times over the timed steps only
         step_ms = []
         for _ in range(steps):
             t0 = time.perf_counter()
             trainer.train_step()
             _sync(device)
             step_ms.append((time.perf_counter() - t0) * 1000.0)
+        ranks = trainer.stragglers.gather(trainer.clock)  # collective: every rank, same point
         tracer.events.clear()
         trainer.time_phases(True)
         for _ in range(phase_steps):
@@ -127,6 +129,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         "images_per_s_per_solver": round(ips / p.world_size, 2),
         "step_ms_median": round(statistics.median(step_ms), 3),
         "step_ms_p90": round(_percentile(step_ms, 0.9), 3),
+        **ranks,
     }
     for ph in PHASES:  # None when --phase-steps 0 measured no phase (not 0.0, which would read as free)
         rec[f"{ph}_ms"] = round(phase_ms.get(ph, 0.0) / phase_steps, 3) if phase_steps else None

@@ -44,7 +44,7 @@ def error_line(e: UserError) -> str:
     """The one line a user error prints: what is wrong, where, and what to do."""
     rank, world = _rank_and_world()
     if isinstance(e, RankFailure):
-        return f"dptrain: error (rank {rank}): another rank failed first, see its error: {first_line(e)}"
+        return f"dptrain: error (rank {rank}): another rank failed or hung first: {first_line(e)}"
     return f"dptrain: error{f' (rank {rank})' if world > 1 else ''}: {e}"
 
 
@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "`make-lmdb --digits --encoded DIR` if missing (default: %(default)s)")
     d.add_argument("--builtin", action="store_true", help="train from the in-memory digits instead of the LMDB")
 
+    pl = sub.add_parser("plot", help="draw a run's metrics.jsonl into one PNG",
+                        description="Loss, test accuracy, images/s, loss scale and skipped steps, and compute "
+                                    "time per rank, from RUN_DIR/metrics.jsonl, into one PNG (needs matplotlib).")
+    pl.add_argument("run_dir", metavar="RUN_DIR", help="a train.run_dir")
+    pl.add_argument("--out", metavar="PNG", help="output file (default: RUN_DIR/metrics.png)")
+
     try:
         from dptrain.data.make_lmdb import add_make_lmdb_args
 
@@ -120,6 +126,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dptrain.train import run_training
 
     run_training(load_config(args.config, args.set), resume=args.resume, trace=args.trace)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from dptrain.plot import plot_run
+
+    print(json.dumps({"plot": str(plot_run(args.run_dir, args.out))}), flush=True)
     return 0
 
 
@@ -252,10 +265,27 @@ def torchrun_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> None:
+    """The ``dptrain`` command and ``python -m dptrain``: exit with :func:`main`'s code.
+
+    After a rank failure the process leaves at once, skipping the interpreter's teardown:
+    the process group's destructor waits for the peer that hung or died, so a survivor that
+    has printed its line would otherwise sit there until torchrun kills it. Everything worth
+    keeping is written by then (snapshots atomically, metrics closed, the run_dir lock goes
+    with the process)."""
+    code = main()
+    if code == EXIT_RANK_FAILURE:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)
-    handlers = {"train": cmd_train, "bench": cmd_bench, "demo": cmd_demo}
+    handlers = {"train": cmd_train, "bench": cmd_bench, "demo": cmd_demo, "plot": cmd_plot}
     try:
         if args.command in handlers:
             return handlers[args.command](args)

@@ -4,7 +4,9 @@ The only module that calls torch.distributed collectives. Backend: NCCL on CUDA,
 CPU. With WORLD_SIZE unset or 1 there is no process group and every collective is the
 identity, so ``dptrain train`` runs the same code path in one process.
 
-Failure semantics: the process group is created with ``timeout = reducer.timeout_s``.
+Failure semantics: the process group is created with ``timeout = train.process_group_timeout_s``
+(the blocking collectives of startup, displays, tests and snapshots), and the reducer's async
+collectives are waited for at most ``reducer.timeout_s``.
 On gloo a collective that does not complete within it raises, and a peer that dies
 closes its sockets so the others raise within seconds. On NCCL the process group's
 watchdog aborts a collective that exceeds the timeout and tears the process down
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.errors import RankFailure, SetupError, first_line
+from dptrain.flight import FlightRecorder, progress_store
 from dptrain.topology import Topology
 from dptrain.trace import now_us
 
@@ -58,7 +61,7 @@ class AsyncAllreduce(Protocol):
     rank: int
     world_size: int
 
-    def allreduce_async(self, tensor: torch.Tensor) -> Work: ...
+    def allreduce_async(self, tensor: torch.Tensor, tag: int = -1) -> Work: ...
 
 
 class _DoneWork:
@@ -150,8 +153,10 @@ class _TorchWork:
     block); completion time comes from polling ``is_completed()`` (the NCCL end event).
     """
 
-    def __init__(self, work: Any, timeout_s: float, watcher: Callable[[], CompletionWatcher] | None) -> None:
+    def __init__(self, work: Any, timeout_s: float, watcher: Callable[[], CompletionWatcher] | None,
+                 flight: FlightRecorder, seq: int) -> None:
         self._work, self._timeout_s, self._watcher = work, timeout_s, watcher
+        self._flight, self._seq = flight, seq
 
     def wait(self) -> None:
         if self._watcher is None:
@@ -160,6 +165,7 @@ class _TorchWork:
             # A timeout argument would make NCCL's wait block the host; the process group's
             # watchdog enforces the timeout instead.
             self._work.wait()
+        self._flight.finish(self._seq)  # gloo: done; NCCL: the stream waits for it (host-side mark)
 
     def on_complete(self, fn: Callable[[float], None]) -> None:
         if self._watcher is None:
@@ -172,37 +178,50 @@ class Communicator:
     """Rank, world size and the collectives dptrain needs, over one process group."""
 
     def __init__(self, topology: Topology, *, device: torch.device, backend: str | None,
-                 timeout_s: float = 300.0, owns_group: bool = False) -> None:
+                 timeout_s: float = 300.0, pg_timeout_s: float = 600.0, owns_group: bool = False) -> None:
         self.topology = topology
         self.rank, self.world_size, self.local_rank = topology.rank, topology.world_size, topology.local_rank
-        self.device, self.backend, self.timeout_s = device, backend, timeout_s
+        self.device, self.backend, self.timeout_s, self.pg_timeout_s = device, backend, timeout_s, pg_timeout_s
         self._owns_group = owns_group
         self._watcher: CompletionWatcher | None = None
+        self.flight = FlightRecorder(self.rank, self.world_size)
+        """The last collectives this rank entered, for the line a hang or a dead peer ends with."""
+
+    def attach_progress_store(self) -> None:
+        """Publish this rank's collective progress to a store every rank can read (collective
+        at startup when rank 0 must serve the store), so a hang names the rank behind."""
+        if self.distributed:
+            store, prefix = progress_store(self.rank, self.broadcast_object)
+            self.flight.attach_store(store, prefix)
 
     @classmethod
-    def from_env(cls, topology: Topology, timeout_s: float, device: torch.device) -> Communicator:
+    def from_env(cls, topology: Topology, timeout_s: float, device: torch.device,
+                 pg_timeout_s: float = 600.0) -> Communicator:
         """Join the process group torchrun describes (``topology``, MASTER_ADDR/PORT).
 
-        A collective that does not complete within ``timeout_s`` fails on every rank that
-        waits for it, so a dead or stuck rank never hangs the others forever.
+        A bucket's collective that does not complete within ``timeout_s`` (any other within
+        ``pg_timeout_s``) fails on every rank that waits for it, so a dead or stuck rank never
+        hangs the others forever.
         """
         if topology.world_size <= 1:
-            return cls(topology, device=device, backend=None, timeout_s=timeout_s)
+            return cls(topology, device=device, backend=None, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]  # torch's env:// rendezvous
         if missing:
             raise SetupError(f"WORLD_SIZE={topology.world_size} but {missing} are not set; start the solvers "
                              f"with torchrun")
         backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=pg_timeout_s)}
         if backend == "nccl":
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
         if (dist.get_rank(), dist.get_world_size()) != (topology.rank, topology.world_size):
             raise RuntimeError(f"process group is rank {dist.get_rank()} of {dist.get_world_size()}, the "
                                f"environment said {topology.rank} of {topology.world_size}")
-        comm = cls(topology, device=device, backend=backend, timeout_s=timeout_s, owns_group=True)
+        comm = cls(topology, device=device, backend=backend, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s,
+                   owns_group=True)
         if comm.rank == 0:
-            log.info("process group: backend %s, world size %d, timeout %g s", backend, comm.world_size, timeout_s)
+            log.info("process group: backend %s, world size %d, timeouts %g s (buckets) / %g s (other collectives)",
+                     backend, comm.world_size, timeout_s, pg_timeout_s)
         return comm
 
     @classmethod
@@ -221,16 +240,19 @@ class Communicator:
         return self.world_size > 1
 
     @contextmanager
-    def _blocking(self, what: str) -> Iterator[None]:
-        """Turn a blocking collective's backend error (gloo: "Connection closed by peer", a
-        timeout) into :class:`RankFailure` naming this rank, so the CLI prints one line."""
+    def _blocking(self, what: str, op: str, nbytes: int = 0) -> Iterator[None]:
+        """Record the collective in the flight ring, and turn its backend error (gloo:
+        "Connection closed by peer", a timeout) into :class:`RankFailure` naming this rank."""
+        seq = self.flight.enter(op, nbytes=nbytes)
         try:
             yield
         except RankFailure:
             raise
         except RuntimeError as e:  # DistError is one too
-            raise RankFailure(f"rank {self.rank}: {what} failed or timed out (timeout {self.timeout_s:g} s): "
-                              f"{first_line(e)}; a peer rank probably died or hung, see its log") from e
+            raise RankFailure(f"rank {self.rank}: {what} failed or timed out (train.process_group_timeout_s = "
+                              f"{self.pg_timeout_s:g} s): {first_line(e)}; a peer rank probably died or hung, "
+                              f"see its log") from e
+        self.flight.finish(seq)
 
     def broadcast_module(self, module: nn.Module) -> None:
         """Copy rank 0's parameters and buffers into every rank's module, in place.
@@ -268,7 +290,7 @@ class Communicator:
         wire = torch.cat([t.detach().reshape(-1) for t in tensors])  # [sum numel], one dtype
         if wire.dtype == torch.bool:  # not every backend reduces/broadcasts bool; bytes do
             wire = wire.to(torch.uint8)
-        with self._blocking("broadcast of the initial weights"):
+        with self._blocking("broadcast of the initial weights", "broadcast_module", wire.numel() * wire.element_size()):
             dist.broadcast(wire, src=0)
         offset = 0
         for t in tensors:
@@ -278,11 +300,11 @@ class Communicator:
     def allreduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all ranks in place and wait for it (test scores, stop flags)."""
         if self.distributed:
-            with self._blocking("allreduce"):
+            with self._blocking("allreduce", "allreduce", tensor.numel() * tensor.element_size()):
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
-    def allreduce_async(self, tensor: torch.Tensor) -> Work:
+    def allreduce_async(self, tensor: torch.Tensor, tag: int = -1) -> Work:
         """Start an in-place SUM allreduce and return its handle.
 
         Stream semantics (CUDA, NCCL): the collective runs on NCCL's internal stream, which
@@ -293,8 +315,9 @@ class Communicator:
         """
         if not self.distributed:
             return _DoneWork()
+        seq = self.flight.enter("allreduce_async", tag=tag, nbytes=tensor.numel() * tensor.element_size())
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
-        return _TorchWork(work, self.timeout_s, self.watcher if tensor.is_cuda else None)
+        return _TorchWork(work, self.timeout_s, self.watcher if tensor.is_cuda else None, self.flight, seq)
 
     def watcher(self) -> CompletionWatcher:
         """The completion watcher thread, started on first use."""
@@ -307,7 +330,7 @@ class Communicator:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        with self._blocking("allgather"):
+        with self._blocking("allgather", "allgather"):
             dist.all_gather_object(out, obj)
         return out
 
@@ -316,23 +339,26 @@ class Communicator:
         if not self.distributed:
             return obj
         box = [obj]
-        with self._blocking("broadcast"):
+        with self._blocking("broadcast", "broadcast"):
             dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def barrier(self) -> None:
         if self.distributed:
-            with self._blocking("barrier"):
+            with self._blocking("barrier", "barrier"):
                 dist.barrier()
 
-    def close(self) -> None:
-        """Stop the watcher and leave the process group (only if this communicator created it)."""
+    def close(self, *, peer_failed: bool = False) -> None:
+        """Stop the watcher and the progress publisher, and leave the process group (only if this
+        communicator created it). After a peer failed, the group is left to the process's exit:
+        tearing it down waits for the missing peer, up to the process-group timeout."""
+        self.flight.close()
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
-        if self._owns_group and dist.is_initialized():
+        if self._owns_group and dist.is_initialized() and not peer_failed:
             dist.destroy_process_group()
-            self._owns_group = False
+        self._owns_group = False
 
 
 def _count(sig: dict[str, list[int]]) -> str:

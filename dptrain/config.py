@@ -276,7 +276,10 @@ class ReducerConfig:
     replan: bool = False
     """After iteration 1, re-plan buckets from the observed gradient-ready order (rank 0 decides)."""
     timeout_s: float = 300.0
-    """A collective that does not finish within this many seconds fails the run on every rank."""
+    """A per-iteration collective (gradient buckets, BatchNorm statistics) that does not finish
+    within this many seconds fails the run on every rank, naming the rank that never arrived.
+    gloo and cupy-nccl enforce it per collective; with NCCL through torch the process group's
+    watchdog enforces train.process_group_timeout_s on every collective instead."""
 
     def __post_init__(self) -> None:
         _positive("reducer.bucket_mb", self.bucket_mb)
@@ -297,10 +300,21 @@ class TrainSection:
     cudnn_benchmark: bool = True
     """CUDA: let cuDNN time its convolution algorithms on the first step of each input shape and
     keep the fastest (NVCaffe autotunes likewise). Set false for run-to-run identical algorithms."""
+    process_group_timeout_s: float = 600.0
+    """Seconds a blocking collective (startup, displays, tests, snapshots) may take before every
+    waiting rank fails; the reducer's per-iteration collectives use reducer.timeout_s."""
+    straggler_warn: float = 0.10
+    """Warn when one rank's compute per step exceeds the median rank's by more than this
+    fraction for several displays in a row (0 = never)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to <run_dir>/tensorboard (needs the tensorboard package:
+    pip install 'dptrain[tensorboard]'); metrics.jsonl stays the record."""
 
     def __post_init__(self) -> None:
         _positive("train.seed", self.seed, allow_zero=True)
         _positive("train.threads", self.threads, allow_zero=True)
+        _positive("train.process_group_timeout_s", self.process_group_timeout_s)
+        _positive("train.straggler_warn", self.straggler_warn, allow_zero=True)
         if not self.run_dir:
             raise ConfigError("train.run_dir must not be empty")
 

@@ -2,7 +2,7 @@
 
 Only subclasses of :class:`UserError` become one line on stderr and an exit code in
 ``dptrain.cli``: 2 for a mistake in the input (config, data, snapshot, run directory,
-environment), 1 for :class:`RankFailure` (another rank failed first; its own line names
+environment), 1 for :class:`RankFailure` (another rank failed or hung first; its own line names
 the cause). Everything else, internal invariants included, raises ``RuntimeError`` (or
 ``AssertionError``) and keeps its traceback, so a bug never reads as a config mistake.
 

@@ -1,4 +1,5 @@
-"""metrics.jsonl: one JSON object per display step or test phase, appended by rank 0."""
+"""metrics.jsonl: one JSON object per display step or test phase, appended by rank 0; and,
+with ``train.tensorboard``, the same figures as TensorBoard scalars."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dptrain.errors import RunDirError
+from dptrain.errors import ConfigError, RunDirError
 
 log = logging.getLogger(__name__)
 
@@ -79,3 +80,40 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                 raise RunDirError(f"{str(path)!r} line {n} is not JSON ({e.msg}); a crash may have cut it "
                                  f"short: delete that line") from e
     return records
+
+
+TENSORBOARD_TAGS = {
+    "loss": "train/loss", "lr": "train/lr", "loss_scale": "train/loss_scale", "images_per_s": "train/images_per_s",
+    "skipped_steps": "train/skipped_steps", "test_top1": "test/top1", "test_top5": "test/top5",
+    "straggler_gap_ms": "ranks/straggler_gap_ms", "data_wait_ms": "phases/data_wait_ms", "forward_ms": "phases/forward_ms",
+    "backward_ms": "phases/backward_ms", "exposed_comm_ms": "phases/exposed_comm_ms", "update_ms": "phases/update_ms",
+}
+"""metrics.jsonl keys written as TensorBoard scalars, and their tags."""
+
+
+class TensorBoardWriter:
+    """The records of a run as TensorBoard scalars (``torch.utils.tensorboard``), step = ``iter``.
+
+    Per-rank lists become one scalar per rank (``ranks/compute_ms/rank<r>``).
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ConfigError(f"train.tensorboard = true needs the tensorboard package ({e}); pip install "
+                              f"'dptrain[tensorboard]' or set train.tensorboard = false") from e
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = int(record.get("iter", 0))
+        for key, tag in TENSORBOARD_TAGS.items():
+            value = record.get(key)
+            if isinstance(value, (int, float)):
+                self._writer.add_scalar(tag, value, step)
+        for r, ms in enumerate(record.get("compute_ms_per_rank") or []):
+            self._writer.add_scalar(f"ranks/compute_ms/rank{r}", ms, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

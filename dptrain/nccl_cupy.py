@@ -104,13 +104,14 @@ def known_sum_mismatch(result: torch.Tensor, world_size: int) -> str | None:
 class CupyWork:
     """One allreduce in flight on the comm stream."""
 
-    def __init__(self, owner: CupyNcclCommunicator, done: torch.cuda.Event) -> None:
-        self._owner, self.done = owner, done
+    def __init__(self, owner: CupyNcclCommunicator, done: torch.cuda.Event, seq: int) -> None:
+        self._owner, self.done, self._seq = owner, done, seq
 
     def wait(self) -> None:
         """Make the current stream wait for the allreduce; raises if the communicator failed."""
         self._owner.raise_if_failed()
         torch.cuda.current_stream(self._owner.device).wait_event(self.done)
+        self._owner.flight.finish(self._seq)  # host-side mark: the stream now waits for it
 
     def on_complete(self, fn: Callable[[float], None]) -> None:
         self._owner.watcher.watch(self.done.query, fn)
@@ -124,6 +125,7 @@ class CupyNcclCommunicator:
             raise RuntimeError(f"rank {comm.rank}: cupy-nccl needs a CUDA device, got {comm.device}")
         nccl = _nccl()
         self.rank, self.world_size, self.device, self.timeout_s = comm.rank, comm.world_size, comm.device, timeout_s
+        self.flight = comm.flight
         # The id goes to NcclCommunicator as get_unique_id() made it: a tuple of ints in CuPy 13,
         # bytes in CuPy 14 (which rejects a tuple). Every rank runs the same CuPy, so rank 0's type fits.
         uid = comm.broadcast_object(nccl.get_unique_id() if comm.rank == 0 else None, src=0)
@@ -142,7 +144,7 @@ class CupyNcclCommunicator:
         startup, instead of training on garbage gradients. A host sync, once."""
         values = torch.full((SELF_CHECK_ELEMS,), float(self.rank + 1), device=self.device)  # [n] fp32
         try:
-            self.allreduce_async(values, max(self.timeout_s, SELF_CHECK_TIMEOUT_S)).wait()
+            self.allreduce_async(values, timeout_s=max(self.timeout_s, SELF_CHECK_TIMEOUT_S)).wait()
             torch.cuda.current_stream(self.device).synchronize()
         except Exception as e:  # noqa: BLE001 - any failure of the first collective means the backend is unusable
             raise SetupError(f"rank {self.rank}: the cupy-nccl self-check allreduce failed ({type(e).__name__}: "
@@ -152,11 +154,13 @@ class CupyNcclCommunicator:
             raise SetupError(f"rank {self.rank}: the cupy-nccl self-check allreduce is wrong ({why}); use "
                              f"reducer.backend = \"torch\"")
 
-    def allreduce_async(self, tensor: torch.Tensor, timeout_s: float | None = None) -> CupyWork:
-        """In-place SUM of ``tensor`` (contiguous, on this device) over all ranks; the watchdog
-        aborts it after ``timeout_s`` (default: the communicator's)."""
+    def allreduce_async(self, tensor: torch.Tensor, tag: int = -1, timeout_s: float | None = None) -> CupyWork:
+        """In-place SUM of ``tensor`` (contiguous, on this device) over all ranks (``tag``: the
+        bucket, for the flight record); the watchdog aborts it after ``timeout_s`` (default:
+        the communicator's)."""
         self.raise_if_failed()
         assert tensor.is_contiguous() and tensor.device == self.device, "cupy-nccl needs a contiguous device tensor"
+        seq = self.flight.enter("allreduce_async", tag=tag, nbytes=tensor.numel() * tensor.element_size())
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         self.stream.wait_event(ready)
@@ -169,7 +173,7 @@ class CupyNcclCommunicator:
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         self.watcher.watch(done.query, lambda _t: None, deadline_s=deadline,
                            on_timeout=self._abort)
-        return CupyWork(self, done)
+        return CupyWork(self, done, seq)
 
     def _abort(self) -> None:
         """Watchdog: a collective exceeded the timeout (a peer died or hung)."""

@@ -11,6 +11,7 @@ from dptrain import kernels
 from dptrain.config import SolverConfig
 from dptrain.flat import FlatParams
 from dptrain.kernels import Hyper, UpdateArgs
+from dptrain.overflow import OverflowLocator
 from dptrain.precision import LossScaler
 
 CLIP_EPS = 1e-6
@@ -51,8 +52,11 @@ class MasterOptimizer:
     RULE = "sgd"
     STATE_NAMES = ("momentum",)
 
-    def __init__(self, flat: FlatParams, cfg: SolverConfig, scaler: LossScaler, grad_divisor: int) -> None:
+    def __init__(self, flat: FlatParams, cfg: SolverConfig, scaler: LossScaler, grad_divisor: int,
+                 locator: OverflowLocator | None = None) -> None:
         self.flat, self.cfg, self.scaler, self.grad_divisor = flat, cfg, scaler, grad_divisor
+        self.locator = locator
+        """Names the parameters of a skipped step (see dptrain.overflow); runs in the norm pass."""
         self._need_norm = scaler.enabled or cfg.clip_gradients > 0
         self._lengths: dict[int, torch.Tensor] = {}  # group -> padded numels of its segments
         self._lengths_version = -1
@@ -65,6 +69,8 @@ class MasterOptimizer:
             norms = torch.stack([kernels.grad_norm(g.grads) for g in self.flat.groups])
             total = norms.square().sum().sqrt()  # norm of the loss-scaled, rank-summed gradient
             self.scaler.record_overflow(total)
+            if self.locator is not None:
+                self.locator.observe(norms, self.scaler.found_inf)  # before the update zeroes the gradients
             if self.cfg.clip_gradients > 0:
                 unscaled = total * coef
                 coef = coef * (self.cfg.clip_gradients / (unscaled + CLIP_EPS)).clamp(max=1.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -143,6 +144,16 @@ class LossScaler:
         if self.enabled:
             self.found_inf.copy_((~torch.isfinite(grad_norm)).float().reshape(1))
 
+    def record_nonfinite_loss(self, ranks_nonfinite: torch.Tensor) -> None:
+        """Without loss scaling, skip a step whose loss was not finite on any rank
+        (``ranks_nonfinite``: [] fp32, how many ranks saw it, summed by the reducer's
+        collective), so the weights stay finite while the trainer counts towards
+        ``solver.max_nonfinite``. Device ops only; a no-op with loss scaling, where the
+        optimizer's norm pass sets the flag."""
+        if not self.enabled:
+            self.found_inf.copy_((ranks_nonfinite > 0).float().reshape(1))
+            self._skipped.add_((ranks_nonfinite > 0).long().reshape(1))
+
     def update(self) -> None:
         """Advance the scale after a step; device ops only, no host sync."""
         if not self.enabled:
@@ -168,13 +179,15 @@ class LossScaler:
         """Host copy of the scale and the skipped-step count. A host sync: call when logging."""
         return {"loss_scale": float(self.scale.item()), "skipped_steps": int(self._skipped.item())}
 
-    def check_floor(self) -> None:
-        """Raise :class:`LossScaleError` if the scale hit ``min_scale``. A host sync."""
+    def check_floor(self, culprits: Callable[[], str] = lambda: "") -> None:
+        """Raise :class:`LossScaleError` if the scale hit ``min_scale``, naming what ``culprits()``
+        returns: the parameters that overflowed most often. A host sync."""
         if bool(self._floor_hit.item()):
+            names = culprits()
+            where = f" (non-finite gradients most often in {names})" if names else ""
             raise LossScaleError(
-                f"loss scale fell to precision.loss_scale.min_scale = {self.cfg.min_scale}: gradients "
-                "overflow at every scale; lower solver.base_lr, add solver.clip_gradients, or use bf16 storage"
-            )
+                f"loss scale fell to precision.loss_scale.min_scale = {self.cfg.min_scale}: gradients overflow at "
+                f"every scale{where}; lower solver.base_lr, add solver.clip_gradients, or use bf16 storage")
 
     def state_dict(self) -> dict[str, torch.Tensor | str]:
         return {

@@ -209,7 +209,7 @@ class Reducer:
         upcast = view.float() if self.fp32_reduce and view.dtype != torch.float32 else None
         t, start_us = time.perf_counter(), now_us()
         try:
-            work = self._collective.allreduce_async(upcast if upcast is not None else view)
+            work = self._collective.allreduce_async(upcast if upcast is not None else view, tag=b.index)
         except Exception as e:  # backend error at enqueue: a peer already gone
             raise self._failure(b, e) from e
         self._next_launch += 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -44,13 +45,15 @@ from dptrain.control import NONFINITE, STOP, ControlChannel, StopFlag
 from dptrain.data import build_source
 from dptrain.data.base import DROPPED_LABEL, DeviceFeeder
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, eval_range
-from dptrain.errors import ConfigError, DivergenceError, SetupError
+from dptrain.errors import ConfigError, DivergenceError, RankFailure, SetupError, first_line
 from dptrain.flat import FlatParams
-from dptrain.metrics import MetricsWriter
+from dptrain.metrics import MetricsWriter, TensorBoardWriter
 from dptrain.models import build_model, check_input
 from dptrain.optimizer import MasterOptimizer
+from dptrain.overflow import OverflowLocator, first_nonfinite_layer
 from dptrain.precision import DTYPES, LossScaler, apply_precision, warn_if_slow_on_cpu
 from dptrain.reducer import Reducer
+from dptrain.straggler import StepClock, StragglerMonitor
 from dptrain.topology import Topology
 from dptrain.trace import NullTracer, PhaseTimer, Tracer
 
@@ -141,7 +144,9 @@ class Trainer:
         ls_mode = cfg.precision.resolved_loss_scale_mode()
         self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
         self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer, running_stats(self.model))
-        self.optimizer = MasterOptimizer(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor)
+        self.overflow = OverflowLocator(self.flat, self.device, enabled=self.scaler.enabled)
+        self.optimizer = MasterOptimizer(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor,
+                                         locator=self.overflow)
         self.parts = StateParts(self.model, self.flat, self.optimizer, self.reducer, comm)
         self.shard = ShardPlan(self.rank, self.world_size, cfg.data.batch_size, cfg.train.seed,
                                cfg.data.shuffle == "epoch")
@@ -168,6 +173,10 @@ class Trainer:
         self._loss_from = 0
         """Iteration since which _loss_sum accumulates (the last display); saved in snapshots."""
         self.metrics = MetricsWriter(self.run_dir.metrics if self.rank == 0 else None)
+        self.tensorboard = TensorBoardWriter(self.run_dir.path / "tensorboard") \
+            if cfg.train.tensorboard and self.rank == 0 else None
+        self.clock = StepClock(self.device)
+        self.stragglers = StragglerMonitor(comm, cfg.train.straggler_warn, comm.allgather_object(socket.gethostname()))
 
     # ------------------------------------------------------------------ data
 
@@ -207,10 +216,12 @@ class Trainer:
     def train_step(self) -> None:
         """One iteration: iter_size micro-batches, the reduce, and the fused update."""
         self.model.train()
+        self.comm.flight.iteration = self.iteration
         n = self.plan.iter_size
         self._iter_loss.zero_()
         for micro in range(n):
             x, y = self._next_batch()
+            self.clock.batch_ready()
             last = micro == n - 1
             with self.phases("forward"):
                 loss = F.cross_entropy(self._forward(x).float(), y) / n
@@ -221,9 +232,13 @@ class Trainer:
                 self._feeder.prefetch()  # next batch's H2D copy overlaps this backward
             with self.phases("backward"):
                 self.scaler.scale_loss(loss).backward()
+        self.clock.backward_done()
         self._loss_sum += self._iter_loss
+        self.clock.wait_start()
         with self.phases("exposed_comm"):
             self.reducer.wait()
+        self.clock.wait_done()
+        self.scaler.record_nonfinite_loss(control[NONFINITE])  # no loss scaling: skip, summed over the ranks
         with self.phases("update"):
             self.lr = self.optimizer.step(self.iteration)
         self.iteration += 1
@@ -244,7 +259,14 @@ class Trainer:
                 raise self._divergence(f"the loss was not finite on {int(sums[NONFINITE])} rank(s) at iteration "
                                        f"{step}, {step - self._nonfinite_since + 1} iteration(s) in a row since "
                                        f"{self._nonfinite_since} (solver.max_nonfinite = "
-                                       f"{self.cfg.solver.max_nonfinite}), with no loss scaling to skip those steps")
+                                       f"{self.cfg.solver.max_nonfinite}; those steps were skipped); first "
+                                       f"non-finite layer: {self._first_nonfinite_layer()}")
+
+    def _first_nonfinite_layer(self) -> str:
+        """Which layer a forward of the next batch, with the current (last good) weights, first
+        makes non-finite: the diagnosis of a stop for a non-finite loss, on that path only."""
+        x, _ = self._next_batch()
+        return first_nonfinite_layer(self.model, x)
 
     def _divergence(self, what: str) -> DivergenceError:
         saved = self._saved_at
@@ -416,10 +438,26 @@ class Trainer:
         }
         if self._feeder is not None and "bad_records" in self._feeder.last_info:
             rec["bad_records"] = self._feeder.last_info["bad_records"]  # skipped under data.max_bad_records
+        overflowed = self.overflow.collect()
+        if overflowed:
+            rec["overflow_params"] = overflowed
+            if self.rank == 0:
+                log.warning("iter %d: %d step(s) skipped for overflow so far; non-finite gradients since iter %d in: "
+                            "%s", self.iteration, rec["skipped_steps"], it_last, ", ".join(overflowed))
+        rec.update(self.stragglers.gather(self.clock))
+        warning = self.stragglers.judge(rec, 1000.0 * elapsed / iters)
+        if warning is not None and self.rank == 0:
+            log.warning("%s", warning)
         self._loss_sum.zero_()
         self._loss_from = self.iteration
-        self.scaler.check_floor()
+        self.scaler.check_floor(self.overflow.most_often)
         return rec
+
+    def write_metrics(self, record: dict[str, Any]) -> None:
+        """Append a record to metrics.jsonl (and TensorBoard); rank 0 only writes."""
+        self.metrics.write(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
 
     def _stopped(self, last: dict[str, Any]) -> dict[str, Any]:
         log.warning("rank %d: %s; snapshot at iteration %d and stop", self.rank, self.stop.why, self.iteration)
@@ -456,7 +494,7 @@ class Trainer:
                 if s.display and it % s.display == 0:
                     last = self._display(t_last, it_last)
                     t_last, it_last = time.perf_counter(), it
-                    self.metrics.write(last)
+                    self.write_metrics(last)
                     log.info("iter %d loss %.4f lr %.5g %.1f img/s scale %g skipped %d", it, last["loss"],
                              last["lr"], last["images_per_s"], last["loss_scale"], last["skipped_steps"])
                 if s.test_interval and it % s.test_interval == 0 and it < s.max_iter:
@@ -467,13 +505,13 @@ class Trainer:
                         return self._stopped(last)
                     last = {**last, **res}
                 if s.snapshot and it % s.snapshot == 0 and it < s.max_iter:
-                    self.scaler.check_floor()
+                    self.scaler.check_floor(self.overflow.most_often)
                     self.save()
             bar.close()
             self._read_control(self.control.drain())
             if self._stop_at is not None:
                 return self._stopped(last)
-            self.scaler.check_floor()
+            self.scaler.check_floor(self.overflow.most_often)
             self.save()  # before the final test: a stop during it loses nothing
             res = self._test_and_log()
             if res is None:
@@ -487,7 +525,7 @@ class Trainer:
         res = self.test()
         if res is None:
             return None
-        self.metrics.write({"iter": self.iteration, **res})
+        self.write_metrics({"iter": self.iteration, **res})
         log.info("iter %d test top-1 %.4f top-5 %.4f (%d samples)", self.iteration, res["test_top1"],
                  res["test_top5"], res["test_samples"])
         return res
@@ -499,6 +537,8 @@ class Trainer:
             self._feeder = None
         self.reducer.close()
         self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 class _NoBar:
@@ -539,6 +579,22 @@ def stop_with_the_launcher(topology: Topology) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _train(cfg: TrainConfig, comm: Communicator, stop: StopFlag, resume: str | None, resume_path: Path | None,
+           trace: str | None) -> dict[str, Any]:
+    tracer = Tracer(comm.rank) if trace else None
+    trainer = Trainer(cfg, comm, tracer=tracer, stop=stop)
+    try:
+        if resume_path is not None:
+            trainer.resume(resume_path)
+        elif resume:
+            trainer.start_over()
+        return trainer.fit()
+    finally:
+        trainer.close()
+        if tracer is not None and trace:
+            log.info("trace written to %s", tracer.save(trace))
+
+
 def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | None = None) -> dict[str, Any]:
     """``dptrain train``: check and lock the run directory, build this solver, train, test.
 
@@ -561,20 +617,16 @@ def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | No
             device = pick_device(cfg.train.device, topology.local_rank)
             if device.type == "cpu":
                 torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
-            comm = Communicator.from_env(topology, cfg.reducer.timeout_s, device)
-            tracer = Tracer(comm.rank) if trace else None
-            trainer = Trainer(cfg, comm, tracer=tracer, stop=stop)
+            comm = Communicator.from_env(topology, cfg.reducer.timeout_s, device, cfg.train.process_group_timeout_s)
+            peer_failed = False
             try:
-                if resume_path is not None:
-                    trainer.resume(resume_path)
-                elif resume:
-                    trainer.start_over()
-                result = trainer.fit()
+                comm.attach_progress_store()
+                result = _train(cfg, comm, stop, resume, resume_path, trace)
+            except RankFailure as e:  # say which collective, and who never arrived, from the flight record
+                peer_failed = True
+                raise RankFailure(comm.flight.explain(run_dir.path, first_line(e))) from e
             finally:
-                trainer.close()
-                if tracer is not None and trace:
-                    log.info("trace written to %s", tracer.save(trace))
-            comm.close()
+                comm.close(peer_failed=peer_failed)
     finally:
         run_dir.unlock()
     if "test_top1" in result and not result.get("stopped_by_signal"):

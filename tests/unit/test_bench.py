@@ -34,6 +34,8 @@ def test_bench_json_schema(tmp_path, capsys):
     assert rec["bytes_per_param"]["weights"] < 2.1 and rec["bytes_per_param"]["masters"] >= 4.0  # bf16 + fp32
     assert set(rec["versions"]) >= {"torch", "cuda", "nccl", "cupy"}
     assert rec["world_size"] == 1 and rec["global_batch"] == 8 and rec["data"] == "synthetic"
+    assert len(rec["compute_ms_per_rank"]) == len(rec["wait_ms_per_rank"]) == 1  # the straggler fields, as in metrics
+    assert rec["compute_ms_per_rank"][0] > 0 and rec["slowest_rank"] == 0 and rec["straggler_gap_ms"] == 0
     events = json.loads((tmp_path / "trace.rank0.json").read_text())["traceEvents"]
     assert {"forward", "backward", "update"} <= {e["name"] for e in events}
 

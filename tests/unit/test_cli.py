@@ -241,7 +241,7 @@ def test_rank_failure_exits_1_naming_the_rank(cfg, monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_train", fail)
     assert main(["train", "--config", cfg("")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["dptrain: error (rank 1): another rank failed first, see its error: rank 1: allreduce of "
+    assert err == ["dptrain: error (rank 1): another rank failed or hung first: rank 1: allreduce of "
                    "bucket 0 failed"]
 
 

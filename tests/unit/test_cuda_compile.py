@@ -194,8 +194,10 @@ def test_cupy_nccl_passes_the_unique_id_as_cupy_made_it(monkeypatch):
             made.append(uid)
             raise RuntimeError("stop here: the id is what this test checks")
 
+    from dptrain.flight import FlightRecorder
+
     comm = SimpleNamespace(device=torch.device("cuda", 0), rank=0, world_size=2,
-                           broadcast_object=lambda obj, src=0: obj)
+                           broadcast_object=lambda obj, src=0: obj, flight=FlightRecorder(0, 2))
     monkeypatch.setattr(nc.torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
     for uid in (b"\x01" * 128, tuple(range(128))):
         monkeypatch.setattr(nc, "_nccl", lambda uid=uid: FakeNccl(uid))
