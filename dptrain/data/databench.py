@@ -18,8 +18,8 @@ import PIL
 from dptrain.config import DataConfig, config_to_dict, load_config
 from dptrain.data import jpeg_crop
 from dptrain.data.lmdb_source import LmdbSource
+from dptrain.data.render import RenderOptions
 from dptrain.data.sampling import ShardPlan
-from dptrain.data.transformer import RenderOptions
 from dptrain.errors import ConfigError
 from dptrain.provenance import git_commit
 from dptrain.topology import Topology
