@@ -28,7 +28,8 @@ import torch
 
 from dptrain import kernels
 from dptrain.kernels import Hyper, UpdateArgs
-from dptrain.bench import device_name, git_commit, versions
+from dptrain.bench import device_name, versions
+from dptrain.provenance import git_commit
 
 RESNET50_PARAMS = 25_557_032
 """torchvision ResNet-50 parameter count (also what dptrain.models builds)."""

@@ -13,9 +13,7 @@ import math
 import platform
 import resource
 import statistics
-import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +22,7 @@ from dptrain.comm import Communicator
 from dptrain.config import TrainConfig, config_hash
 from dptrain.errors import ConfigError
 from dptrain.precision import cpu_native_support
+from dptrain.provenance import git_commit
 from dptrain.topology import Topology
 from dptrain.trace import NullTracer, Tracer
 from dptrain.train import Trainer, pick_device
@@ -45,15 +44,6 @@ def versions() -> dict[str, str | None]:
     except ImportError:
         pass
     return out
-
-
-def git_commit() -> str:
-    """The checkout's commit, or "unknown" outside a git tree."""
-    try:
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def device_name(device: torch.device) -> str:

@@ -18,9 +18,10 @@ import PIL
 from dptrain.config import DataConfig, config_to_dict, load_config
 from dptrain.data import jpeg_crop
 from dptrain.data.lmdb_source import LmdbSource
+from dptrain.data.render import RenderOptions
 from dptrain.data.sampling import ShardPlan
-from dptrain.data.transformer import RenderOptions
 from dptrain.errors import ConfigError
+from dptrain.provenance import git_commit
 from dptrain.topology import Topology
 
 
@@ -78,8 +79,6 @@ def add_data_bench_args(p: argparse.ArgumentParser) -> None:
 
 def run_data_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Entry of ``dptrain data-bench``: measure; return the record (the CLI prints it as one JSON line)."""
-    from dptrain.bench import git_commit
-
     cfg = load_config(args.config, args.set)
     if cfg.data.source != "lmdb":
         raise ConfigError(f"data-bench measures the LMDB pipeline; data.source is {cfg.data.source!r}, "

@@ -35,25 +35,12 @@ import torch
 from dptrain.config import DataConfig
 from dptrain.data import jpeg_crop
 from dptrain.data.datum import parse_datum, read_mean_file
-from dptrain.data.pipeline import (
-    BadRecordBudget,
-    BatchRing,
-    EmptyStream,
-    PipelineStream,
-    StreamParts,
-    TestSequence,
-    TrainSequence,
-)
+from dptrain.data.geometry import ExpectSize, SampleSpec, build_stages, check_chain
+from dptrain.data.pipeline import EmptyStream, PipelineStream
 from dptrain.data.queues import QueueSet
+from dptrain.data.render import RenderOptions, probe_channels_and_size
 from dptrain.data.sampling import ShardPlan, eval_range
-from dptrain.data.transformer import (
-    ExpectSize,
-    RenderOptions,
-    SampleSpec,
-    build_stages,
-    check_chain,
-    probe_channels_and_size,
-)
+from dptrain.data.stream import BadRecordBudget, BatchRing, StreamParts, TestSequence, TrainSequence
 from dptrain.errors import ConfigError, DataError
 
 __all__ = ["DataError", "LmdbReader", "LmdbSource", "default_threads"]

@@ -28,7 +28,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from dptrain.data.datum import encode_datum, hwc_to_raw
-from dptrain.data.transformer import GRAY_MODES, convert_image, open_image
+from dptrain.data.render import GRAY_MODES, convert_image, open_image
 from dptrain.errors import DataError, InputError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")

@@ -12,37 +12,10 @@ transformer applies the bad-record policy (see ``transformer.run_transformer``).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
-from dptrain.data.datum import DatumLike, parse_datum
+from dptrain.data.datum import parse_datum
+from dptrain.data.stream import ParsedRecord, RecordHandle, StreamParts
 from dptrain.errors import DataError
-
-if TYPE_CHECKING:
-    from dptrain.data.pipeline import StreamParts
-
-
-class RecordHandle(Protocol):
-    """One thread's read transaction on an LMDB (see ``lmdb_source.LmdbReader.handle``)."""
-
-    path: str
-
-    def get(self, index: int) -> tuple[bytes, bytes]: ...
-    def close(self) -> None: ...
-
-
-@dataclass(slots=True)
-class ParsedRecord:
-    """One record on its way from a parser to a transformer."""
-
-    pos: int
-    """Position in the solver's stream (batch pos // B, row pos % B)."""
-    epoch: int
-    index: int
-    """Record index in the DB (0-based, in key order)."""
-    key: bytes
-    datum: DatumLike | None
-    error: DataError | None = None
 
 
 def parse_record(handle: RecordHandle, *, pos: int, epoch: int, index: int,

@@ -16,7 +16,7 @@ from dptrain.data.datum import (
     read_mean_file,
 )
 from dptrain.data.queues import QueueSet
-from dptrain.data.transformer import (
+from dptrain.data.geometry import (
     CenterResizedCrop,
     Crop,
     RandomResizedCrop,

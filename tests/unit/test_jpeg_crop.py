@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dptrain.data import jpeg_crop, transformer
-from dptrain.data.transformer import RenderOptions, Sample, SampleRng, render_image
+from dptrain.data import jpeg_crop, render
+from dptrain.data.geometry import Sample, SampleRng
+from dptrain.data.render import RenderOptions, render_image
 from dptrain.errors import ConfigError, DataError
 
 
@@ -121,7 +122,7 @@ def test_out_must_match_the_box(lib):
 def _render(data: bytes, box, out_w: int, out_h: int, flip: bool, mode: str, opts: RenderOptions) -> np.ndarray:
     dst = np.full((out_h, out_w, 3 if mode == "RGB" else 1), 7, np.uint8)
     sample = Sample(tuple(float(v) for v in box), out_w, out_h, SampleRng(0), flip)
-    render_image(transformer.open_image(data), sample, mode, dst, opts, data)
+    render_image(render.open_image(data), sample, mode, dst, opts, data)
     return dst
 
 
@@ -226,7 +227,7 @@ class _Datum:
 def _datum_render(data: bytes, box, out_w: int, out_h: int, mode: str, opts: RenderOptions) -> np.ndarray:
     """transform_datum's path (Pillow reads the header, then crop decode or Pillow) for an encoded record at ``box``."""
     dst = np.full((out_h, out_w, 3 if mode == "RGB" else 1), 7, np.uint8)
-    transformer.transform_datum(_Datum(data), [_Place(box, out_w, out_h)], SampleRng(1), 3 if mode == "RGB" else 1,
+    render.transform_datum(_Datum(data), [_Place(box, out_w, out_h)], SampleRng(1), 3 if mode == "RGB" else 1,
                                 dst, opts)
     return dst
 
@@ -256,7 +257,7 @@ def test_exif_jpegs_open_in_pillow_and_upright_ones_are_still_crop_decoded(lib, 
         calls.clear()
         out = _datum_render(buf.getvalue(), (0, 0, 40, 64) if orientation == 6 else (0, 0, 64, 40),
                             *((40, 64) if orientation == 6 else (64, 40)), "RGB", RenderOptions())
-        want = np.asarray(transformer.open_image(buf.getvalue()).convert("RGB"))
+        want = np.asarray(render.open_image(buf.getvalue()).convert("RGB"))
         assert out.shape == want.shape and np.array_equal(out, want)
         assert calls == ([1] if orientation == 1 else []), orientation  # a rotated one is decoded by Pillow
     assert out.shape[:2] == (64, 40)  # orientation 6 stands the 64x40 photo upright

@@ -20,8 +20,8 @@ from dptrain.config import DataConfig
 from dptrain.data.datum import encode_blob, encode_datum, hwc_to_raw
 from dptrain.data.lmdb_source import LmdbSource, default_threads
 from dptrain.data.make_lmdb import write_lmdb
+from dptrain.data.render import RenderOptions
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, epoch_permutation, rank_batch_indices
-from dptrain.data.transformer import RenderOptions
 from dptrain.errors import ConfigError, DataError
 from dptrain.topology import Topology
 
@@ -399,7 +399,7 @@ def test_skip_budget_substitutes_the_next_record_deterministically(tmp_path, cap
     for p, t in ((1, 1), (3, 2)):
         src = LmdbSource(make_cfg(path, shuffle="none", max_bad_records=2, parser_threads=p, transformer_threads=t),
                           num_classes=NUM_CLASSES, seed=1)
-        with caplog.at_level(logging.WARNING, logger="dptrain.data.pipeline"):
+        with caplog.at_level(logging.WARNING, logger="dptrain.data.stream"):
             outs.append(collect(src.train_batches(plan, 0), 3))
     for out in outs:
         assert [ids(x) for x, _, _ in out] == [[0, 1, 3, 3], [4, 6, 6, 7], [8, 9, 10, 11]]
@@ -704,6 +704,6 @@ def test_window_means_gather_each_samples_mirrored_crop_for_both_normalize_forms
 
 
 def test_batch_ring_pins_only_when_asked():
-    from dptrain.data.pipeline import BatchRing
+    from dptrain.data.stream import BatchRing
 
     assert not BatchRing(2, 3, (4, 4, 3)).images.is_pinned()

@@ -9,14 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
-from dptrain.data import transformer
-from dptrain.data.transformer import (
-    RenderOptions,
-    Sample,
-    SampleRng,
-    render_image,
-    single_threaded_torch_in_this_thread,
-)
+from dptrain.data import render
+from dptrain.data.geometry import Sample, SampleRng
+from dptrain.data.render import RenderOptions, render_image
+from dptrain.data.transformer import single_threaded_torch_in_this_thread
 
 
 def _photo(height: int, width: int, mode: str) -> Image.Image:
@@ -55,8 +51,8 @@ def _pillow(img: Image.Image, box, out_w: int, out_h: int, flip: bool, *, crop_f
 def test_torch_resample_matches_pillow_crop_then_bilinear_on_whole_pixel_boxes(monkeypatch, mode, box, out_w, out_h, flip):
     img = _photo(150, 200, mode)
     calls = []
-    real = transformer._resample_torch
-    monkeypatch.setattr(transformer, "_resample_torch", lambda *a: calls.append(1) or real(*a))
+    real = render._resample_torch
+    monkeypatch.setattr(render, "_resample_torch", lambda *a: calls.append(1) or real(*a))
     fast = _render(img, box, out_w, out_h, flip, RenderOptions())
     assert calls, "a whole-pixel box must take the torch path"
     diff = np.abs(fast.astype(int) - _pillow(img, box, out_w, out_h, flip, crop_first=True).astype(int))
@@ -98,7 +94,7 @@ def test_draft_decode_keeps_the_box_on_the_image_when_sides_are_not_multiples_of
 
 def test_fractional_boxes_and_plain_crops_stay_with_pillow(monkeypatch):
     img = _photo(150, 200, "RGB")
-    monkeypatch.setattr(transformer, "_resample_torch", lambda *a: pytest.fail("torch path taken"))
+    monkeypatch.setattr(render, "_resample_torch", lambda *a: pytest.fail("torch path taken"))
     box = (10.5, 3.25, 150.5, 120.75)  # e.g. the centre test crop, or a box after draft scaling
     assert np.array_equal(_render(img, box, 64, 48, True, RenderOptions()), _pillow(img, box, 64, 48, True))
     crop = _render(img, (20, 30, 84, 78), 64, 48, False, RenderOptions())
@@ -139,10 +135,10 @@ def test_sixteen_bit_grey_keeps_its_high_byte_instead_of_clipping_to_white():
     ramp = (np.arange(8 * 6, dtype=np.uint32).reshape(6, 8) * 1365).astype(np.uint16)  # 0 .. 64155
     buf = io.BytesIO()
     Image.fromarray(ramp).save(buf, "PNG")
-    assert transformer.open_image(buf.getvalue()).mode.startswith("I;16")
+    assert render.open_image(buf.getvalue()).mode.startswith("I;16")
     for mode, channels in (("L", 1), ("RGB", 3)):
         dst = np.empty((6, 8, channels), np.uint8)
-        render_image(transformer.open_image(buf.getvalue()), Sample((0.0, 0.0, 8.0, 6.0), 8, 6, SampleRng(0)),
+        render_image(render.open_image(buf.getvalue()), Sample((0.0, 0.0, 8.0, 6.0), 8, 6, SampleRng(0)),
                      mode, dst, RenderOptions())
         assert np.array_equal(dst, np.repeat((ramp >> 8).astype(np.uint8)[:, :, None], channels, axis=2)), mode
 
@@ -156,6 +152,6 @@ def test_exif_orientation_is_applied_so_photos_train_upright():
     exif[ExifTags.Base.Orientation] = 6
     buf = io.BytesIO()
     Image.fromarray(stored).save(buf, "PNG", exif=exif.tobytes())
-    im = transformer.open_image(buf.getvalue())
+    im = render.open_image(buf.getvalue())
     assert im.size == (16, 24)  # W x H: upright is taller than wide
     assert np.array_equal(np.asarray(im.convert("RGB")), np.rot90(stored, k=-1))  # red on top
