@@ -22,13 +22,13 @@ PACKAGE = REPO / "dptrain"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dptrain.__main__", "dptrain.torchrun"),
     ("dptrain.cli",),
-    ("dptrain.bench",),
+    ("dptrain.bench", "dptrain.plot"),
     ("dptrain.train",),
     ("dptrain.reducer", "dptrain.optimizer", "dptrain.checkpoint", "dptrain.control", "dptrain.data"),
-    ("dptrain.nccl_cupy", "dptrain.precision"),
+    ("dptrain.nccl_cupy", "dptrain.precision", "dptrain.straggler", "dptrain.overflow"),
     ("dptrain.comm", "dptrain.kernels", "dptrain.buckets", "dptrain.flat", "dptrain.metrics"),
     ("dptrain.config",),
-    ("dptrain.topology", "dptrain.trace", "dptrain.models", "dptrain.provenance"),
+    ("dptrain.topology", "dptrain.trace", "dptrain.models", "dptrain.provenance", "dptrain.flight"),
     ("dptrain.errors",),
     ("dptrain",),
 )
