@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import itertools
 import logging
-import threading
 
 import numpy as np
 import pytest
@@ -17,69 +16,26 @@ import torch
 from PIL import Image
 
 from dptrain.config import DataConfig
-from dptrain.data.datum import encode_blob, encode_datum, hwc_to_raw
+from dptrain.data.datum import encode_blob, encode_datum
 from dptrain.data.lmdb_source import LmdbSource, default_threads
-from dptrain.data.make_lmdb import write_lmdb
 from dptrain.data.render import RenderOptions
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, epoch_permutation, rank_batch_indices
 from dptrain.errors import ConfigError, DataError
 from dptrain.topology import Topology
-
-H, W, NUM_CLASSES = 6, 8, 5
-
-
-def pixels(i: int) -> np.ndarray:
-    """[H, W, 3] RGB of record i: R and B vary per pixel, G = i."""
-    y, x = np.mgrid[0:H, 0:W]
-    return np.stack([x * 16 + y, np.full((H, W), i), (i * 3 + x * 5 + y * 7) % 256], -1).astype(np.uint8)
-
-
-def raw_value(i: int, label: int | None = None, image: np.ndarray | None = None) -> bytes:
-    raw, c, h, w = hwc_to_raw(pixels(i) if image is None else image)
-    return encode_datum(label=i % NUM_CLASSES if label is None else label, data=raw, channels=c, height=h, width=w)
-
-
-def png_value(image: np.ndarray, label: int = 0) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(image).save(buf, "PNG")
-    return encode_datum(label=label, data=buf.getvalue(), encoded=True)
-
-
-def write_db(path, values: list[bytes], keys: list[bytes] | None = None) -> str:
-    keys = keys or [f"{i:08d}_r{i}".encode() for i in range(len(values))]
-    write_lmdb(path, iter(zip(keys, values)), len(values))
-    return str(path)
-
-
-def make_cfg(path: str, **kw) -> DataConfig:
-    kw.setdefault("batch_size", 4)
-    return DataConfig(source="lmdb", path=path, **kw)
-
-
-def collect(stream, n: int) -> list[tuple[np.ndarray, np.ndarray, dict]]:
-    out = []
-    try:
-        for hb in itertools.islice(stream, n):
-            out.append((hb.images.numpy().copy(), hb.labels.numpy().copy(), dict(hb.info)))
-            hb.release(None)
-    finally:
-        stream.close()
-    return out
-
-
-def input_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("dptrain-")]
-
-
-def ids(images: np.ndarray) -> list[int]:
-    return [int(im[0, 0, 1]) for im in images]
-
-
-def is_window(sample: np.ndarray, i: int) -> bool:
-    """sample equals some crop of pixels(i), possibly mirrored."""
-    full, ch, cw = pixels(i), sample.shape[0], sample.shape[1]
-    return any(np.array_equal(sample, v) for y, x in itertools.product(range(H - ch + 1), range(W - cw + 1))
-               for v in (full[y:y + ch, x:x + cw], full[y:y + ch, x:x + cw][:, ::-1]))
+from lmdb_helpers import (
+    NUM_CLASSES,
+    H,
+    W,
+    collect,
+    ids,
+    input_threads,
+    is_window,
+    make_cfg,
+    pixels,
+    png_value,
+    raw_value,
+    write_db,
+)
 
 
 @pytest.fixture(scope="module")
@@ -560,53 +516,6 @@ def test_draft_mode_fires_for_2x_downscale_and_stays_close(tmp_path, monkeypatch
     assert diff.mean() < 2.0 and diff.max() <= 12  # DCT-domain downscale vs full decode + bilinear: a few levels
     if crop_decoder is not None:  # the crop decoder decodes the same 1/4-scale box that Pillow picked
         assert np.array_equal(batch(draft=True), fast) and calls and all(size == (24, 18) for size in calls)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned ring, copy events)")
-def test_device_feeder_reuses_pinned_slots_only_after_their_copy(db29):
-    from dptrain.data.base import DeviceFeeder
-
-    src = LmdbSource(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=2),
-                      num_classes=NUM_CLASSES, seed=2, pin_memory=True)  # as build_source does for CUDA
-    plan = ShardPlan(0, 1, 4, seed=2)
-    stream = src.train_batches(plan, 0)
-    assert stream._ring.images.is_pinned()
-    feeder = DeviceFeeder(stream, device=torch.device("cuda"), dtype=torch.float32, mean=(0.0,), scale=1.0,
-                          channels_last=False)
-    try:
-        for step in range(30):  # 3 ring slots, so every slot is rewritten many times
-            x, y = next(feeder)
-            feeder.prefetch()
-            expect = rank_batch_indices(step, 29, plan)
-            assert x[:, 1, 0, 0].cpu().tolist() == expect.astype(float).tolist()
-            assert y.cpu().tolist() == (expect % NUM_CLASSES).tolist()
-    finally:
-        feeder.close()
-    assert input_threads() == []
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (side-stream copy of the windows)")
-def test_mean_image_on_cuda_equals_the_cpu_feeder(tmp_path):
-    from dptrain.data.base import DeviceFeeder
-
-    mean_rgb = np.random.default_rng(3).uniform(0, 255, (3, H, W))
-    np.save(tmp_path / "mean.npy", mean_rgb)
-    cfg = make_cfg(write_db(tmp_path / "db", [raw_value(i) for i in range(16)]), mean_file=str(tmp_path / "mean.npy"),
-                   crop_size=4, mirror=True, scale=0.25)
-    out = {}
-    for device in ("cpu", "cuda"):
-        src = LmdbSource(cfg, num_classes=NUM_CLASSES, seed=5, pin_memory=device == "cuda")
-        feeder = DeviceFeeder(src.train_batches(ShardPlan(0, 1, 4, seed=5), 0), device=torch.device(device),
-                              dtype=torch.float32, mean=src.mean, scale=src.scale, channels_last=True,
-                              mean_image=src.mean_image)
-        try:
-            out[device] = [next(feeder)[0].cpu() for _ in range(6)]
-        finally:
-            feeder.close()
-    for a, b in zip(out["cpu"], out["cuda"]):
-        torch.testing.assert_close(a, b)  # the fused CUDA form is one fp32 rounding from the CPU form
 
 
 def test_shard_with_only_bad_records_fails_even_within_budget(tmp_path):
