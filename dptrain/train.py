@@ -213,7 +213,8 @@ class Trainer:
             x, y = self._next_batch()
             last = micro == n - 1
             with self.phases("forward"):
-                loss = F.cross_entropy(self._forward(x).float(), y) / n
+                logits = self._forward(x).float()  # [B, num_classes]
+                loss = F.cross_entropy(logits, y, label_smoothing=self.cfg.solver.label_smoothing) / n
             self._iter_loss += loss.detach()
             control = self.control.vector(self.stop.requested, self._iter_loss) if last else None
             self.reducer.begin(sync=last, control=control)
