@@ -53,6 +53,7 @@ from dptrain.precision import DTYPES, LossScaler, apply_precision, warn_if_slow_
 from dptrain.reducer import Reducer
 from dptrain.topology import Topology
 from dptrain.trace import NullTracer, PhaseTimer, Tracer
+from dptrain.weights import check_weights_path, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -540,13 +541,29 @@ def stop_with_the_launcher(topology: Topology) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | None = None) -> dict[str, Any]:
+def open_communicator(cfg: TrainConfig, topology: Topology) -> Communicator:
+    """This solver's device (and CPU thread count), and the process group over every solver."""
+    device = pick_device(cfg.train.device, topology.local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
+    return Communicator.from_env(topology, cfg.reducer.timeout_s, device)
+
+
+def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | None = None,
+                 weights: str | None = None, weights_skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """``dptrain train``: check and lock the run directory, build this solver, train, test.
 
-    Order matters for a user on a cluster: the run directory, the lock and ``--resume PATH``
-    are checked before anything slow is built; the stop handlers are installed before the
-    first build step, so a SIGTERM at startup ends in a snapshot at the first iteration.
+    Order matters for a user on a cluster: the run directory, the lock, ``--resume PATH`` and
+    ``--weights PATH`` are checked before anything slow is built; the stop handlers are
+    installed before the first build step, so a SIGTERM at startup ends in a snapshot at the
+    first iteration. ``--weights`` starts a fresh run (iteration 0, new optimizer state, the
+    config's seed) from a model's weights, as ``caffe train -weights`` does.
     """
+    if weights and resume:
+        raise ConfigError("--weights starts a new run from a model's weights and --resume continues a run with its "
+                          "own: pass one of them (an interrupted fine-tune continues with --resume alone)")
+    if weights_skip and not weights:
+        raise ConfigError("--weights-skip names weights not to load, so it needs --weights PATH")
     topology = Topology.from_env()
     run_dir = RunDir(cfg.train.run_dir)
     run_dir.check_usable(writer=topology.rank == 0)
@@ -554,15 +571,13 @@ def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | No
         run_dir.lock()
     try:
         resume_path = resolve_resume(resume, run_dir.path) if resume else None
+        weights_path = check_weights_path(weights) if weights else None
         if not resume:
             run_dir.refuse_earlier_run()
         stop = StopFlag()
         with stop.installed():
             stop_with_the_launcher(topology)
-            device = pick_device(cfg.train.device, topology.local_rank)
-            if device.type == "cpu":
-                torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
-            comm = Communicator.from_env(topology, cfg.reducer.timeout_s, device)
+            comm = open_communicator(cfg, topology)
             tracer = Tracer(comm.rank) if trace else None
             trainer = Trainer(cfg, comm, tracer=tracer, stop=stop)
             try:
@@ -570,6 +585,9 @@ def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | No
                     trainer.resume(resume_path)
                 elif resume:
                     trainer.start_over()
+                elif weights_path is not None:
+                    load_weights(trainer.model, trainer.flat, weights_path, model_name=cfg.model.name,
+                                 skip=weights_skip)
                 result = trainer.fit()
             finally:
                 trainer.close()
