@@ -70,7 +70,7 @@ def test_help_lists_commands(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for cmd in ("train", "bench", "demo"):
+    for cmd in ("train", "test", "export", "bench", "demo"):
         assert cmd in out
 
 

@@ -148,6 +148,9 @@ def test_weights_files_that_hold_code_or_no_state_dict_are_refused(tmp_path):
     with pytest.raises(SnapshotError, match=r"wrapped\.pt' holds a dict with keys \['state_dict', 'epoch'\], neither "
                                             r"a dptrain snapshot nor a state_dict"):
         load_weights(model, flat, tmp_path / "wrapped.pt", model_name="lenet")
+    torch.save(list(model.state_dict().values()), tmp_path / "list.pt")
+    with pytest.raises(SnapshotError, match=r"list\.pt' holds a list, neither a dptrain snapshot nor a state_dict"):
+        load_weights(model, flat, tmp_path / "list.pt", model_name="lenet")
     (tmp_path / "junk.pt").write_bytes(bytes(range(256)) * 20)
     with pytest.raises(SnapshotError, match=r"junk\.pt' cannot be read .*; it is torn or not a torch\.save file"):
         load_weights(model, flat, tmp_path / "junk.pt", model_name="lenet")
