@@ -54,20 +54,32 @@ def snapshot_path(run_dir: str | Path, iteration: int) -> Path:
 
 
 def save_snapshot(state: dict[str, Any], path: Path) -> Path:
-    """Write ``state`` to ``path`` atomically (temp file, fsync, rename, fsync dir)."""
+    """Write ``state`` to ``path`` atomically (see :func:`save_atomically`)."""
+    try:
+        return save_atomically(state, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError from its zip writer
+        raise RunDirError(f"cannot write snapshot {str(path)!r} ({type(e).__name__}: {first_line(e)}; "
+                          f"{free_space(path.parent)}); free space or choose another train.run_dir, then "
+                          f"--resume auto") from e
+
+
+def save_atomically(obj: Any, path: Path) -> Path:
+    """``torch.save`` to a temporary file beside ``path``, fsync, rename over ``path``, fsync the folder.
+
+    A crash or a full disk leaves ``path`` as it was; the temporary file is removed before
+    the error (OSError, or RuntimeError from torch's zip writer) propagates.
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError from its zip writer
-        tmp.unlink(missing_ok=True)  # first, so the free space below counts what it held
-        raise RunDirError(f"cannot write snapshot {str(path)!r} ({type(e).__name__}: {first_line(e)}; "
-                          f"{_free(path.parent)}); free space or choose another train.run_dir, then "
-                          f"--resume auto") from e
+    except (OSError, RuntimeError):
+        tmp.unlink(missing_ok=True)  # first, so the caller's free-space figure counts what it held
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -76,7 +88,7 @@ def save_snapshot(state: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _free(folder: Path) -> str:
+def free_space(folder: Path) -> str:
     try:
         return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free there"
     except OSError:
@@ -120,21 +132,34 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise SnapshotError(f"snapshot {str(p)!r} not found; pass an existing snapshot_iter_<N>.pt or --resume auto")
+    state = load_tensors(p, "snapshot", foreign="use a snapshot written by dptrain",
+                         torn="it is torn or not a dptrain snapshot, use an older one")
+    if not isinstance(state, dict):
+        raise SnapshotError(f"snapshot {str(p)!r} holds a {type(state).__name__}, not a dptrain snapshot")
+    return check_snapshot(state, p)
+
+
+def load_tensors(p: Path, noun: str, *, foreign: str, torn: str) -> Any:
+    """``torch.load(p, weights_only=True)`` to the CPU: tensors and plain containers, never code.
+
+    An unusable file is a :class:`SnapshotError` naming it as ``noun``, ending with the
+    advice ``foreign`` (it holds code or other classes) or ``torn`` (it cannot be read).
+    """
     try:
-        state = torch.load(p, map_location="cpu", weights_only=True)
+        return torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # torch's own text advises weights_only=False: never quoted
         unsafe = re.search(r"GLOBAL ([\w.]+)", str(e))
         if unsafe:
-            raise SnapshotError(f"snapshot {str(p)!r} holds a {unsafe.group(1)}, not only tensors and plain "
-                                f"containers, and dptrain does not run code from a file; use a snapshot written by "
-                                f"dptrain") from e
-        raise SnapshotError(f"snapshot {str(p)!r} cannot be read (not a snapshot's content: {_unpickler_detail(e)}); "
-                            f"it is torn or not a dptrain snapshot, use an older one") from e
+            raise SnapshotError(f"{noun} {str(p)!r} holds a {unsafe.group(1)}, not only tensors and plain "
+                                f"containers, and dptrain does not run code from a file; {foreign}") from e
+        raise SnapshotError(f"{noun} {str(p)!r} cannot be read (not a {noun}'s content: {_unpickler_detail(e)}); "
+                            f"{torn}") from e
     except Exception as e:  # torch raises many types for a torn or foreign file
-        raise SnapshotError(f"snapshot {str(p)!r} cannot be read ({type(e).__name__}: {first_line(e)}); it is torn "
-                            f"or not a dptrain snapshot, use an older one") from e
-    if not isinstance(state, dict):
-        raise SnapshotError(f"snapshot {str(p)!r} holds a {type(state).__name__}, not a dptrain snapshot")
+        raise SnapshotError(f"{noun} {str(p)!r} cannot be read ({type(e).__name__}: {first_line(e)}); {torn}") from e
+
+
+def check_snapshot(state: dict[str, Any], p: Path) -> dict[str, Any]:
+    """``state`` if it is a snapshot of this dptrain's format with every part; else SnapshotError."""
     if state.get("format") != SNAPSHOT_FORMAT and "iteration" in state:
         raise SnapshotError(f"snapshot {str(p)!r} has format {state.get('format', 1)}, this dptrain reads format "
                             f"{SNAPSHOT_FORMAT}; resume it with the dptrain version that wrote it")

@@ -1,4 +1,4 @@
-"""Command line: ``dptrain {train,bench,demo,make-lmdb,data-bench}``.
+"""Command line: ``dptrain {train,test,export,bench,demo,make-lmdb,data-bench}``.
 
 User errors (bad config, missing files, bad records) print one line naming the thing at
 fault and exit with code 2, without a traceback. A failure of another rank exits 1 with a
@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Data-parallel mixed-precision trainer: one solver process per GPU (launch with torchrun), "
                     "FP16/BF16 weights with FP32 masters, bucketed allreduce overlapped with backprop.",
         epilog="Examples:\n  dptrain train --config launch/configs/digits.toml\n"
+               "  dptrain test --config launch/configs/digits.toml --weights runs/digits/snapshot_iter_400.pt\n"
+               "  dptrain export runs/digits/snapshot_iter_400.pt lenet_digits.pt\n"
                "  torchrun --standalone --nproc-per-node=8 -m dptrain train --config launch/configs/resnet50_imagenet.toml\n"
                "  dptrain bench --config launch/configs/resnet50_synthetic.toml --steps 50",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -80,6 +82,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="PATH|auto",
                    help="continue bit-exactly from a snapshot; 'auto' picks the newest one in train.run_dir")
     t.add_argument("--trace", metavar="PATH", help="write a Chrome trace per rank to PATH.rank<r>.json")
+    t.add_argument("--weights", metavar="PATH",
+                   help="start a new run from the model weights in PATH (a dptrain snapshot, or a torch state_dict "
+                        "such as torchvision's ResNet-50); iteration, solver state and RNG start fresh")
+    t.add_argument("--weights-skip", action="append", default=[], metavar="GLOB",
+                   help="names not to load with --weights, keeping their initial values (e.g. 'fc.*' for a new "
+                        "classifier head); repeatable")
+
+    s = sub.add_parser("test", help="score model weights on the test set; rank 0 prints one JSON line",
+                       description="Run the test phase alone, on every solver under torchrun (counts are summed "
+                                   "over the ranks), and print test_top1, test_top5 and test_samples as one JSON "
+                                   "line. Writes nothing into train.run_dir.")
+    _add_config_args(s)
+    s.add_argument("--weights", required=True, metavar="PATH",
+                   help="the weights to score: a dptrain snapshot or a torch state_dict")
+
+    e = sub.add_parser("export", help="write a snapshot's model as an fp32 state_dict (torchvision names for "
+                                      "its ResNets)",
+                       description="Write the model of a dptrain snapshot as an fp32 state_dict, loadable with "
+                                   "torch.load(weights_only=True) into a module of the same architecture; the "
+                                   "ImageNet ResNets in torchvision's names. Prints one JSON line.")
+    e.add_argument("snapshot", metavar="SNAPSHOT", help="a snapshot_iter_<N>.pt")
+    e.add_argument("out", metavar="OUT.pt", help="the state_dict file to write (replaced atomically)")
 
     b = sub.add_parser("bench", help="measure training throughput; rank 0 prints one JSON line",
                        description="Time training steps after a warm-up and print images/s, step time "
@@ -125,7 +149,26 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_train(args: argparse.Namespace) -> int:
     from dptrain.train import run_training
 
-    run_training(load_config(args.config, args.set), resume=args.resume, trace=args.trace)
+    run_training(load_config(args.config, args.set), resume=args.resume, trace=args.trace, weights=args.weights,
+                 weights_skip=tuple(args.weights_skip))
+    return 0
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    from dptrain.score import run_scoring
+
+    record = run_scoring(load_config(args.config, args.set), args.weights)
+    if record is not None:
+        print(json.dumps(record), flush=True)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Rank 0 alone writes the file (under torchrun the others have nothing to do)."""
+    from dptrain.weights import export_snapshot
+
+    if _rank_and_world()[0] == 0:
+        print(json.dumps(export_snapshot(args.snapshot, args.out)), flush=True)
     return 0
 
 
@@ -285,7 +328,8 @@ def run() -> None:
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)
-    handlers = {"train": cmd_train, "bench": cmd_bench, "demo": cmd_demo, "plot": cmd_plot}
+    handlers = {"train": cmd_train, "test": cmd_test, "export": cmd_export, "bench": cmd_bench, "demo": cmd_demo,
+                "plot": cmd_plot}
     try:
         if args.command in handlers:
             return handlers[args.command](args)

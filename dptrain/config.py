@@ -122,7 +122,7 @@ class DataConfig:
             raise ConfigError(f"data.mean_value needs 1 or 3 values, got {len(self.mean_value)}")
 
 
-LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv")
+LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "sigmoid", "cosine")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,16 +135,20 @@ class SolverConfig:
     """Decay coefficient. See decay_mode for where it enters."""
     decay_mode: Literal["l2", "decoupled"] = "l2"
     """"l2": Caffe, decay*w added to the gradient; "decoupled": w -= lr*decay*w beside the momentum step."""
-    lr_policy: Literal["fixed", "step", "multistep", "poly", "exp", "inv"] = "fixed"
-    """Caffe learning-rate policy."""
+    lr_policy: Literal["fixed", "step", "multistep", "poly", "exp", "inv", "sigmoid", "cosine"] = "fixed"
+    """Caffe learning-rate policy, or "cosine": base_lr annealed to min_lr over max_iter (half a cosine)."""
     gamma: float = 0.1
-    """step/multistep/exp/inv: decay factor."""
+    """step/multistep/exp/inv: decay factor. sigmoid: slope per iteration, lr = base_lr/(1 + exp(-gamma*(it -
+    stepsize))); negative to decay (Caffe recipes use e.g. -0.001), the only policy that takes gamma <= 0."""
     power: float = 1.0
     """poly/inv: exponent."""
     stepsize: int = 100_000
-    """step: iterations between decays."""
+    """step: iterations between decays. sigmoid: the iteration where lr is base_lr/2."""
     stepvalue: list[int] = field(default_factory=list)
     """multistep: iterations at which lr is multiplied by gamma."""
+    min_lr: float = 0.0
+    """Floor of the policy's lr, in [0, base_lr]: "cosine" ends exactly there; the other policies never go
+    below it (0 = Caffe's policies unchanged). The warmup multiplies the floored lr."""
     warmup_iter: int = 0
     """Linear warmup from warmup_start * lr to lr over this many iterations (Goyal et al.)."""
     warmup_start: float = 0.0
@@ -163,6 +167,9 @@ class SolverConfig:
     """Write a snapshot every this many iterations, and at the end. 0 = only at the end."""
     clip_gradients: float = 0.0
     """Clip the global L2 norm of the unscaled gradient to this value. 0 = off."""
+    label_smoothing: float = 0.0
+    """Training loss target: 1 - label_smoothing on the label, plus label_smoothing spread uniformly over all
+    num_classes (Szegedy et al. 2016; ResNet-50 recipes use 0.1). In [0, 1); 0 = plain cross-entropy."""
     max_nonfinite: int = 3
     """Without loss scaling (fp32, bf16, or mode "none"), stop with an error after this many
     consecutive iterations whose loss is not finite; the last good snapshot is kept. (With
@@ -183,7 +190,11 @@ class SolverConfig:
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"solver.momentum must be in [0, 1), got {self.momentum}")
         _positive("solver.weight_decay", self.weight_decay, allow_zero=True)
-        _positive("solver.gamma", self.gamma)
+        if self.lr_policy != "sigmoid":
+            _positive("solver.gamma", self.gamma)
+        elif self.gamma == 0:
+            raise ConfigError("solver.gamma must be non-zero with solver.lr_policy = \"sigmoid\" (negative: lr falls "
+                              "from base_lr to 0 around solver.stepsize; positive: it rises), got 0")
         _positive("solver.power", self.power)
         _positive("solver.stepsize", self.stepsize)
         _positive("solver.max_iter", self.max_iter)
@@ -193,6 +204,10 @@ class SolverConfig:
         _positive("solver.clip_gradients", self.clip_gradients, allow_zero=True)
         _positive("solver.max_nonfinite", self.max_nonfinite)
         _positive("solver.larc_eta", self.larc_eta)
+        if not 0 <= self.min_lr <= self.base_lr:
+            raise ConfigError(f"solver.min_lr must be in [0, solver.base_lr = {self.base_lr}], got {self.min_lr}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"solver.label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if not 0 <= self.warmup_start <= 1:
             raise ConfigError(f"solver.warmup_start must be in [0, 1], got {self.warmup_start}")
         if self.stepvalue != sorted(self.stepvalue) or any(v <= 0 for v in self.stepvalue):

@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dptrain import kernels
@@ -19,7 +21,12 @@ CLIP_EPS = 1e-6
 
 
 def learning_rate(cfg: SolverConfig, it: int) -> float:
-    """Caffe's lr policies at iteration ``it`` (0-based), times the linear warmup factor."""
+    """The lr policy at iteration ``it`` (0-based), floored at ``min_lr``, times the linear warmup factor.
+
+    Caffe's policies, plus "cosine": ``min_lr + (base_lr - min_lr) * (1 + cos(pi * it / max_iter)) / 2``.
+    The warmup scales whatever the policy gives at ``it`` (the cosine is counted from iteration 0,
+    not from the warmup's end), as it does for every policy.
+    """
     base, p = cfg.base_lr, cfg.lr_policy
     if p == "fixed":
         lr = base
@@ -33,12 +40,25 @@ def learning_rate(cfg: SolverConfig, it: int) -> float:
         lr = base * cfg.gamma**it
     elif p == "inv":
         lr = base * (1.0 + cfg.gamma * it) ** (-cfg.power)
+    elif p == "sigmoid":
+        lr = base * _sigmoid(cfg.gamma * (it - cfg.stepsize))
+    elif p == "cosine":
+        lr = cfg.min_lr + (base - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * min(it, cfg.max_iter) / cfg.max_iter))
     else:  # config validation makes this unreachable
         raise AssertionError(f"unknown lr_policy {p!r}")
+    lr = max(lr, cfg.min_lr)
     if it < cfg.warmup_iter:
         frac = it / cfg.warmup_iter
         lr *= cfg.warmup_start + (1.0 - cfg.warmup_start) * frac
     return lr
+
+
+def _sigmoid(z: float) -> float:
+    """1 / (1 + exp(-z)) without overflow: exp is only taken of a non-positive number."""
+    if z >= 0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)
+    return e / (1.0 + e)
 
 
 class MasterOptimizer:

@@ -56,6 +56,7 @@ from dptrain.reducer import Reducer
 from dptrain.straggler import StepClock, StragglerMonitor
 from dptrain.topology import Topology
 from dptrain.trace import NullTracer, PhaseTimer, Tracer
+from dptrain.weights import check_weights_path, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,8 @@ class Trainer:
             self.clock.batch_ready()
             last = micro == n - 1
             with self.phases("forward"):
-                loss = F.cross_entropy(self._forward(x).float(), y) / n
+                logits = self._forward(x).float()  # [B, num_classes]
+                loss = F.cross_entropy(logits, y, label_smoothing=self.cfg.solver.label_smoothing) / n
             self._iter_loss += loss.detach()
             control = self.control.vector(self.stop.requested, self._iter_loss) if last else None
             self.reducer.begin(sync=last, control=control)
@@ -579,8 +581,16 @@ def stop_with_the_launcher(topology: Topology) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _train(cfg: TrainConfig, comm: Communicator, stop: StopFlag, resume: str | None, resume_path: Path | None,
-           trace: str | None) -> dict[str, Any]:
+def open_communicator(cfg: TrainConfig, topology: Topology) -> Communicator:
+    """This solver's device (and CPU thread count), and the process group over every solver."""
+    device = pick_device(cfg.train.device, topology.local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
+    return Communicator.from_env(topology, cfg.reducer.timeout_s, device, cfg.train.process_group_timeout_s)
+
+
+def _train(cfg: TrainConfig, comm: Communicator, stop: StopFlag, *, resume: str | None, resume_path: Path | None,
+           trace: str | None, weights_path: Path | None, weights_skip: tuple[str, ...]) -> dict[str, Any]:
     tracer = Tracer(comm.rank) if trace else None
     trainer = Trainer(cfg, comm, tracer=tracer, stop=stop)
     try:
@@ -588,6 +598,8 @@ def _train(cfg: TrainConfig, comm: Communicator, stop: StopFlag, resume: str | N
             trainer.resume(resume_path)
         elif resume:
             trainer.start_over()
+        elif weights_path is not None:
+            load_weights(trainer.model, trainer.flat, weights_path, model_name=cfg.model.name, skip=weights_skip)
         return trainer.fit()
     finally:
         trainer.close()
@@ -595,13 +607,21 @@ def _train(cfg: TrainConfig, comm: Communicator, stop: StopFlag, resume: str | N
             log.info("trace written to %s", tracer.save(trace))
 
 
-def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | None = None) -> dict[str, Any]:
+def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | None = None,
+                 weights: str | None = None, weights_skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """``dptrain train``: check and lock the run directory, build this solver, train, test.
 
-    Order matters for a user on a cluster: the run directory, the lock and ``--resume PATH``
-    are checked before anything slow is built; the stop handlers are installed before the
-    first build step, so a SIGTERM at startup ends in a snapshot at the first iteration.
+    Order matters for a user on a cluster: the run directory, the lock, ``--resume PATH`` and
+    ``--weights PATH`` are checked before anything slow is built; the stop handlers are
+    installed before the first build step, so a SIGTERM at startup ends in a snapshot at the
+    first iteration. ``--weights`` starts a fresh run (iteration 0, new optimizer state, the
+    config's seed) from a model's weights, as ``caffe train -weights`` does.
     """
+    if weights and resume:
+        raise ConfigError("--weights starts a new run from a model's weights and --resume continues a run with its "
+                          "own: pass one of them (an interrupted fine-tune continues with --resume alone)")
+    if weights_skip and not weights:
+        raise ConfigError("--weights-skip names weights not to load, so it needs --weights PATH")
     topology = Topology.from_env()
     run_dir = RunDir(cfg.train.run_dir)
     run_dir.check_usable(writer=topology.rank == 0)
@@ -609,19 +629,18 @@ def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | No
         run_dir.lock()
     try:
         resume_path = resolve_resume(resume, run_dir.path) if resume else None
+        weights_path = check_weights_path(weights) if weights else None
         if not resume:
             run_dir.refuse_earlier_run()
         stop = StopFlag()
         with stop.installed():
             stop_with_the_launcher(topology)
-            device = pick_device(cfg.train.device, topology.local_rank)
-            if device.type == "cpu":
-                torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
-            comm = Communicator.from_env(topology, cfg.reducer.timeout_s, device, cfg.train.process_group_timeout_s)
+            comm = open_communicator(cfg, topology)
             peer_failed = False
             try:
                 comm.attach_progress_store()
-                result = _train(cfg, comm, stop, resume, resume_path, trace)
+                result = _train(cfg, comm, stop, resume=resume, resume_path=resume_path, trace=trace,
+                                weights_path=weights_path, weights_skip=weights_skip)
             except RankFailure as e:  # say which collective, and who never arrived, from the flight record
                 peer_failed = True
                 raise RankFailure(comm.flight.explain(run_dir.path, first_line(e))) from e

@@ -28,7 +28,7 @@ def cfg(tmp_path):
         ("", ["solver.base_lr=-1"], "solver.base_lr must be > 0, got -1"),
         ("", ["data.batch_size=0"], "data.batch_size must be > 0, got 0"),
         ("", ["model.name=vgg"], "model.name must be one of"),
-        ("", ["solver.lr_policy=cosine"], "solver.lr_policy must be one of ('fixed', 'step'"),
+        ("", ["solver.lr_policy=triangular"], "solver.lr_policy must be one of ('fixed', 'step'"),
     ],
 )
 def test_bad_config_exits_2_with_one_line(cfg, capsys, text, sets, fragment):
@@ -70,7 +70,7 @@ def test_help_lists_commands(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for cmd in ("train", "bench", "demo"):
+    for cmd in ("train", "test", "export", "bench", "demo"):
         assert cmd in out
 
 

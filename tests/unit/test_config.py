@@ -51,7 +51,14 @@ def test_wrong_type_names_key(tmp_path):
         ("[solver]\nbase_lr = -0.1\n", r"solver\.base_lr must be > 0, got -0\.1"),
         ("[data]\nbatch_size = 0\n", r"data\.batch_size must be > 0, got 0"),
         ("[model]\nname = \"vgg99\"\n", r"model\.name must be one of \[.*'lenet'.*\], got 'vgg99'"),
-        ("[solver]\nlr_policy = \"cosine\"\n", r"solver\.lr_policy must be one of \('fixed', .*\), got 'cosine'"),
+        ("[solver]\nlr_policy = \"onecycle\"\n", r"solver\.lr_policy must be one of \('fixed', .*'sigmoid', 'cosine'\), "
+                                                 r"got 'onecycle'"),
+        ("[solver]\nmin_lr = 0.5\n", r"solver\.min_lr must be in \[0, solver\.base_lr = 0\.01\], got 0\.5"),
+        ("[solver]\nlabel_smoothing = 1.0\n", r"solver\.label_smoothing must be in \[0, 1\), got 1\.0"),
+        ("[solver]\nlabel_smoothing = -0.1\n", r"solver\.label_smoothing must be in \[0, 1\), got -0\.1"),
+        ("[solver]\nlr_policy = \"sigmoid\"\ngamma = 0\n", r"solver\.gamma must be non-zero with solver\.lr_policy = "
+                                                      r"\"sigmoid\" \(negative: lr falls"),
+        ("[solver]\nlr_policy = \"step\"\ngamma = -0.1\n", r"solver\.gamma must be > 0, got -0\.1"),
         ("[precision]\nstorage = \"fp8\"\n", r"precision\.storage must be one of \('fp32', 'fp16', 'bf16'\)"),
         ("[solver]\nmomentum = 1.5\n", r"solver\.momentum must be in \[0, 1\)"),
         ("[precision.loss_scale]\nhysteresis = 0\n", r"precision\.loss_scale\.hysteresis must be > 0"),

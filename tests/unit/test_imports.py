@@ -22,8 +22,9 @@ PACKAGE = REPO / "dptrain"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dptrain.__main__", "dptrain.torchrun"),
     ("dptrain.cli",),
-    ("dptrain.bench", "dptrain.plot"),
+    ("dptrain.bench", "dptrain.plot", "dptrain.score"),
     ("dptrain.train",),
+    ("dptrain.weights",),
     ("dptrain.reducer", "dptrain.optimizer", "dptrain.checkpoint", "dptrain.control", "dptrain.data"),
     ("dptrain.nccl_cupy", "dptrain.precision", "dptrain.straggler", "dptrain.overflow"),
     ("dptrain.comm", "dptrain.kernels", "dptrain.buckets", "dptrain.flat", "dptrain.metrics"),

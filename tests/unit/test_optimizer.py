@@ -40,6 +40,39 @@ def test_learning_rate_policies(cfg, expected):
         assert learning_rate(c, it) == pytest.approx(lr, rel=1e-12, abs=1e-15), it
 
 
+def test_cosine_follows_its_formula_to_min_lr_and_under_the_warmup():
+    c = SolverConfig(base_lr=0.1, lr_policy="cosine", max_iter=200, min_lr=0.001)
+    for it in (0, 1, 50, 100, 137, 199, 200):
+        want = 0.001 + (0.1 - 0.001) * 0.5 * (1 + math.cos(math.pi * it / 200))
+        assert learning_rate(c, it) == pytest.approx(want, rel=1e-12), it
+    assert learning_rate(c, 0) == pytest.approx(0.1) and learning_rate(c, 200) == pytest.approx(0.001)
+    warm = SolverConfig(base_lr=0.1, lr_policy="cosine", max_iter=200, warmup_iter=10, warmup_start=0.2)
+    for it in (0, 5, 10, 11):  # the warmup factor times the cosine at the same iteration
+        factor = 0.2 + 0.8 * it / 10 if it < 10 else 1.0
+        assert learning_rate(warm, it) == pytest.approx(factor * 0.1 * 0.5 * (1 + math.cos(math.pi * it / 200)),
+                                                        rel=1e-12), it
+
+
+def test_sigmoid_follows_caffes_formula_without_overflow():
+    for gamma in (-0.05, 0.02):
+        c = SolverConfig(base_lr=0.1, lr_policy="sigmoid", gamma=gamma, stepsize=100)
+        for it in (0, 50, 99, 100, 101, 400, 5000):
+            want = 0.1 * (1 / (1 + math.exp(-gamma * (it - 100))))
+            assert learning_rate(c, it) == pytest.approx(want, rel=1e-12, abs=1e-300), (gamma, it)
+        assert learning_rate(c, 100) == pytest.approx(0.05)  # stepsize is the midpoint
+    # exp(-gamma * (it - stepsize)) alone would overflow a float here
+    assert learning_rate(SolverConfig(lr_policy="sigmoid", gamma=-1.0, stepsize=1), 10**6) == 0.0
+    assert learning_rate(SolverConfig(base_lr=0.1, lr_policy="sigmoid", gamma=1.0, stepsize=10**6), 0) == 0.0
+    assert learning_rate(SolverConfig(base_lr=0.1, lr_policy="sigmoid", gamma=1.0, stepsize=1), 10**6) == 0.1
+
+
+def test_min_lr_floors_the_other_policies():
+    c = SolverConfig(base_lr=0.1, lr_policy="step", gamma=0.1, stepsize=10, min_lr=0.005)
+    assert [learning_rate(c, it) for it in (0, 10, 20)] == pytest.approx([0.1, 0.01, 0.005])
+    s = SolverConfig(base_lr=0.1, lr_policy="sigmoid", gamma=-1.0, stepsize=5, min_lr=0.02)
+    assert learning_rate(s, 100) == 0.02
+
+
 # ----------------------------------------------------------------------------- overflow skip
 
 

@@ -319,3 +319,28 @@ def test_metrics_file_deleted_mid_run_is_started_again(tmp_path):
     w.write({"iter": 2})
     w.close()
     assert read_metrics(tmp_path / "run" / "metrics.jsonl") == [{"iter": 2}]
+
+
+def test_label_smoothing_loss_is_the_formula(tmp_path):
+    """solver.label_smoothing = e: loss = mean over the batch of -(1-e)*log p_y - (e/K)*sum_k log p_k."""
+    import torch.nn.functional as F
+
+    eps = 0.1
+    t = make_trainer(tmp_path, f"solver.label_smoothing={eps}", "solver.max_iter=1")
+    seen: dict[str, torch.Tensor] = {}
+    t.model.register_forward_hook(lambda m, i, out: seen.update(logits=out.detach().float().clone()))
+    next_batch = t._next_batch
+
+    def capture() -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = next_batch()
+        seen["y"] = y.clone()
+        return x, y
+
+    t._next_batch = capture
+    t.train_step()
+    t.close()
+    logp, y = seen["logits"].log_softmax(dim=1), seen["y"]  # [B, K], [B]
+    k = logp.shape[1]
+    want = (-(1 - eps) * logp.gather(1, y[:, None]).squeeze(1) - eps / k * logp.sum(dim=1)).mean()
+    assert float(t._iter_loss) == pytest.approx(float(want), rel=1e-6)  # fp32 sums over 32 x 10 terms
+    assert abs(float(want) - float(F.cross_entropy(seen["logits"], y))) > 1e-3  # the smoothing term is there
