@@ -247,14 +247,15 @@ def adam_scalars(h: Hyper) -> AdamScalars:
 def bias_corrections(step: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
     """``(1 - beta1^t, sqrt(1 - beta2^t))`` as [2] fp32 on ``step``'s device, for ``t = max(step, 1)``.
 
-    Device ops on a [1] int64 step count, so the host never needs to know whether a step
-    was skipped; taken in float64 (as torch.optim.Adam takes them on the host) and rounded
-    to fp32 once. ``t >= 1`` keeps a first step that is skipped from dividing by zero.
+    Device ops on a [1] int64 step count (the betas enter as Python scalars: no host-to-device
+    copy), so the host never needs to know whether a step was skipped; taken in float64, as
+    torch.optim.Adam takes them on the host, and rounded to fp32 once. ``t >= 1`` keeps a
+    first step that is skipped from dividing by zero.
     """
-    t = step.clamp(min=1).double()
-    beta = torch.tensor([beta1, beta2], dtype=torch.float64, device=step.device)
-    bc = 1.0 - beta.pow(t)
-    return torch.stack([bc[0], bc[1].sqrt()]).float()
+    t = step.clamp(min=1).double()  # [1] float64
+    bc1 = 1.0 - torch.pow(beta1, t)
+    bc2 = 1.0 - torch.pow(beta2, t)
+    return torch.cat([bc1, bc2.sqrt()]).float()  # [2] fp32
 
 
 def _adam_direction(g: torch.Tensor, w: torch.Tensor, state: tuple[torch.Tensor, ...], x: PerElement,
