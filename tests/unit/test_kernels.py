@@ -25,7 +25,7 @@ import torch
 from dptrain import kernels
 from dptrain.errors import ConfigError, SetupError
 from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, reference
-from dptrain.kernels.spec import RULES, sgd_scalars
+from dptrain.kernels.spec import RULES, bias_corrections, sqrt_rn
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -172,6 +172,72 @@ def test_grad_norm_reference_propagates_non_finite():
     assert torch.isnan(grad_norm_reference(torch.tensor([float("inf"), float("nan")], dtype=torch.float16)))
 
 
+def _numpy_update(a: UpdateArgs) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The spec docstrings' formulas for every rule, in numpy fp32 (each op rounded to fp32; np.sqrt
+    is correctly rounded), fp32 state: the new master and state."""
+    s = RULES[a.rule].scalars(a.hyper)
+
+    def f(t: torch.Tensor) -> np.ndarray:
+        return t.float().numpy().copy()
+
+    g, w, st = f(a.grads) * F32(a.grad_coef.item()), f(a.master), [f(t) for t in a.state]
+    lr_e = F32(s.lr) * f(a.lr_scale) if a.lr_scale is not None else F32(s.lr)
+    wd = F32(s.weight_decay)
+    l2 = wd * f(a.decay_scale) if a.decay_scale is not None else wd
+    dec = F32(s.wd_lr) if a.lr_scale is None else wd * lr_e
+    dec = dec * f(a.decay_scale) if a.decay_scale is not None else dec
+    bc1, bc2 = (f(a.bias_correction) if a.bias_correction is not None else np.ones(2, dtype=F32))
+    if s.decay_mode == 1:
+        g = g + l2 * w
+    if a.rule in ("sgd", "nesterov"):
+        m, h0 = F32(s.momentum), st[0]
+        h = m * h0 + lr_e * g
+        step, st = ((F32(1) + m) * h - m * h0 if a.rule == "nesterov" else h), [h]
+    elif a.rule in ("adam", "lamb"):
+        m = F32(s.beta1) * st[0] + F32(s.one_minus_beta1) * g
+        v = F32(s.beta2) * st[1] + F32(s.one_minus_beta2) * (g * g)
+        u, st = (m / bc1) / (np.sqrt(v) / bc2 + F32(s.eps)), [m, v]
+        if a.rule == "lamb" and s.decay_mode == 2:
+            u = u + l2 * w
+        step = lr_e * u
+    else:
+        v = F32(s.rms_decay) * st[0] + F32(s.one_minus_rms_decay) * (g * g)
+        b = F32(s.momentum) * st[1] + g / (np.sqrt(v) + F32(s.eps))
+        step, st = lr_e * b, [v, b]
+    if s.decay_mode == 2 and a.rule != "lamb":
+        step = step + dec * w
+    return w - step, st
+
+
+@pytest.mark.parametrize("rule", ["nesterov", "adam", "lamb", "rmsprop"])
+@pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
+@pytest.mark.parametrize("tables", [False, True])
+def test_new_rules_reference_matches_their_documented_formulas(rule, storage, decay, tables):
+    a = _rule_args(rule, storage, torch.float32, 96, seed=6, decay=decay, tables=tables)
+    want_w, want_state = _numpy_update(a)
+    got = _copy(a)
+    reference(got)
+    assert torch.equal(_bits(got.master), _bits(torch.from_numpy(want_w)))
+    for t, w in zip(got.state, want_state, strict=True):
+        assert torch.equal(_bits(t), _bits(torch.from_numpy(w)))
+    assert torch.equal(got.params, got.master.to(storage)) and torch.count_nonzero(got.grads) == 0
+
+
+def test_bias_corrections_are_adams_rounded_once_and_start_at_step_one():
+    bc = bias_corrections(torch.tensor([5]), 0.9, 0.999)
+    assert bc.dtype == torch.float32 and bc.tolist() == [F32(1 - 0.9**5), F32((1 - 0.999**5) ** 0.5)]
+    assert torch.equal(bias_corrections(torch.tensor([0]), 0.9, 0.999),
+                       bias_corrections(torch.tensor([1]), 0.9, 0.999))
+
+
+def test_the_reference_square_root_is_correctly_rounded():
+    """torch's vectorised CPU sqrt is not (the kernels' sqrtf is): the spec takes it in float64."""
+    x = torch.rand(4096, generator=torch.Generator().manual_seed(7)) * 0.01
+    want = torch.from_numpy(np.sqrt(x.numpy().astype(np.float64)).astype(F32))
+    assert torch.equal(sqrt_rn(x), want)
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -247,11 +313,12 @@ def test_package_imports_without_cupy():
 
 def test_cuda_source_exists_with_every_name_expression():
     src = cuda.SOURCE.read_text()
-    for name in ("dptrain_sgd_update", "dptrain_sumsq_partial", "dptrain_norm_finish"):
+    for name in (*(f"dptrain_{r}_update" for r in RULES), "dptrain_sumsq_partial", "dptrain_norm_finish"):
         assert f"{name}(" in src
     assert "#include <cuda_fp16.h>" in src and "#include <cuda_bf16.h>" in src
-    sgd = [n for n in cuda.name_expressions() if n.startswith("dptrain_sgd_update<")]
-    assert len(sgd) == 3 * 2 * 2  # storage x momentum x vector width
+    for rule in RULES.values():
+        mine = [n for n in cuda.name_expressions() if n.startswith(f"dptrain_{rule.name}_update<")]
+        assert len(mine) == 3 * len(rule.state_dtypes) * 2  # storage x state dtype x vector width
     assert "--fmad=false" in cuda.NVRTC_OPTIONS and "--ftz=false" in cuda.NVRTC_OPTIONS
 
 
