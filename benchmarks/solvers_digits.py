@@ -95,7 +95,8 @@ def torch_optimizer(cfg: SolverConfig, model: nn.Module, multipliers: dict[str, 
         return torch.optim.RMSprop(groups, lr=lr, alpha=cfg.rms_decay, eps=cfg.eps, momentum=cfg.momentum)
     if t == "lamb" and decoupled:
         return TorchLamb(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    raise ValueError(f"torch.optim has no counterpart of solver.type {t!r} with decay_mode {cfg.resolved_decay_mode()!r}")
+    raise ValueError(f"torch.optim has no counterpart of solver.type {t!r} with decay_mode "
+                     f"{cfg.resolved_decay_mode()!r}")
 
 
 def set_lr(opt: torch.optim.Optimizer, cfg: SolverConfig, it: int) -> float:

@@ -19,8 +19,17 @@ from collections.abc import Callable
 
 import torch
 
-from dptrain.kernels.spec import (DECAY_DECOUPLED, DECAY_L2, RULES, AdamScalars, PerElement, RmspropScalars, SgdScalars,
-                                  UpdateArgs, rule_of)
+from dptrain.kernels.spec import (
+    DECAY_DECOUPLED,
+    DECAY_L2,
+    RULES,
+    AdamScalars,
+    PerElement,
+    RmspropScalars,
+    SgdScalars,
+    UpdateArgs,
+    rule_of,
+)
 
 
 def _skipped(a: UpdateArgs) -> bool:

@@ -3,7 +3,8 @@
 The first time a process asks for the CuPy kernels on a device (``kernels.kernel_backend``)
 it compiles them and runs every rule over small buffers that cover each storage dtype,
 each state dtype, the vector path and the scalar tail (aligned and misaligned starts),
-per-element lr and decay multipliers, Adam's bias corrections, both decay modes, fp32 subnormals and an overflow (skipped)
+per-element lr and decay multipliers, Adam's bias corrections, both decay modes, fp32 subnormals
+and an overflow (skipped)
 step, comparing the kernel's bits with the reference's. It costs a few milliseconds after
 the compile. A mismatch or a failure makes the dispatch fall back to the reference with
 one warning (``DPTRAIN_KERNELS=auto``) or stop (``DPTRAIN_KERNELS=cupy``).

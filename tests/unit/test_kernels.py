@@ -406,7 +406,8 @@ template <typename R, typename T, typename M, int V> static void run(const std::
   using S = typename R::Scalars;
   constexpr size_t kFloats = sizeof(S) / sizeof(float) - 1;
   static_assert(sizeof(S) == (kFloats + 1) * sizeof(float), "scalars are floats then one int");
-  long long ints[8];  // n, nthreads, decay_mode, has_lr_scale, has_decay_scale, has_bias_correction, params_is_master, states
+  // n, nthreads, decay_mode, has_lr_scale, has_decay_scale, has_bias_correction, params_is_master, states
+  long long ints[8];
   float fl[kFloats];
   read_into(d + "/ints", ints, 8);
   read_into(d + "/floats", fl, kFloats);
@@ -466,7 +467,8 @@ def harness(tmp_path_factory) -> Path:
     addresses = "\n".join(f"void* const kernel_address_{i} = (void*)&{n};" for i, n in enumerate(names))
     dispatch = "\n".join(f'  if (rule == "{r}") {{ run_storage<{f}>(storage, state, vec, d); return 0; }}'
                          for r, f in _KERNEL_RULES.items())
-    (d / "harness.cu").write_text(_HARNESS.replace("@KERNEL_ADDRESSES@", addresses).replace("@RULE_DISPATCH@", dispatch))
+    source = _HARNESS.replace("@KERNEL_ADDRESSES@", addresses).replace("@RULE_DISPATCH@", dispatch)
+    (d / "harness.cu").write_text(source)
     opts = [o for o in cuda.NVRTC_OPTIONS if o != "--std=c++17"]
     cmd = [NVCC, "-std=c++17", *opts, "-arch=sm_80", "-diag-suppress=177", "-Xcompiler", "-ffp-contract=off",
            f"-I{cuda.SOURCE.parent}", str(d / "harness.cu"), "-o", str(d / "harness")]

@@ -43,7 +43,7 @@ def test_solver_types_and_their_rules():
     assert [SolverConfig(type=t).resolved_decay_mode() for t in TYPES] == ["l2", "l2", "l2", "decoupled", "l2",
                                                                            "decoupled"]
     assert SolverConfig(type="adam", decay_mode="decoupled").resolved_decay_mode() == "decoupled"
-    assert set(RULES["adam"].state_names) == {"exp_avg", "exp_avg_sq"} and RULES["adam"].state_dtypes == (torch.float32,)
+    assert RULES["adam"].state_names == ("exp_avg", "exp_avg_sq") and RULES["adam"].state_dtypes == (torch.float32,)
 
 
 def test_param_groups_parse_dump_and_reload(tmp_path):
