@@ -442,7 +442,7 @@ def from_dict(cls: type, table: dict[str, Any], prefix: str) -> Any:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [f"{prefix}{k}" for k in required if k not in table]
     if missing:
-        raise ConfigError(f"missing required key(s) {missing}")
+        raise ConfigError(f"missing required key(s) {missing}; valid: {names}")
     kwargs = {name: _check_value(f"{prefix}{name}", hints[name], value) for name, value in table.items()}
     return cls(**kwargs)
 

@@ -5,9 +5,11 @@ so a skipped step returns early instead of computing both outcomes and selecting
 ``torch.where`` as the reference does.
 
 * **In place** (:func:`update_inplace`, the default): each rule's body rewrites the spec's
-  math as in-place passes with no temporaries beyond the fp32 gradient, about 5x fewer
-  bytes moved than the reference. Results equal the reference's up to the rounding of an
-  ``add_(alpha=)`` (one rounding where the reference rounds a product and a sum).
+  math as in-place passes over the state and master, with one or two [n] fp32 temporaries
+  besides the gradient (SGD's step; Adam's direction and denominator), several times fewer
+  bytes moved than the reference. Results equal the reference's up to a few fp32 ulps: an
+  ``add_(alpha=)`` rounds once where the reference rounds a product and a sum, and
+  ``lr * lr_scale * u`` is two products where the reference forms ``lr * lr_scale`` first.
 * **Compiled** (:func:`update_compiled`, ``solver.cpu_fused_update``): the spec's math
   itself, compiled by ``torch.compile`` into one loop that reads and writes each buffer
   once; the scalars travel as one tensor, so a new learning rate does not recompile.

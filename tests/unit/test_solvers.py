@@ -65,7 +65,8 @@ def test_param_groups_parse_dump_and_reload(tmp_path):
 @pytest.mark.parametrize("text, match", [
     ('[[solver.param_groups]]\nmatch = "a"\nlr_mul = 2\n',
      r"unknown key\(s\) \['solver\.param_groups\[0\]\.lr_mul'\]; valid: \['match', 'lr_mult', 'decay_mult'\]"),
-    ('[[solver.param_groups]]\nlr_mult = 2\n', r"missing required key\(s\) \['solver\.param_groups\[0\]\.match'\]"),
+    ('[[solver.param_groups]]\nlr_mult = 2\n',
+     r"missing required key\(s\) \['solver\.param_groups\[0\]\.match'\]; valid: \['match'"),
     ('[[solver.param_groups]]\nmatch = "a"\n[[solver.param_groups]]\nmatch = "b"\ndecay_mult = -1\n',
      r"solver\.param_groups\[1\]\.decay_mult must be >= 0, got -1"),
     ('[[solver.param_groups]]\nmatch = ""\n', r"solver\.param_groups\[0\]\.match must not be empty"),
