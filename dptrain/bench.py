@@ -125,7 +125,8 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         rec[f"{ph}_ms"] = round(phase_ms.get(ph, 0.0) / phase_steps, 3) if phase_steps else None
     rec.update({
         "peak_mem_bytes": peak_mem_bytes(device),
-        "bytes_per_param": trainer.flat.bytes_per_param(),
+        "solver": cfg.solver.type,
+        "bytes_per_param": trainer.optimizer.bytes_per_param(),
         "num_params": trainer.flat.num_params,
         "versions": versions(),
         "device": device_name(device),

@@ -126,15 +126,51 @@ LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "sigmoid", "c
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParamGroup:
+    """One ``[[solver.param_groups]]`` entry: Caffe's per-layer multipliers for the parameters it matches."""
+
+    match: str
+    """Glob over dotted parameter names ("fc8.*", "*.bias"), or over the type name of the module that
+    owns the parameter, base classes included ("BatchNorm2d", "*Norm*"). The first group that
+    matches a parameter wins; a group that matches no parameter is an error."""
+    lr_mult: float = 1.0
+    """The parameter's learning rate is solver's lr x lr_mult (Caffe lr_mult). 0 freezes it."""
+    decay_mult: float = 1.0
+    """The parameter's weight decay is weight_decay x decay_mult (Caffe decay_mult). 0: no decay."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class SolverConfig:
+    type: Literal["sgd", "nesterov", "adam", "adamw", "rmsprop", "lamb"] = "sgd"
+    """Update rule, fused with FP32 masters: "sgd" (momentum, Caffe form), "nesterov" (Caffe's
+    NesterovSolver), "adam" (L2 decay in the gradient), "adamw" (decoupled decay), "rmsprop"
+    (torch's RMSprop, Caffe's with momentum 0), "lamb" (Adam direction with a per-parameter
+    trust ratio |w|/|u|, for large batches). State per parameter: 4 bytes (sgd, nesterov) or 8."""
     base_lr: float = 0.01
     """Learning rate before the policy and warmup are applied."""
     momentum: float = 0.9
-    """SGD momentum (Caffe form: h = m*h + lr*g; w -= h)."""
+    """sgd/nesterov: momentum (Caffe form: h = m*h + lr*g; w -= h). rmsprop: momentum of the scaled
+    step (torch's; Caffe's RMSProp has none: set 0). Unused by adam/adamw/lamb (see beta1)."""
+    beta1: float = 0.9
+    """adam/adamw/lamb: decay of the first moment."""
+    beta2: float = 0.999
+    """adam/adamw/lamb: decay of the second moment. Lower (0.98) reacts faster to gradient scale changes."""
+    eps: float = 1e-8
+    """adam/adamw/lamb/rmsprop: added to the root of the second moment (Caffe's delta). LAMB recipes use 1e-6."""
+    rms_decay: float = 0.99
+    """rmsprop: decay of the mean square (Caffe rms_decay, torch alpha)."""
     weight_decay: float = 0.0005
-    """Decay coefficient. See decay_mode for where it enters."""
-    decay_mode: Literal["l2", "decoupled"] = "l2"
-    """"l2": Caffe, decay*w added to the gradient; "decoupled": w -= lr*decay*w beside the momentum step."""
+    """Decay coefficient. See decay_mode for where it enters, decay_mult and no_decay for which parameters."""
+    decay_mode: Literal["auto", "l2", "decoupled"] = "auto"
+    """"l2": Caffe, decay*w added to the gradient; "decoupled": w -= lr*decay*w beside the step (lamb:
+    decay*w added to the update direction, inside the trust ratio). "auto": decoupled for adamw and
+    lamb, l2 for the others."""
+    param_groups: list[ParamGroup] = field(default_factory=list)
+    """[[solver.param_groups]] tables of match / lr_mult / decay_mult (see ParamGroup); parameters no
+    group matches keep lr_mult = decay_mult = 1."""
+    no_decay: list[Literal["bias", "norm"]] = field(default_factory=list)
+    """Shortcut: decay_mult 0 for "bias" (parameters named bias) and "norm" (the parameters of
+    normalisation layers: BatchNorm, GroupNorm, LayerNorm, InstanceNorm), whatever group they are in."""
     lr_policy: Literal["fixed", "step", "multistep", "poly", "exp", "inv", "sigmoid", "cosine"] = "fixed"
     """Caffe learning-rate policy, or "cosine": base_lr annealed to min_lr over max_iter (half a cosine)."""
     gamma: float = 0.1
@@ -175,7 +211,7 @@ class SolverConfig:
     consecutive iterations whose loss is not finite; the last good snapshot is kept. (With
     loss scaling such a step is skipped and the scale lowered instead.)"""
     larc: bool = False
-    """Layer-wise adaptive rate control (NVCaffe larc)."""
+    """Layer-wise adaptive rate control (NVCaffe larc); sgd and nesterov only."""
     larc_policy: Literal["scale", "clip"] = "clip"
     """LARC: "scale" uses lr*rate, "clip" uses min(lr, rate)."""
     larc_eta: float = 0.001
@@ -214,6 +250,30 @@ class SolverConfig:
             raise ConfigError(f"solver.stepvalue must be increasing positive iterations, got {self.stepvalue}")
         if self.lr_policy == "multistep" and not self.stepvalue:
             raise ConfigError("solver.stepvalue must list iterations when solver.lr_policy = \"multistep\"")
+        self._check_rule_settings()
+
+    def _check_rule_settings(self) -> None:
+        for key in ("beta1", "beta2", "rms_decay"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"solver.{key} must be in [0, 1), got {getattr(self, key)}")
+        _positive("solver.eps", self.eps)
+        if self.type == "adamw" and self.decay_mode == "l2":
+            raise ConfigError("solver.type = \"adamw\" is Adam with decoupled decay, but solver.decay_mode = \"l2\"; "
+                              "use solver.type = \"adam\" for L2 decay, or drop decay_mode")
+        if self.larc and self.type not in ("sgd", "nesterov"):
+            raise ConfigError(f"solver.larc applies to solver.type \"sgd\" or \"nesterov\", got {self.type!r} "
+                              f"(lamb has its own trust ratio)")
+        for i, g in enumerate(self.param_groups):
+            if not g.match:
+                raise ConfigError(f"solver.param_groups[{i}].match must not be empty")
+            _positive(f"solver.param_groups[{i}].lr_mult", g.lr_mult, allow_zero=True)
+            _positive(f"solver.param_groups[{i}].decay_mult", g.decay_mult, allow_zero=True)
+
+    def resolved_decay_mode(self) -> Literal["l2", "decoupled"]:
+        """decay_mode after "auto" is resolved against the solver type."""
+        if self.decay_mode != "auto":
+            return self.decay_mode
+        return "decoupled" if self.type in ("adamw", "lamb") else "l2"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,6 +403,11 @@ class TrainConfig:
     reducer: ReducerConfig = field(default_factory=ReducerConfig)
     train: TrainSection = field(default_factory=TrainSection)
 
+    def __post_init__(self) -> None:
+        if self.precision.momentum_dtype == "fp16" and self.solver.type not in ("sgd", "nesterov"):
+            raise ConfigError(f"precision.momentum_dtype = \"fp16\" applies to solver.type \"sgd\" or \"nesterov\"; "
+                              f"{self.solver.type}'s moments are fp32: set precision.momentum_dtype = \"fp32\"")
+
 
 # --------------------------------------------------------------------------- loading
 
@@ -366,6 +431,10 @@ def _check_value(key: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list of {_type_name(item_tp)}, got {value!r}")
         return [_check_value(f"{key}[{i}]", item_tp, v) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table, got {value!r}")
+        return from_dict(tp, value, f"{key}.")
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
@@ -398,16 +467,12 @@ def from_dict(cls: type, table: dict[str, Any], prefix: str) -> Any:
         raise ConfigError(
             f"unknown key(s) {[f'{prefix}{k}' for k in unknown]}; valid: {names}"
         )
-    kwargs: dict[str, Any] = {}
-    for name, value in table.items():
-        tp = hints[name]
-        key = f"{prefix}{name}"
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{key} must be a table, got {value!r}")
-            kwargs[name] = from_dict(tp, value, f"{key}.")
-        else:
-            kwargs[name] = _check_value(key, tp, value)
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [f"{prefix}{k}" for k in required if k not in table]
+    if missing:
+        raise ConfigError(f"missing required key(s) {missing}; valid: {names}")
+    kwargs = {name: _check_value(f"{prefix}{name}", hints[name], value) for name, value in table.items()}
     return cls(**kwargs)
 
 
@@ -473,6 +538,8 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # a table inside a list (solver.param_groups): an inline table
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
     raise TypeError(f"cannot write {v!r} as TOML")
 
 

@@ -6,18 +6,31 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from dptrain import kernels
 from dptrain.config import SolverConfig
+from dptrain.errors import SnapshotError
 from dptrain.flat import FlatParams
 from dptrain.kernels import Hyper, UpdateArgs
+from dptrain.kernels.spec import RULES, PerElement, Rule, bias_corrections
+from dptrain.param_groups import Multipliers
 from dptrain.overflow import OverflowLocator
 from dptrain.precision import LossScaler
 
 CLIP_EPS = 1e-6
 """Added to the gradient norm before dividing, as torch.nn.utils.clip_grad_norm_ does."""
+
+RULE_OF_TYPE = {"sgd": "sgd", "nesterov": "nesterov", "adam": "adam", "adamw": "adam", "rmsprop": "rmsprop",
+                "lamb": "lamb"}
+"""solver.type -> kernel rule: adam and adamw are one rule whose decay_mode tells them apart."""
+
+
+def rule_for(cfg: SolverConfig) -> Rule:
+    """The update rule (its state names and dtypes, its kernel) that ``cfg.type`` selects."""
+    return RULES[RULE_OF_TYPE[cfg.type]]
 
 
 def learning_rate(cfg: SolverConfig, it: int) -> float:
@@ -61,25 +74,60 @@ def _sigmoid(z: float) -> float:
     return e / (1.0 + e)
 
 
+@dataclass(frozen=True)
+class _Tables:
+    """What one flat group's layout fixes, built once per layout (each is a host-to-device copy)."""
+
+    lengths: torch.Tensor
+    """[segments] int64: padded length of each segment."""
+    lr_mult: torch.Tensor | None
+    """[segments] fp32 lr_mult per segment, None when all are 1."""
+    lr_scale: torch.Tensor | None
+    """[n] fp32: lr_mult per element, None when all are 1."""
+    decay_scale: torch.Tensor | None
+    """[n] fp32: decay_mult per element, None when all are 1."""
+
+
 class MasterOptimizer:
-    """Momentum SGD on flat FP32 masters; writes the storage-dtype weights back.
+    """The configured update rule on flat FP32 masters; writes the storage-dtype weights back.
 
     ``step`` runs, per flat group: one norm pass (overflow flag and clipping norm) and one
-    fused update (unscale by 1/(S*grad_divisor), clip, decay, momentum, master update,
-    weight write-back, gradient zeroing). Nothing is read on the host.
+    fused update (unscale by 1/(S*grad_divisor), clip, decay, the rule's state update,
+    master update, weight write-back, gradient zeroing). Nothing is read on the host.
+
+    Per-parameter multipliers (``multipliers``, from ``param_groups.resolve_multipliers``)
+    become per-element fp32 tables of the flat layout, built once per layout (4 bytes per
+    parameter each, only for a multiplier that is not 1 everywhere): every parameter gets
+    its own lr_mult and decay_mult in the same single launch per flat group.
+
+    Adam and LAMB count the steps taken in a [1] int64 device tensor, advanced on the device
+    only when ``found_inf`` is clear, so a skipped step does not advance the bias correction
+    and the host never reads the flag; the corrections are computed from it on the device
+    (:func:`~dptrain.kernels.spec.bias_corrections`) and read by the kernel.
+
+    LAMB runs in two passes: the per-parameter norms of the master and of the update
+    direction (:func:`~dptrain.kernels.spec.lamb_direction`, torch ops) give the trust ratio
+    ``|w| / |u|`` (1 where either is 0), which enters the fused update as the per-element lr
+    multiplier, the way LARC's rate does.
     """
 
-    RULE = "sgd"
-    STATE_NAMES = ("momentum",)
-
     def __init__(self, flat: FlatParams, cfg: SolverConfig, scaler: LossScaler, grad_divisor: int,
-                 locator: OverflowLocator | None = None) -> None:
+                 multipliers: dict[str, Multipliers] | None = None, locator: OverflowLocator | None = None) -> None:
         self.flat, self.cfg, self.scaler, self.grad_divisor = flat, cfg, scaler, grad_divisor
+        self.rule = rule_for(cfg)
+        self.multipliers = multipliers or {}
         self.locator = locator
         """Names the parameters of a skipped step (see dptrain.overflow); runs in the norm pass."""
         self._need_norm = scaler.enabled or cfg.clip_gradients > 0
-        self._lengths: dict[int, torch.Tensor] = {}  # group -> padded numels of its segments
-        self._lengths_version = -1
+        self._tables: dict[int, _Tables] = {}
+        self._tables_version = -1
+        self._steps = torch.zeros(1, dtype=torch.int64, device=flat.groups[0].master.device)  # [1] steps taken
+
+    def hyper(self, lr: float) -> Hyper:
+        c = self.cfg
+        return Hyper(lr=lr, momentum=c.momentum, weight_decay=c.weight_decay,
+                     decoupled=c.resolved_decay_mode() == "decoupled", beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                     rms_decay=c.rms_decay)
 
     def step(self, it: int) -> float:
         """Apply iteration ``it``'s update; return the learning rate used."""
@@ -94,49 +142,115 @@ class MasterOptimizer:
             if self.cfg.clip_gradients > 0:
                 unscaled = total * coef
                 coef = coef * (self.cfg.clip_gradients / (unscaled + CLIP_EPS)).clamp(max=1.0)
-        hyper = Hyper(lr=lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay,
-                      decoupled=self.cfg.decay_mode == "decoupled")
+        hyper = self.hyper(lr)
+        bc = None
+        if self.rule.bias_correction:
+            self._steps += (self.scaler.found_inf == 0).long()  # device op: a skipped step does not count
+            bc = bias_corrections(self._steps, self.cfg.beta1, self.cfg.beta2)
         for i, g in enumerate(self.flat.groups):
-            lr_scale = self._larc_scale(i, lr, coef) if self.cfg.larc else None
-            kernels.update(UpdateArgs(rule=self.RULE, grads=g.grads, master=g.master, params=g.params,
-                                      state=tuple(g.state[k] for k in self.STATE_NAMES), grad_coef=coef,
-                                      found_inf=self.scaler.found_inf, hyper=hyper, lr_scale=lr_scale),
+            t = self._tables_of(i)
+            if self.cfg.larc:
+                lr_scale = self._larc_scale(i, lr, coef)
+            elif self.rule.direction is not None:
+                lr_scale = self._trust_scale(i, hyper, coef, bc)
+            else:
+                lr_scale = t.lr_scale
+            kernels.update(UpdateArgs(rule=self.rule.name, grads=g.grads, master=g.master, params=g.params,
+                                      state=tuple(g.state[k] for k in self.rule.state_names), grad_coef=coef,
+                                      found_inf=self.scaler.found_inf, hyper=hyper, lr_scale=lr_scale,
+                                      decay_scale=t.decay_scale, bias_correction=bc),
                            cpu_fused=self.cfg.cpu_fused_update)
         self.scaler.update()
         return lr
 
-    def _larc_scale(self, i: int, lr: float, coef: torch.Tensor) -> torch.Tensor:
-        """Per-element lr multiplier from NVCaffe's LARC: rate = (1-m)*eta*|w|/|g|.
+    def _master_norms(self, i: int) -> torch.Tensor:
+        """[segments] fp32: the L2 norm of each parameter's master."""
+        g = self.flat.groups[i]
+        return torch.stack(torch._foreach_norm([g.master[s.offset : s.offset + s.numel] for s in g.segments]))
 
-        "scale" multiplies lr by rate; "clip" uses min(lr, rate). A parameter whose weight
-        or gradient norm is zero keeps the plain lr.
+    def _per_element(self, i: int, per_segment: torch.Tensor) -> torch.Tensor:
+        """[n] fp32: each segment's value over its padded elements."""
+        return per_segment.repeat_interleave(self._tables_of(i).lengths, output_size=self.flat.groups[i].numel)
+
+    def _larc_scale(self, i: int, lr: float, coef: torch.Tensor) -> torch.Tensor:
+        """Per-element lr multiplier from NVCaffe's LARC: rate = (1-m)*eta*|w|/|g|, times lr_mult.
+
+        "scale" multiplies lr by rate; "clip" uses min(lr*lr_mult, rate). A parameter whose
+        weight or gradient norm is zero keeps its plain lr.
         """
         g = self.flat.groups[i]
-        w_norm = torch.stack(torch._foreach_norm([g.master[s.offset : s.offset + s.numel] for s in g.segments]))
+        w_norm = self._master_norms(i)
         g_views = [g.grads[s.offset : s.offset + s.numel] for s in g.segments]
         g_norm = torch.stack([torch.linalg.vector_norm(v, dtype=torch.float32) for v in g_views]) * coef
         rate = (1.0 - self.cfg.momentum) * self.cfg.larc_eta * w_norm / g_norm
         valid = (w_norm > 0) & (g_norm > 0) & torch.isfinite(rate)
+        lr_mult = self._tables_of(i).lr_mult
+        plain = torch.ones_like(rate) if lr_mult is None else lr_mult
         if self.cfg.larc_policy == "scale":
-            mult = torch.where(valid, rate, torch.ones_like(rate))
+            mult = torch.where(valid, rate if lr_mult is None else rate * lr_mult, plain)
         else:
-            mult = torch.where(valid, (rate / lr).clamp(max=1.0), torch.ones_like(rate))
-        return mult.repeat_interleave(self._padded_numels(i), output_size=g.numel)
+            mult = torch.where(valid, (rate / lr).clamp(max=1.0 if lr_mult is None else lr_mult), plain)
+        return self._per_element(i, mult)
 
-    def _padded_numels(self, i: int) -> torch.Tensor:
-        """Padded length of each segment of group ``i`` as a device tensor, built once per layout:
-        creating it is a host-to-device copy, which would be a host sync in every step."""
-        if self._lengths_version != self.flat.layout_version:
-            self._lengths, self._lengths_version = {}, self.flat.layout_version
-        if i not in self._lengths:
-            g = self.flat.groups[i]
-            self._lengths[i] = torch.tensor([s.padded_numel for s in g.segments],
-                                            device=g.master.device)  # [segments] int64
-        return self._lengths[i]
+    def _trust_scale(self, i: int, hyper: Hyper, coef: torch.Tensor, bc: torch.Tensor | None) -> torch.Tensor:
+        """LAMB's first pass: per-element lr multiplier = trust ratio |w|/|u| of the parameter times
+        its lr_mult (1 where either norm is 0). Torch ops on the device, no host sync."""
+        g, t = self.flat.groups[i], self._tables_of(i)
+        state = tuple(g.state[k] for k in self.rule.state_names)
+        u = self.rule.direction(g.grads.float() * coef, g.master, state, PerElement(None, t.decay_scale, bc),
+                                self.rule.scalars(hyper))  # [n] fp32 scratch
+        u_norm = torch.stack(torch._foreach_norm([u[s.offset : s.offset + s.numel] for s in g.segments]))
+        w_norm = self._master_norms(i)
+        trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+        return self._per_element(i, trust if t.lr_mult is None else trust * t.lr_mult)
+
+    def _tables_of(self, i: int) -> _Tables:
+        """Group ``i``'s per-layout tables, rebuilt after a :meth:`FlatParams.reorder`."""
+        if self._tables_version != self.flat.layout_version:
+            self._tables, self._tables_version = {}, self.flat.layout_version
+        if i not in self._tables:
+            self._tables[i] = self._build_tables(i)
+        return self._tables[i]
+
+    def _build_tables(self, i: int) -> _Tables:
+        g = self.flat.groups[i]
+        dev = g.master.device
+        lengths = torch.tensor([s.padded_numel for s in g.segments], device=dev)  # [segments] int64
+        mults = [self.multipliers.get(s.name, Multipliers()) for s in g.segments]
+
+        def table(values: list[float]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            if all(v == 1.0 for v in values):
+                return None, None
+            per_segment = torch.tensor(values, dtype=torch.float32, device=dev)  # [segments] fp32
+            return per_segment, per_segment.repeat_interleave(lengths, output_size=g.numel)  # [n] fp32
+
+        lr_mult, lr_scale = table([m.lr_mult for m in mults])
+        _, decay_scale = table([m.decay_mult for m in mults])
+        return _Tables(lengths, lr_mult, lr_scale, decay_scale)
+
+    def bytes_per_param(self) -> dict[str, float]:
+        """Device bytes per parameter held for the update: weights, masters, each state buffer,
+        grads, the multiplier tables (when any), and their total."""
+        out = self.flat.bytes_per_param()
+        tables = [t for i in range(len(self.flat.groups)) for t in (self._tables_of(i).lr_scale,
+                                                                     self._tables_of(i).decay_scale) if t is not None]
+        if tables:
+            out["multipliers"] = round(sum(t.numel() * 4 for t in tables) / self.flat.num_params, 3)
+        out["total"] = round(sum(out.values()), 3)
+        return out
 
     def state_dict(self) -> dict[str, object]:
-        return {"rule": self.RULE, "state": self.flat.state_dict(), "scaler": self.scaler.state_dict()}
+        out: dict[str, object] = {"rule": self.rule.name, "state": self.flat.state_dict(),
+                                  "scaler": self.scaler.state_dict()}
+        if self.rule.bias_correction:
+            out["steps"] = self._steps.clone()
+        return out
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.flat.load_state_dict(state["state"])  # type: ignore[arg-type]
         self.scaler.load_state_dict(state["scaler"])  # type: ignore[arg-type]
+        if self.rule.bias_correction:
+            if "steps" not in state:
+                raise SnapshotError(f"snapshot has no step count for solver rule {self.rule.name} (it was written "
+                                    f"with rule {state.get('rule')!r}); resume with that solver.type")
+            self._steps.copy_(state["steps"])  # type: ignore[arg-type]

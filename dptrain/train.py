@@ -49,8 +49,9 @@ from dptrain.errors import ConfigError, DivergenceError, RankFailure, SetupError
 from dptrain.flat import FlatParams
 from dptrain.metrics import MetricsWriter, TensorBoardWriter
 from dptrain.models import build_model, check_input
-from dptrain.optimizer import MasterOptimizer
+from dptrain.optimizer import MasterOptimizer, rule_for
 from dptrain.overflow import OverflowLocator, first_nonfinite_layer
+from dptrain.param_groups import resolve_multipliers
 from dptrain.precision import DTYPES, LossScaler, apply_precision, warn_if_slow_on_cpu
 from dptrain.reducer import Reducer
 from dptrain.straggler import StepClock, StragglerMonitor
@@ -111,7 +112,7 @@ def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.d
     comm.broadcast_module(model)
     fp32_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_precision(model, cfg.precision)
-    flat = FlatParams(model, state_names=MasterOptimizer.STATE_NAMES,
+    flat = FlatParams(model, state_names=rule_for(cfg.solver).state_names,
                       state_dtype=DTYPES[cfg.precision.momentum_dtype])
     flat.load_master_state(fp32_weights)
     return model, flat
@@ -145,8 +146,9 @@ class Trainer:
         ls_mode = cfg.precision.resolved_loss_scale_mode()
         self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
         self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer, running_stats(self.model))
+        multipliers = resolve_multipliers(self.model, cfg.solver.param_groups, cfg.solver.no_decay)
         self.overflow = OverflowLocator(self.flat, self.device, enabled=self.scaler.enabled)
-        self.optimizer = MasterOptimizer(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor,
+        self.optimizer = MasterOptimizer(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor, multipliers,
                                          locator=self.overflow)
         self.parts = StateParts(self.model, self.flat, self.optimizer, self.reducer, comm)
         self.shard = ShardPlan(self.rank, self.world_size, cfg.data.batch_size, cfg.train.seed,
@@ -478,7 +480,10 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.prepare(dump_toml(self.cfg))
         log.info("%s", self.plan.describe())
-        log.info("bytes per parameter: %s (%d parameters)", self.flat.bytes_per_param(), self.flat.num_params)
+        custom = sum(1 for m in self.optimizer.multipliers.values() if m != (1.0, 1.0))
+        log.info("solver %s; lr_mult/decay_mult other than 1 on %d of %d parameter tensors; bytes per parameter: %s "
+                 "(%d parameters)", s.type, custom, len(self.optimizer.multipliers), self.optimizer.bytes_per_param(),
+                 self.flat.num_params)
         if self.iteration >= s.max_iter:  # e.g. --resume auto on a finished run: its final test and snapshot exist
             log.warning("iteration %d is already at solver.max_iter = %d: nothing to train; raise solver.max_iter "
                         "to continue", self.iteration, s.max_iter)

@@ -22,8 +22,8 @@
 // The *_thread functions are __host__ __device__ so the CPU tests can run the exact per-thread code.
 //
 // Every rule's kernel takes one argument list (kernels.cuda.update_args):
-//   grads, master, params (nullptr: the master), *state, lr_scale (nullptr: 1), grad_coef, found_inf,
-//   *the rule's scalars, n
+//   grads, master, params (nullptr: the master), *state, lr_scale (nullptr: 1), decay_scale (nullptr: 1),
+//   grad_coef, found_inf, bias_correction (nullptr: none), *the rule's scalars, n
 // Types: T (storage) is float, __half or __nv_bfloat16; M (state) per the rule's state_dtypes; V is the
 // elements per vector access: 4 when every pointer is aligned to 4 elements (flat buffers are: each
 // parameter starts at a multiple of 64 elements), else 1.
@@ -60,6 +60,31 @@ template <typename T, int V> __host__ __device__ __forceinline__ void store_pack
   *reinterpret_cast<Pack<T, V>*>(p + i) = x;
 }
 
+// The per-element inputs of a rule besides gradient, master and state: the lr and decay multipliers
+// (1 when their table is absent, and then not multiplied at all) and the step's bias corrections.
+struct Elem {
+  float lr_mult;     // lr_scale[i]
+  float decay_mult;  // decay_scale[i]
+  bool has_lr;       // lr_scale != nullptr
+  bool has_decay;    // decay_scale != nullptr
+  float bc1;         // bias_correction[0]: 1 - beta1^t (1 without the table)
+  float bc2_sqrt;    // bias_correction[1]: sqrt(1 - beta2^t) (1 without the table)
+};
+
+__host__ __device__ __forceinline__ float lr_of(float lr, const Elem& e) { return e.has_lr ? lr * e.lr_mult : lr; }
+
+// spec.decay_coefs: the L2 coefficient wd*decay_mult, and the decoupled one (wd_lr, or wd*lr_e with an
+// lr table) times decay_mult.
+__host__ __device__ __forceinline__ float l2_coef(float wd, const Elem& e) {
+  return e.has_decay ? wd * e.decay_mult : wd;
+}
+__host__ __device__ __forceinline__ float decoupled_coef(float wd, float wd_lr, float lr_e, const Elem& e) {
+  const float k = e.has_lr ? wd * lr_e : wd_lr;
+  return e.has_decay ? k * e.decay_mult : k;
+}
+
+// ------------------------------------------------------------------------------------ SGD, Nesterov
+
 struct SgdScalars {
   float lr;             // fp32(lr)
   float momentum_coef;  // fp32(momentum_coef)
@@ -68,49 +93,142 @@ struct SgdScalars {
   int decay_mode;       // kDecayNone | kDecayL2 | kDecayDecoupled
 };
 
-// fp32 momentum, Caffe form: h = m*h + lr_e*g; the step is h.
-__host__ __device__ __forceinline__ float momentum_step(float& h, float m, float lr_e, float g) {
+// fp32 momentum, Caffe form: h = m*h + lr_e*g; the step is h (Nesterov: (1+m)*h - m*h0).
+__host__ __device__ __forceinline__ float momentum_step(float& h, float m, float lr_e, float g, bool nesterov) {
+  const float h0 = h;
   h = m * h + lr_e * g;
-  return h;
+  return nesterov ? (1.0f + m) * h - m * h0 : h;
 }
 
 // fp16 momentum, lr-factored form (NVIDIA mixed-precision slides): G = half(m*G + g); the step is
-// lr_e*G in fp32, so lr*g never has to be representable in fp16.
-__host__ __device__ __forceinline__ float momentum_step(__half& h, float m, float lr_e, float g) {
-  h = __float2half_rn(m * __half2float(h) + g);
-  return lr_e * __half2float(h);
+// lr_e*G in fp32 (Nesterov: lr_e*((1+m)*G - m*G0)), so lr*g never has to be representable in fp16.
+__host__ __device__ __forceinline__ float momentum_step(__half& h, float m, float lr_e, float g, bool nesterov) {
+  const float h0 = __half2float(h);
+  h = __float2half_rn(m * h0 + g);
+  const float hist = nesterov ? (1.0f + m) * __half2float(h) - m * h0 : __half2float(h);
+  return lr_e * hist;
 }
 
-// One element of spec.sgd_math: g16 is float(grads[i]), w the fp32 master (in/out),
-// h the momentum (in/out), s the LARC lr multiplier (used only when has_scale).
-template <typename M>
-__host__ __device__ __forceinline__ void sgd_element(float g16, float coef, float s, bool has_scale,
-                                                     const SgdScalars& c, float& w, M& h) {
-  float g = g16 * coef;
-  if (c.decay_mode == kDecayL2) g = g + c.weight_decay * w;
-  const float lr_e = has_scale ? c.lr * s : c.lr;
-  float step = momentum_step(h, c.momentum_coef, lr_e, g);
-  if (c.decay_mode == kDecayDecoupled) step = step + (has_scale ? c.weight_decay * lr_e : c.wd_lr) * w;
-  w = w - step;
+// spec.sgd_math / spec.nesterov_math, one element. h[0] is the momentum.
+template <bool Nesterov> struct MomentumRule {
+  static constexpr int kStates = 1;
+  using Scalars = SgdScalars;
+  template <typename M>
+  __host__ __device__ static void element(float g, float& w, M* h, const Elem& e, const Scalars& c) {
+    const float lr_e = lr_of(c.lr, e);
+    if (c.decay_mode == kDecayL2) g = g + l2_coef(c.weight_decay, e) * w;
+    float step = momentum_step(h[0], c.momentum_coef, lr_e, g, Nesterov);
+    if (c.decay_mode == kDecayDecoupled) step = step + decoupled_coef(c.weight_decay, c.wd_lr, lr_e, e) * w;
+    w = w - step;
+  }
+};
+
+// ------------------------------------------------------------------------------------ Adam, LAMB
+
+struct AdamScalars {
+  float lr;               // fp32(lr)
+  float beta1;            // fp32(beta1)
+  float one_minus_beta1;  // fp32(1 - beta1), difference taken in double on the host
+  float beta2;            // fp32(beta2)
+  float one_minus_beta2;  // fp32(1 - beta2), likewise
+  float eps;              // fp32(eps)
+  float weight_decay;     // fp32(weight_decay)
+  float wd_lr;            // fp32(weight_decay * lr), product taken in double (adam's decoupled decay)
+  int decay_mode;         // kDecayNone | kDecayL2 | kDecayDecoupled
+};
+
+// spec._adam_direction: updates the moments h[0] (m) and h[1] (v), returns u = m_hat / (sqrt(v_hat) + eps).
+__host__ __device__ __forceinline__ float adam_direction(float g, float w, float* h, const Elem& e,
+                                                         const AdamScalars& c) {
+  if (c.decay_mode == kDecayL2) g = g + l2_coef(c.weight_decay, e) * w;
+  h[0] = c.beta1 * h[0] + c.one_minus_beta1 * g;
+  h[1] = c.beta2 * h[1] + c.one_minus_beta2 * (g * g);
+  return (h[0] / e.bc1) / (sqrtf(h[1]) / e.bc2_sqrt + c.eps);
 }
 
-template <typename T, typename M> struct SgdArgs {
-  T* grads;               // [n] storage dtype, zeroed
-  float* master;          // [n] fp32
-  T* params;              // [n] storage dtype, or nullptr when params is master (fp32 storage)
-  M* momentum;            // [n]
-  const float* lr_scale;  // [n] fp32, or nullptr
-  const float* grad_coef; // [1] fp32
-  const float* found_inf; // [1] fp32
-  SgdScalars s;
+// spec.adam_math (decay_mode l2: Adam; decoupled: AdamW), one element.
+struct AdamRule {
+  static constexpr int kStates = 2;
+  using Scalars = AdamScalars;
+  __host__ __device__ static void element(float g, float& w, float* h, const Elem& e, const Scalars& c) {
+    const float lr_e = lr_of(c.lr, e);
+    float step = lr_e * adam_direction(g, w, h, e, c);
+    if (c.decay_mode == kDecayDecoupled) step = step + decoupled_coef(c.weight_decay, c.wd_lr, lr_e, e) * w;
+    w = w - step;
+  }
+};
+
+// spec.lamb_math, one element: the direction takes the decoupled decay, and lr_scale carries the
+// parameter's trust ratio (computed by the optimizer before this pass).
+struct LambRule {
+  static constexpr int kStates = 2;
+  using Scalars = AdamScalars;
+  __host__ __device__ static void element(float g, float& w, float* h, const Elem& e, const Scalars& c) {
+    float u = adam_direction(g, w, h, e, c);
+    if (c.decay_mode == kDecayDecoupled) u = u + l2_coef(c.weight_decay, e) * w;
+    w = w - lr_of(c.lr, e) * u;
+  }
+};
+
+// ------------------------------------------------------------------------------------ RMSProp
+
+struct RmspropScalars {
+  float lr;                   // fp32(lr)
+  float momentum_coef;        // fp32(momentum)
+  float rms_decay;            // fp32(rms_decay)
+  float one_minus_rms_decay;  // fp32(1 - rms_decay), difference taken in double on the host
+  float eps;                  // fp32(eps)
+  float weight_decay;         // fp32(weight_decay)
+  float wd_lr;                // fp32(weight_decay * lr), product taken in double
+  int decay_mode;             // kDecayNone | kDecayL2 | kDecayDecoupled
+};
+
+// spec.rmsprop_math, one element: h[0] is the mean square, h[1] the momentum buffer.
+struct RmspropRule {
+  static constexpr int kStates = 2;
+  using Scalars = RmspropScalars;
+  __host__ __device__ static void element(float g, float& w, float* h, const Elem& e, const Scalars& c) {
+    const float lr_e = lr_of(c.lr, e);
+    if (c.decay_mode == kDecayL2) g = g + l2_coef(c.weight_decay, e) * w;
+    h[0] = c.rms_decay * h[0] + c.one_minus_rms_decay * (g * g);
+    h[1] = c.momentum_coef * h[1] + g / (sqrtf(h[0]) + c.eps);
+    float step = lr_e * h[1];
+    if (c.decay_mode == kDecayDecoupled) step = step + decoupled_coef(c.weight_decay, c.wd_lr, lr_e, e) * w;
+    w = w - step;
+  }
+};
+
+// ------------------------------------------------------------------------------------ the common loop
+
+constexpr int kMaxStates = 2;
+
+template <typename T, typename M> struct Args {
+  T* grads;                      // [n] storage dtype, zeroed
+  float* master;                 // [n] fp32
+  T* params;                     // [n] storage dtype, or nullptr when params is master (fp32 storage)
+  M* state[kMaxStates];          // [n] each; the rule's kStates first are used
+  const float* lr_scale;         // [n] fp32, or nullptr
+  const float* decay_scale;      // [n] fp32, or nullptr
+  const float* grad_coef;        // [1] fp32
+  const float* found_inf;        // [1] fp32
+  const float* bias_correction;  // [2] fp32, or nullptr
   long long n;
 };
 
-// Everything thread `tid` of `nthreads` does: vectors tid, tid+nthreads, ... of V elements, then the
-// scalar tail [n/V*V, n) in the same grid-stride pattern. Elements are independent, so running the
-// threads one after another (host emulation) gives the same bits as running them in parallel.
-template <typename T, typename M, int V>
-__host__ __device__ void sgd_update_thread(const SgdArgs<T, M>& a, long long tid, long long nthreads) {
+// Element i of every buffer through R::element; the state passes through registers of type M.
+template <typename R, typename T, typename M>
+__host__ __device__ __forceinline__ T apply_element(float g, float& w, M* h, const Elem& e, const typename R::Scalars& c) {
+  R::element(g, w, h, e, c);
+  return from_float<T>(w);
+}
+
+// Everything thread `tid` of `nthreads` does for rule R: vectors tid, tid+nthreads, ... of V elements,
+// then the scalar tail [n/V*V, n) in the same grid-stride pattern. Elements are independent, so running
+// the threads one after another (host emulation) gives the same bits as running them in parallel.
+template <typename R, typename T, typename M, int V>
+__host__ __device__ void update_thread(const Args<T, M>& a, const typename R::Scalars& c, long long tid,
+                                       long long nthreads) {
+  constexpr int K = R::kStates;
   const long long nvec = a.n / V;
   const T zero = from_float<T>(0.0f);
   if (*a.found_inf != 0.0f) {  // overflow (or NaN flag): skip the step, only clear the gradient
@@ -121,38 +239,55 @@ __host__ __device__ void sgd_update_thread(const SgdArgs<T, M>& a, long long tid
     return;
   }
   const float coef = *a.grad_coef;
-  const bool has_scale = a.lr_scale != nullptr;
+  Elem e{1.0f, 1.0f, a.lr_scale != nullptr, a.decay_scale != nullptr, 1.0f, 1.0f};
+  if (a.bias_correction != nullptr) {
+    e.bc1 = a.bias_correction[0];
+    e.bc2_sqrt = a.bias_correction[1];
+  }
   for (long long v = tid; v < nvec; v += nthreads) {
     const long long i = v * V;
     Pack<T, V> g = load_pack<T, V>(a.grads, i);
     Pack<float, V> w = load_pack<float, V>(a.master, i);
-    Pack<M, V> h = load_pack<M, V>(a.momentum, i);
-    Pack<float, V> s;
-    if (has_scale) {
-      s = load_pack<float, V>(a.lr_scale, i);
-    } else {
-      for (int k = 0; k < V; ++k) s.v[k] = 1.0f;
-    }
+    Pack<M, V> h[K];
+    for (int j = 0; j < K; ++j) h[j] = load_pack<M, V>(a.state[j], i);
+    Pack<float, V> s, d;
+    for (int k = 0; k < V; ++k) s.v[k] = d.v[k] = 1.0f;
+    if (e.has_lr) s = load_pack<float, V>(a.lr_scale, i);
+    if (e.has_decay) d = load_pack<float, V>(a.decay_scale, i);
     Pack<T, V> p;
     for (int k = 0; k < V; ++k) {
-      sgd_element<M>(to_float(g.v[k]), coef, s.v[k], has_scale, a.s, w.v[k], h.v[k]);
-      p.v[k] = from_float<T>(w.v[k]);
+      M hk[K];
+      for (int j = 0; j < K; ++j) hk[j] = h[j].v[k];
+      e.lr_mult = s.v[k];
+      e.decay_mult = d.v[k];
+      p.v[k] = apply_element<R, T, M>(to_float(g.v[k]) * coef, w.v[k], hk, e, c);
+      for (int j = 0; j < K; ++j) h[j].v[k] = hk[j];
       g.v[k] = zero;
     }
     store_pack<float, V>(a.master, i, w);
-    store_pack<M, V>(a.momentum, i, h);
+    for (int j = 0; j < K; ++j) store_pack<M, V>(a.state[j], i, h[j]);
     store_pack<T, V>(a.grads, i, g);
     if (a.params != nullptr) store_pack<T, V>(a.params, i, p);
   }
   for (long long i = nvec * V + tid; i < a.n; i += nthreads) {
     float w = a.master[i];
-    M h = a.momentum[i];
-    sgd_element<M>(to_float(a.grads[i]), coef, has_scale ? a.lr_scale[i] : 1.0f, has_scale, a.s, w, h);
+    M hk[K];
+    for (int j = 0; j < K; ++j) hk[j] = a.state[j][i];
+    e.lr_mult = e.has_lr ? a.lr_scale[i] : 1.0f;
+    e.decay_mult = e.has_decay ? a.decay_scale[i] : 1.0f;
+    const T p = apply_element<R, T, M>(to_float(a.grads[i]) * coef, w, hk, e, c);
     a.master[i] = w;
-    a.momentum[i] = h;
+    for (int j = 0; j < K; ++j) a.state[j][i] = hk[j];
     a.grads[i] = zero;
-    if (a.params != nullptr) a.params[i] = from_float<T>(w);
+    if (a.params != nullptr) a.params[i] = p;
   }
+}
+
+// The body of every update kernel: rule R over this thread's share of the grid.
+template <typename R, typename T, typename M, int V>
+__device__ __forceinline__ void run_rule(const Args<T, M>& a, const typename R::Scalars& c) {
+  const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  update_thread<R, T, M, V>(a, c, tid, static_cast<long long>(gridDim.x) * blockDim.x);
 }
 
 // Sum of squares, in fp32, of the elements thread `tid` of `nthreads` visits (same pattern as above).
@@ -192,38 +327,102 @@ __device__ __forceinline__ float block_sum(float v) {
 }  // namespace dpt
 
 // ---------------------------------------------------------------------------------------------
-// dptrain_sgd_update<T, M, V>: one fused SGD step over one flat group (NVCaffe's
-// SGDRegUpdateAllAndClear): unscale + clip (grad_coef), weight decay, momentum, fp32 master
-// update, storage-dtype weight write-back, gradient zeroing; a set found_inf skips all of it
-// except the zeroing, so master, params and momentum stay bit-identical.
+// The update kernels, one per rule: one fused step over one flat group (NVCaffe's
+// SGDRegUpdateAllAndClear for sgd): unscale + clip (grad_coef), weight decay, the rule's state update,
+// fp32 master update, storage-dtype weight write-back, gradient zeroing; a set found_inf skips all of it
+// except the zeroing, so master, params and state stay bit-identical.
 // Host wrapper: kernels.cuda.update (via kernels.update), on torch's current stream.
 // Launch: grid (min(cdiv(n/V, 256), 2 waves of resident blocks per the occupancy API),), block (256,);
 // grid-stride, any grid works.
-// Arguments (all 1-D, contiguous, same length n and layout; pointers 4*sizeof aligned when V = 4):
-//   grads          T*            [n] storage dtype, loss-scaled summed gradient; zeroed on return
-//   master         float*        [n] fp32 master weights
-//   params         T*            [n] storage dtype weights := T(master), or nullptr when they are the
-//                                master (fp32 storage). Precondition: params == T(master) on entry,
-//                                so a skipped step leaves them as they are.
-//   momentum       M*            [n] fp32 (Caffe form) or fp16 (lr-factored form) history
-//   lr_scale       const float*  [n] fp32 per-element lr multiplier (LARC), or nullptr for 1
-//   grad_coef      const float*  [1] fp32 device scalar: 1/(S*world_size) times the clip factor
-//   found_inf      const float*  [1] fp32 device scalar: non-zero (or NaN) skips the step
-//   lr             float         fp32(lr)
-//   momentum_coef  float         fp32(momentum)
-//   weight_decay   float         fp32(weight_decay)
-//   wd_lr          float         fp32(weight_decay * lr) (double product), decoupled decay without lr_scale
-//   decay_mode     int           0 none, 1 l2, 2 decoupled
-//   n              long long     elements
+// Arguments common to every rule, in this order (all 1-D, contiguous, same length n and layout; pointers
+// 4*sizeof aligned when V = 4):
+//   grads            T*            [n] storage dtype, loss-scaled summed gradient; zeroed on return
+//   master           float*        [n] fp32 master weights
+//   params           T*            [n] storage dtype weights := T(master), or nullptr when they are the
+//                                  master (fp32 storage). Precondition: params == T(master) on entry,
+//                                  so a skipped step leaves them as they are.
+//   <state>          M*            [n] each, the rule's state (below)
+//   lr_scale         const float*  [n] fp32 per-element lr multiplier (lr_mult, LARC, LAMB's trust ratio),
+//                                  or nullptr for 1
+//   decay_scale      const float*  [n] fp32 per-element weight-decay multiplier (decay_mult), or nullptr
+//   grad_coef        const float*  [1] fp32 device scalar: 1/(S*world_size) times the clip factor
+//   found_inf        const float*  [1] fp32 device scalar: non-zero (or NaN) skips the step
+//   bias_correction  const float*  [2] fp32 device scalars (1 - beta1^t, sqrt(1 - beta2^t)) computed on the
+//                                  device by the optimizer (spec.bias_corrections); nullptr for (1, 1).
+//                                  Read by adam and lamb only.
+//   <scalars>                      the rule's scalars struct, field by field (fp32 floats, int flags)
+//   n                long long     elements
+
+// dptrain_sgd_update<T, M, V>, dptrain_nesterov_update<T, M, V>:
+//   state    momentum  M* [n] fp32 (Caffe form) or fp16 (lr-factored form) history
+//   scalars  lr, momentum_coef, weight_decay, wd_lr (fp32(weight_decay * lr), double product), decay_mode
 template <typename T, typename M, int V>
 __global__ void __launch_bounds__(dpt::kBlockThreads)
-dptrain_sgd_update(T* grads, float* master, T* params, M* momentum, const float* lr_scale,
-                   const float* grad_coef, const float* found_inf, float lr, float momentum_coef,
-                   float weight_decay, float wd_lr, int decay_mode, long long n) {
-  const dpt::SgdArgs<T, M> a{grads, master, params, momentum, lr_scale, grad_coef, found_inf,
-                             dpt::SgdScalars{lr, momentum_coef, weight_decay, wd_lr, decay_mode}, n};
-  const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  dpt::sgd_update_thread<T, M, V>(a, tid, static_cast<long long>(gridDim.x) * blockDim.x);
+dptrain_sgd_update(T* grads, float* master, T* params, M* momentum, const float* lr_scale, const float* decay_scale,
+                   const float* grad_coef, const float* found_inf, const float* bias_correction, float lr,
+                   float momentum_coef, float weight_decay, float wd_lr, int decay_mode, long long n) {
+  const dpt::Args<T, M> a{grads, master, params, {momentum, nullptr}, lr_scale, decay_scale, grad_coef, found_inf,
+                          bias_correction, n};
+  dpt::run_rule<dpt::MomentumRule<false>, T, M, V>(a, dpt::SgdScalars{lr, momentum_coef, weight_decay, wd_lr,
+                                                                    decay_mode});
+}
+
+template <typename T, typename M, int V>
+__global__ void __launch_bounds__(dpt::kBlockThreads)
+dptrain_nesterov_update(T* grads, float* master, T* params, M* momentum, const float* lr_scale,
+                        const float* decay_scale, const float* grad_coef, const float* found_inf,
+                        const float* bias_correction, float lr, float momentum_coef, float weight_decay, float wd_lr,
+                        int decay_mode, long long n) {
+  const dpt::Args<T, M> a{grads, master, params, {momentum, nullptr}, lr_scale, decay_scale, grad_coef, found_inf,
+                          bias_correction, n};
+  dpt::run_rule<dpt::MomentumRule<true>, T, M, V>(a, dpt::SgdScalars{lr, momentum_coef, weight_decay, wd_lr,
+                                                                    decay_mode});
+}
+
+// dptrain_adam_update<T, float, V> (decay_mode 1: Adam; 2: AdamW), dptrain_lamb_update<T, float, V>:
+//   state    exp_avg, exp_avg_sq  float* [n] fp32 first and second moments
+//   scalars  lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, wd_lr, decay_mode
+//            (the 1 - beta differences and wd*lr taken in double on the host, rounded once)
+// LAMB's lr_scale holds each parameter's trust ratio |w|/|u| (times its lr_mult), computed before the
+// launch by the optimizer from spec.lamb_direction.
+template <typename T, typename M, int V>
+__global__ void __launch_bounds__(dpt::kBlockThreads)
+dptrain_adam_update(T* grads, float* master, T* params, M* exp_avg, M* exp_avg_sq, const float* lr_scale,
+                    const float* decay_scale, const float* grad_coef, const float* found_inf,
+                    const float* bias_correction, float lr, float beta1, float one_minus_beta1, float beta2,
+                    float one_minus_beta2, float eps, float weight_decay, float wd_lr, int decay_mode, long long n) {
+  const dpt::Args<T, M> a{grads, master, params, {exp_avg, exp_avg_sq}, lr_scale, decay_scale, grad_coef, found_inf,
+                          bias_correction, n};
+  dpt::run_rule<dpt::AdamRule, T, M, V>(
+      a, dpt::AdamScalars{lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, wd_lr, decay_mode});
+}
+
+template <typename T, typename M, int V>
+__global__ void __launch_bounds__(dpt::kBlockThreads)
+dptrain_lamb_update(T* grads, float* master, T* params, M* exp_avg, M* exp_avg_sq, const float* lr_scale,
+                    const float* decay_scale, const float* grad_coef, const float* found_inf,
+                    const float* bias_correction, float lr, float beta1, float one_minus_beta1, float beta2,
+                    float one_minus_beta2, float eps, float weight_decay, float wd_lr, int decay_mode, long long n) {
+  const dpt::Args<T, M> a{grads, master, params, {exp_avg, exp_avg_sq}, lr_scale, decay_scale, grad_coef, found_inf,
+                          bias_correction, n};
+  dpt::run_rule<dpt::LambRule, T, M, V>(
+      a, dpt::AdamScalars{lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, wd_lr, decay_mode});
+}
+
+// dptrain_rmsprop_update<T, float, V>:
+//   state    square_avg, momentum  float* [n] fp32 mean square and momentum buffer
+//   scalars  lr, momentum_coef, rms_decay, one_minus_rms_decay, eps, weight_decay, wd_lr, decay_mode
+template <typename T, typename M, int V>
+__global__ void __launch_bounds__(dpt::kBlockThreads)
+dptrain_rmsprop_update(T* grads, float* master, T* params, M* square_avg, M* momentum, const float* lr_scale,
+                       const float* decay_scale, const float* grad_coef, const float* found_inf,
+                       const float* bias_correction, float lr, float momentum_coef, float rms_decay,
+                       float one_minus_rms_decay, float eps, float weight_decay, float wd_lr, int decay_mode,
+                       long long n) {
+  const dpt::Args<T, M> a{grads, master, params, {square_avg, momentum}, lr_scale, decay_scale, grad_coef, found_inf,
+                          bias_correction, n};
+  dpt::run_rule<dpt::RmspropRule, T, M, V>(
+      a, dpt::RmspropScalars{lr, momentum_coef, rms_decay, one_minus_rms_decay, eps, weight_decay, wd_lr, decay_mode});
 }
 
 // ---------------------------------------------------------------------------------------------

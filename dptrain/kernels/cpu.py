@@ -5,9 +5,11 @@ so a skipped step returns early instead of computing both outcomes and selecting
 ``torch.where`` as the reference does.
 
 * **In place** (:func:`update_inplace`, the default): each rule's body rewrites the spec's
-  math as in-place passes with no temporaries beyond the fp32 gradient, about 5x fewer
-  bytes moved than the reference. Results equal the reference's up to the rounding of an
-  ``add_(alpha=)`` (one rounding where the reference rounds a product and a sum).
+  math as in-place passes over the state and master, with one or two [n] fp32 temporaries
+  besides the gradient (SGD's step; Adam's direction and denominator), several times fewer
+  bytes moved than the reference. Results equal the reference's up to a few fp32 ulps: an
+  ``add_(alpha=)`` rounds once where the reference rounds a product and a sum, and
+  ``lr * lr_scale * u`` is two products where the reference forms ``lr * lr_scale`` first.
 * **Compiled** (:func:`update_compiled`, ``solver.cpu_fused_update``): the spec's math
   itself, compiled by ``torch.compile`` into one loop that reads and writes each buffer
   once; the scalars travel as one tensor, so a new learning rate does not recompile.
@@ -19,7 +21,17 @@ from collections.abc import Callable
 
 import torch
 
-from dptrain.kernels.spec import DECAY_DECOUPLED, DECAY_L2, RULES, SgdScalars, UpdateArgs, rule_of
+from dptrain.kernels.spec import (
+    DECAY_DECOUPLED,
+    DECAY_L2,
+    RULES,
+    AdamScalars,
+    PerElement,
+    RmspropScalars,
+    SgdScalars,
+    UpdateArgs,
+    rule_of,
+)
 
 
 def _skipped(a: UpdateArgs) -> bool:
@@ -36,32 +48,111 @@ def _finish(a: UpdateArgs) -> None:
     a.grads.zero_()
 
 
-def _sgd_inplace(a: UpdateArgs, g: torch.Tensor, s: SgdScalars) -> None:
-    """:func:`dptrain.kernels.spec.sgd_math` as in-place passes over ``a.master`` and the momentum."""
+def _add_l2_(a: UpdateArgs, g: torch.Tensor, weight_decay: float) -> None:
+    """g += wd_e * w (spec.decay_coefs' L2 coefficient), in place."""
+    if a.decay_scale is None:
+        g.add_(a.master, alpha=weight_decay)
+    else:
+        g.addcmul_(a.master, a.decay_scale, value=weight_decay)
+
+
+def _plus_decoupled(a: UpdateArgs, step: torch.Tensor, weight_decay: float, wd_lr: float, lr: float) -> torch.Tensor:
+    """step + wd_lr_e * w (spec.decay_coefs' decoupled coefficient), as a new tensor: ``step``
+    may be a state buffer (SGD's fp32 history)."""
+    decay = a.master * (wd_lr if a.lr_scale is None else weight_decay * lr)
+    for table in (a.lr_scale, a.decay_scale):
+        if table is not None:
+            decay.mul_(table)
+    return step + decay
+
+
+def _times_lr_(a: UpdateArgs, t: torch.Tensor, lr: float) -> torch.Tensor:
+    """t *= lr * lr_scale, in place (two roundings where the spec rounds lr*lr_scale first)."""
+    t.mul_(lr)
+    if a.lr_scale is not None:
+        t.mul_(a.lr_scale)
+    return t
+
+
+def _momentum_inplace(a: UpdateArgs, g: torch.Tensor, s: SgdScalars, *, nesterov: bool) -> None:
+    """:func:`dptrain.kernels.spec.sgd_math` / ``nesterov_math`` as in-place passes over
+    ``a.master`` and the momentum."""
     (h,) = a.state
     if s.decay_mode == DECAY_L2:
-        g.add_(a.master, alpha=s.weight_decay)
+        _add_l2_(a, g, s.weight_decay)
     if h.dtype == torch.float32:
+        h0 = h.clone() if nesterov else None
         h.mul_(s.momentum)
         if a.lr_scale is None:
             h.add_(g, alpha=s.lr)
         else:
             h.addcmul_(g, a.lr_scale, value=s.lr)
-        step = h
-    else:  # lr-factored fp16 history: G = half(m*G + g); step = lr_e * G
-        h.copy_(h.float().mul_(s.momentum).add_(g))
-        step = h.float().mul_(s.lr)
-        if a.lr_scale is not None:
-            step.mul_(a.lr_scale)
+        step = h0.mul_(-s.momentum).add_(h, alpha=1.0 + s.momentum) if h0 is not None else h
+    else:  # lr-factored fp16 history: G = half(m*G + g); step = lr_e * G (Nesterov: lr_e*((1+m)*G - m*G0))
+        h0 = h.float()
+        h.copy_(h0 * s.momentum + g)
+        step = h.float()
+        if nesterov:
+            step = step.mul_(1.0 + s.momentum).sub_(h0, alpha=s.momentum)
+        _times_lr_(a, step, s.lr)
     if s.decay_mode == DECAY_DECOUPLED:
-        decay = a.master * (s.wd_lr if a.lr_scale is None else s.weight_decay * s.lr)
-        if a.lr_scale is not None:
-            decay.mul_(a.lr_scale)
-        step = step + decay
+        step = _plus_decoupled(a, step, s.weight_decay, s.wd_lr, s.lr)
     a.master.sub_(step)
 
 
-INPLACE: dict[str, Callable[[UpdateArgs, torch.Tensor, tuple], None]] = {"sgd": _sgd_inplace}
+def _adam_direction_(a: UpdateArgs, g: torch.Tensor, s: AdamScalars) -> torch.Tensor:
+    """Updates the moments in place and returns u = m_hat / (sqrt(v_hat) + eps) (spec._adam_direction)."""
+    if s.decay_mode == DECAY_L2:
+        _add_l2_(a, g, s.weight_decay)
+    m, v = a.state
+    m.mul_(s.beta1).add_(g, alpha=s.one_minus_beta1)
+    v.mul_(s.beta2).addcmul_(g, g, value=s.one_minus_beta2)
+    denom = v.sqrt()
+    bc = a.bias_correction
+    if bc is None:
+        u = m.clone()
+    else:
+        u = m / bc[0:1]
+        denom.div_(bc[1:2])
+    return u.div_(denom.add_(s.eps))
+
+
+def _adam_inplace(a: UpdateArgs, g: torch.Tensor, s: AdamScalars) -> None:
+    """:func:`dptrain.kernels.spec.adam_math` with in-place passes."""
+    step = _times_lr_(a, _adam_direction_(a, g, s), s.lr)
+    if s.decay_mode == DECAY_DECOUPLED:
+        step = _plus_decoupled(a, step, s.weight_decay, s.wd_lr, s.lr)
+    a.master.sub_(step)
+
+
+def _lamb_inplace(a: UpdateArgs, g: torch.Tensor, s: AdamScalars) -> None:
+    """:func:`dptrain.kernels.spec.lamb_math` with in-place passes (lr_scale holds the trust ratio)."""
+    u = _adam_direction_(a, g, s)
+    if s.decay_mode == DECAY_DECOUPLED:
+        _add_l2_(a, u, s.weight_decay)
+    a.master.sub_(_times_lr_(a, u, s.lr))
+
+
+def _rmsprop_inplace(a: UpdateArgs, g: torch.Tensor, s: RmspropScalars) -> None:
+    """:func:`dptrain.kernels.spec.rmsprop_math` with in-place passes."""
+    if s.decay_mode == DECAY_L2:
+        _add_l2_(a, g, s.weight_decay)
+    v, b = a.state
+    v.mul_(s.rms_decay).addcmul_(g, g, value=s.one_minus_rms_decay)
+    b.mul_(s.momentum).add_(g.div_(v.sqrt().add_(s.eps)))
+    step = _times_lr_(a, b.clone(), s.lr)
+    if s.decay_mode == DECAY_DECOUPLED:
+        step = _plus_decoupled(a, step, s.weight_decay, s.wd_lr, s.lr)
+    a.master.sub_(step)
+
+
+INPLACE: dict[str, Callable[[UpdateArgs, torch.Tensor, tuple], None]] = {
+    "sgd": functools.partial(_momentum_inplace, nesterov=False),
+    "nesterov": functools.partial(_momentum_inplace, nesterov=True),
+    "adam": _adam_inplace,
+    "lamb": _lamb_inplace,
+    "rmsprop": _rmsprop_inplace,
+}
 """Each rule's in-place body: (args, fp32 unscaled gradient it may overwrite, scalars)."""
 
 
@@ -81,7 +172,7 @@ FUSED_VARIANTS_MAX = 64
 
 
 def _fused_body(grads: torch.Tensor, master: torch.Tensor, params: torch.Tensor, state: tuple[torch.Tensor, ...],
-                grad_coef: torch.Tensor, values: torch.Tensor, lr_scale: torch.Tensor | None, *, rule: str,
+                grad_coef: torch.Tensor, values: torch.Tensor, x: PerElement, *, rule: str,
                 layout: tuple[tuple[bool, int], ...], write_params: bool) -> None:
     """The spec's math for a step that is not skipped, for inductor to fuse into one loop.
 
@@ -91,7 +182,7 @@ def _fused_body(grads: torch.Tensor, master: torch.Tensor, params: torch.Tensor,
     """
     r = RULES[rule]
     scalars = r.scalars_type(*(v if is_flag else values[v] for is_flag, v in layout))
-    new_w, new_state = r.math(grads.float() * grad_coef, master, state, lr_scale, scalars)
+    new_w, new_state = r.math(grads.float() * grad_coef, master, state, x, scalars)
     for old, new in zip(state, new_state):
         old.copy_(new)
     master.copy_(new_w)
@@ -132,4 +223,4 @@ def update_compiled(a: UpdateArgs) -> None:
     # One compiled variant per flag/dtype/shape combination (a run has at most a few): lift
     # dynamo's default limit of 8 so none of them silently falls back to the eager passes.
     with torch._dynamo.config.patch(recompile_limit=FUSED_VARIANTS_MAX):
-        fn(a.grads, a.master, a.params, a.state, a.grad_coef, values, a.lr_scale)
+        fn(a.grads, a.master, a.params, a.state, a.grad_coef, values, a.per_element())

@@ -2,8 +2,9 @@
 
 Every rule's kernel takes the same argument list, built once here from :class:`UpdateArgs`:
 
-    grads, master, params (nullptr when it is the master), *state, lr_scale (or nullptr),
-    grad_coef, found_inf, *rule scalars (fp32 floats, int32 flags), n
+    grads, master, params (nullptr when it is the master), *state, lr_scale, decay_scale,
+    grad_coef, found_inf, bias_correction (each optional one nullptr when absent),
+    *rule scalars (fp32 floats, int32 flags), n
 
 and is named ``dptrain_<rule>_update<T, M, V>`` (storage dtype, state dtype, vector width).
 Kernels launch on torch's current stream with raw ``data_ptr()`` pointers: no copies, no
@@ -183,9 +184,10 @@ def check_flat(name: str, t: torch.Tensor, n: int, dtypes: tuple[torch.dtype, ..
         raise RuntimeError(f"{name} has dtype {t.dtype}; the CUDA kernel supports {dtypes}")
 
 
-def check_scalar(name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.numel() != 1 or t.dtype != torch.float32 or t.device != device:
-        raise RuntimeError(f"{name} must be one fp32 element on {device} (the kernel reads it there), "
+def check_scalar(name: str, t: torch.Tensor, device: torch.device, count: int = 1) -> None:
+    if t.numel() != count or t.dtype != torch.float32 or t.device != device or not t.is_contiguous():
+        what = "one fp32 element" if count == 1 else f"{count} contiguous fp32 elements"
+        raise RuntimeError(f"{name} must be {what} on {device} (the kernel reads it there), "
                            f"got shape {tuple(t.shape)} {t.dtype} on {t.device}")
 
 
@@ -204,11 +206,15 @@ def update_args(a: UpdateArgs, rule: Rule) -> tuple:
         check_flat(name, t, n, rule.state_dtypes, dev)
     check_scalar("grad_coef", a.grad_coef, dev)
     check_scalar("found_inf", a.found_inf, dev)
-    if a.lr_scale is not None:
-        check_flat("lr_scale", a.lr_scale, n, (torch.float32,), dev)
+    for name in ("lr_scale", "decay_scale"):
+        if getattr(a, name) is not None:
+            check_flat(name, getattr(a, name), n, (torch.float32,), dev)
+    if a.bias_correction is not None:
+        check_scalar("bias_correction", a.bias_correction, dev, count=2)
     params = None if a.params.data_ptr() == a.master.data_ptr() else a.params  # fp32: written once, as the master
     return (_ptr(a.grads), _ptr(a.master), _ptr(params), *(_ptr(t) for t in a.state), _ptr(a.lr_scale),
-            _ptr(a.grad_coef), _ptr(a.found_inf), *kernel_scalars(rule.scalars(a.hyper)), np.int64(n))
+            _ptr(a.decay_scale), _ptr(a.grad_coef), _ptr(a.found_inf), _ptr(a.bias_correction),
+            *kernel_scalars(rule.scalars(a.hyper)), np.int64(n))
 
 
 def update(a: UpdateArgs) -> None:
@@ -218,7 +224,7 @@ def update(a: UpdateArgs) -> None:
         raise RuntimeError(f"rule {rule.name}: the CUDA kernel takes one state dtype, got "
                            f"{[t.dtype for t in a.state]}")
     args = update_args(a, rule)
-    vec = vector_width([t for t in (a.grads, a.master, a.params, *a.state, a.lr_scale) if t is not None])
+    vec = vector_width([t for t in (a.grads, a.master, a.params, *a.state, a.lr_scale, a.decay_scale) if t is not None])
     expr = update_kernel_name(rule, a.grads.dtype, a.state[0].dtype, vec)
     dev = a.grads.device
     cap = UPDATE_WAVES * _resident_blocks(expr, dev.index) * _sm_count(dev.index)

@@ -3,7 +3,8 @@
 The first time a process asks for the CuPy kernels on a device (``kernels.kernel_backend``)
 it compiles them and runs every rule over small buffers that cover each storage dtype,
 each state dtype, the vector path and the scalar tail (aligned and misaligned starts),
-per-element lr multipliers, both decay modes, fp32 subnormals and an overflow (skipped)
+per-element lr and decay multipliers, Adam's bias corrections, both decay modes, fp32 subnormals
+and an overflow (skipped)
 step, comparing the kernel's bits with the reference's. It costs a few milliseconds after
 the compile. A mismatch or a failure makes the dispatch fall back to the reference with
 one warning (``DPTRAIN_KERNELS=auto``) or stop (``DPTRAIN_KERNELS=cupy``).
@@ -54,7 +55,8 @@ def cases(device: torch.device) -> Iterator[tuple[str, UpdateArgs]]:
                     grads = torch.randn(n, generator=gen) * mag
                     grads[::11] = 0.0  # with a tiny history: fp32 subnormal intermediates (m*h < 2^-126)
                     master = torch.randn(n, generator=gen) * 0.1
-                    state = torch.randn(len(rule.state_names), n, generator=gen) * 0.01
+                    # non-negative, as a second moment must be (its square root is taken)
+                    state = torch.randn(len(rule.state_names), n, generator=gen).abs() * 0.01
                     state[:, ::11] = 3e-39  # a subnormal fp32 history
                     m = _placed(master, torch.float32, device, offset)
                     args = UpdateArgs(
@@ -68,9 +70,13 @@ def cases(device: torch.device) -> Iterator[tuple[str, UpdateArgs]]:
                         hyper=Hyper(lr=0.9137, momentum=0.9, weight_decay=0.7, decoupled=decoupled),
                         lr_scale=_placed(torch.rand(n, generator=gen) * 2, torch.float32, device, offset)
                         if scaled else None,
+                        decay_scale=_placed((torch.rand(n, generator=gen) * 2).round(), torch.float32, device, offset)
+                        if scaled else None,  # 0, 1 and 2: no_decay, plain and doubled decay
+                        bias_correction=torch.tensor([1 - 0.9**3, (1 - 0.999**3) ** 0.5], device=device)
+                        if rule.bias_correction else None,
                     )
                     label = (f"{rule.name} storage {str(storage)[6:]} state {str(state_dtype)[6:]} offset {offset} "
-                             f"{'decoupled' if decoupled else 'l2'}{' lr_scale' if scaled else ''}"
+                             f"{'decoupled' if decoupled else 'l2'}{' lr_scale decay_scale' if scaled else ''}"
                              f"{' skipped' if skip else ''}")
                     yield label, args
 

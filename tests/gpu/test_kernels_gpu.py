@@ -13,10 +13,12 @@ import torch
 from torch import nn
 
 from dptrain import kernels
-from dptrain.config import LossScaleConfig, SolverConfig
+from dptrain.config import LossScaleConfig, ParamGroup, SolverConfig
 from dptrain.flat import FlatParams
 from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, reference, selfcheck
-from dptrain.optimizer import MasterOptimizer
+from dptrain.kernels.spec import RULES, bias_corrections
+from dptrain.optimizer import MasterOptimizer, rule_for
+from dptrain.param_groups import resolve_multipliers
 from dptrain.precision import LossScaler
 
 pytestmark = [
@@ -106,6 +108,38 @@ def test_sgd_kernel_bit_exact(storage, mom, decay, offset):
             assert torch.equal(_bits(got[name]), _bits(want[name])), f"{name} with_scale={with_scale}"
 
 
+RULE_CASES = [(r, s, m) for r in ("nesterov", "adam", "lamb", "rmsprop") for s in STORAGE
+              for m in RULES[r].state_dtypes]
+
+
+@pytest.mark.parametrize("rule,storage,state_dtype", RULE_CASES,
+                         ids=[f"{r}-{str(s)[6:]}-{str(m)[6:]}" for r, s, m in RULE_CASES])
+@pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["vec4", "vec1"])
+def test_every_rule_kernel_bit_exact(rule, storage, state_dtype, decay, offset):
+    """Each rule with and without the lr/decay tables and (adam, lamb) device-side bias corrections."""
+    n = 64 * 1001 + 3
+    case = _case(storage, state_dtype, n, offset, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    state = tuple(_case(storage, state_dtype, n, offset, seed=8 + j)["momentum"].abs_()
+                  for j in range(len(RULES[rule].state_names)))  # second moments are >= 0
+    decay_scale = case["lr_scale"].clone().copy_((torch.rand(n, generator=gen) * 2).round())
+    bc = bias_corrections(torch.tensor([3], device="cuda"), 0.9, 0.999) if RULES[rule].bias_correction else None
+    hyper = Hyper(lr=0.9137, momentum=0.9, weight_decay=0.0 if decay == "none" else 0.7,
+                  decoupled=decay == "decoupled")
+    for tables in (False, True):
+        runs = []
+        for fn in (kernels.update, reference):
+            c = _clone(case)
+            st = tuple(t.clone() for t in state)
+            fn(UpdateArgs(rule=rule, grads=c["grads"], master=c["master"], params=c["params"], state=st, hyper=hyper,
+                          lr_scale=c["lr_scale"] if tables else None, decay_scale=decay_scale if tables else None,
+                          bias_correction=bc, **_scalars(0.0)))
+            runs.append([c["grads"], c["master"], c["params"], *st])
+        for got, want in zip(*runs, strict=True):
+            assert torch.equal(_bits(got), _bits(want)), f"tables={tables}"
+
+
 @pytest.mark.parametrize("flag", [1.0, float("nan")], ids=["one", "nan"])
 def test_sgd_kernel_skip_leaves_state_bit_identical(flag):
     case = _case(torch.float16, torch.float32, 4096, 0, seed=2)
@@ -168,9 +202,11 @@ def _toy_model() -> nn.Module:
 
 
 def _solver(model: nn.Module, **solver_kw) -> MasterOptimizer:
-    flat = FlatParams(model, state_dtype=torch.float32)
+    cfg = SolverConfig(base_lr=0.1, **solver_kw)
+    flat = FlatParams(model, state_names=rule_for(cfg).state_names, state_dtype=torch.float32)
     scaler = LossScaler(LossScaleConfig(init_scale=1024.0, growth_interval=3), "dynamic", torch.device("cuda"))
-    return MasterOptimizer(flat, SolverConfig(base_lr=0.1, **solver_kw), scaler, grad_divisor=1)
+    return MasterOptimizer(flat, cfg, scaler, grad_divisor=1,
+                           multipliers=resolve_multipliers(model, cfg.param_groups, cfg.no_decay))
 
 
 def _backward(model: nn.Module, solver: MasterOptimizer, seed: int) -> None:
@@ -180,8 +216,11 @@ def _backward(model: nn.Module, solver: MasterOptimizer, seed: int) -> None:
     solver.scaler.scale_loss(loss).backward()
 
 
-@pytest.mark.parametrize("solver_kw", [{}, {"clip_gradients": 1.0}, {"larc": True, "larc_policy": "clip"}],
-                         ids=["plain", "clip", "larc"])
+@pytest.mark.parametrize("solver_kw", [{}, {"clip_gradients": 1.0}, {"larc": True, "larc_policy": "clip"},
+                                       {"type": "adamw", "no_decay": ["bias"],
+                                        "param_groups": [ParamGroup(match="2.*", lr_mult=2.0)]},
+                                       {"type": "lamb", "no_decay": ["bias"]}, {"type": "rmsprop"}],
+                         ids=["plain", "clip", "larc", "adamw-groups", "lamb", "rmsprop"])
 def test_step_has_no_host_sync(solver_kw):
     torch.manual_seed(0)
     model = _toy_model()
@@ -199,20 +238,22 @@ def test_step_has_no_host_sync(solver_kw):
     assert solver.scaler.stats()["skipped_steps"] == 0
 
 
-def test_solver_kernel_and_reference_agree_over_steps(monkeypatch):
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "lamb"])
+def test_solver_kernel_and_reference_agree_over_steps(monkeypatch, kind):
     """Several full steps (dynamic scaler, no clipping: the norm only feeds the overflow flag) give
-    bit-identical masters, momentum and fp16 weights with the kernels and with the references."""
+    bit-identical masters, state and fp16 weights with the kernels and with the references (LAMB's
+    trust ratio comes from the same torch ops on both sides)."""
     states = []
     for backend in ("cupy", "torch"):
         monkeypatch.setenv(kernels.KERNELS_ENV, backend)
         torch.manual_seed(0)
         model = _toy_model()
-        solver = _solver(model, momentum=0.9, weight_decay=5e-4)
+        solver = _solver(model, type=kind, momentum=0.9, weight_decay=5e-4, no_decay=["bias"])
         for it in range(5):
             _backward(model, solver, it)
             solver.step(it)
         g = solver.flat.groups[0]
-        states.append([_bits(t).clone() for t in (g.master, g.state["momentum"], g.params)])
+        states.append([_bits(t).clone() for t in (g.master, *g.state.values(), g.params)])
     for a, b in zip(*states, strict=True):
         assert torch.equal(a, b)
 

@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from dptrain.cli import main
 
 SCHEMA = {
@@ -30,7 +32,9 @@ def test_bench_json_schema(tmp_path, capsys):
         assert isinstance(rec[key], tp), (key, rec[key])
     assert rec["images_per_s"] > 0 and rec["step_ms_p90"] >= rec["step_ms_median"] > 0
     assert rec["forward_ms"] > 0 and rec["backward_ms"] > 0 and rec["update_ms"] > 0
-    assert set(rec["bytes_per_param"]) == {"weights", "masters", "momentum", "grads"}
+    assert set(rec["bytes_per_param"]) == {"weights", "masters", "momentum", "grads", "total"}
+    assert rec["solver"] == "sgd" and rec["bytes_per_param"]["total"] == pytest.approx(sum(
+        v for k, v in rec["bytes_per_param"].items() if k != "total"), abs=0.01)
     assert rec["bytes_per_param"]["weights"] < 2.1 and rec["bytes_per_param"]["masters"] >= 4.0  # bf16 + fp32
     assert set(rec["versions"]) >= {"torch", "cuda", "nccl", "cupy"}
     assert rec["world_size"] == 1 and rec["global_batch"] == 8 and rec["data"] == "synthetic"

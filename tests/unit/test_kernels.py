@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +25,7 @@ import torch
 from dptrain import kernels
 from dptrain.errors import ConfigError, SetupError
 from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, reference
-from dptrain.kernels.spec import RULES, sgd_scalars
+from dptrain.kernels.spec import RULES, bias_corrections, sqrt_rn
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -171,6 +172,72 @@ def test_grad_norm_reference_propagates_non_finite():
     assert torch.isnan(grad_norm_reference(torch.tensor([float("inf"), float("nan")], dtype=torch.float16)))
 
 
+def _numpy_update(a: UpdateArgs) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The spec docstrings' formulas for every rule, in numpy fp32 (each op rounded to fp32; np.sqrt
+    is correctly rounded), fp32 state: the new master and state."""
+    s = RULES[a.rule].scalars(a.hyper)
+
+    def f(t: torch.Tensor) -> np.ndarray:
+        return t.float().numpy().copy()
+
+    g, w, st = f(a.grads) * F32(a.grad_coef.item()), f(a.master), [f(t) for t in a.state]
+    lr_e = F32(s.lr) * f(a.lr_scale) if a.lr_scale is not None else F32(s.lr)
+    wd = F32(s.weight_decay)
+    l2 = wd * f(a.decay_scale) if a.decay_scale is not None else wd
+    dec = F32(s.wd_lr) if a.lr_scale is None else wd * lr_e
+    dec = dec * f(a.decay_scale) if a.decay_scale is not None else dec
+    bc1, bc2 = (f(a.bias_correction) if a.bias_correction is not None else np.ones(2, dtype=F32))
+    if s.decay_mode == 1:
+        g = g + l2 * w
+    if a.rule in ("sgd", "nesterov"):
+        m, h0 = F32(s.momentum), st[0]
+        h = m * h0 + lr_e * g
+        step, st = ((F32(1) + m) * h - m * h0 if a.rule == "nesterov" else h), [h]
+    elif a.rule in ("adam", "lamb"):
+        m = F32(s.beta1) * st[0] + F32(s.one_minus_beta1) * g
+        v = F32(s.beta2) * st[1] + F32(s.one_minus_beta2) * (g * g)
+        u, st = (m / bc1) / (np.sqrt(v) / bc2 + F32(s.eps)), [m, v]
+        if a.rule == "lamb" and s.decay_mode == 2:
+            u = u + l2 * w
+        step = lr_e * u
+    else:
+        v = F32(s.rms_decay) * st[0] + F32(s.one_minus_rms_decay) * (g * g)
+        b = F32(s.momentum) * st[1] + g / (np.sqrt(v) + F32(s.eps))
+        step, st = lr_e * b, [v, b]
+    if s.decay_mode == 2 and a.rule != "lamb":
+        step = step + dec * w
+    return w - step, st
+
+
+@pytest.mark.parametrize("rule", ["nesterov", "adam", "lamb", "rmsprop"])
+@pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
+@pytest.mark.parametrize("tables", [False, True])
+def test_new_rules_reference_matches_their_documented_formulas(rule, storage, decay, tables):
+    a = _rule_args(rule, storage, torch.float32, 96, seed=6, decay=decay, tables=tables)
+    want_w, want_state = _numpy_update(a)
+    got = _copy(a)
+    reference(got)
+    assert torch.equal(_bits(got.master), _bits(torch.from_numpy(want_w)))
+    for t, w in zip(got.state, want_state, strict=True):
+        assert torch.equal(_bits(t), _bits(torch.from_numpy(w)))
+    assert torch.equal(got.params, got.master.to(storage)) and torch.count_nonzero(got.grads) == 0
+
+
+def test_bias_corrections_are_adams_rounded_once_and_start_at_step_one():
+    bc = bias_corrections(torch.tensor([5]), 0.9, 0.999)
+    assert bc.dtype == torch.float32 and bc.tolist() == [F32(1 - 0.9**5), F32((1 - 0.999**5) ** 0.5)]
+    assert torch.equal(bias_corrections(torch.tensor([0]), 0.9, 0.999),
+                       bias_corrections(torch.tensor([1]), 0.9, 0.999))
+
+
+def test_the_reference_square_root_is_correctly_rounded():
+    """torch's vectorised CPU sqrt is not (the kernels' sqrtf is): the spec takes it in float64."""
+    x = torch.rand(4096, generator=torch.Generator().manual_seed(7)) * 0.01
+    want = torch.from_numpy(np.sqrt(x.numpy().astype(np.float64)).astype(F32))
+    assert torch.equal(sqrt_rn(x), want)
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -246,11 +313,12 @@ def test_package_imports_without_cupy():
 
 def test_cuda_source_exists_with_every_name_expression():
     src = cuda.SOURCE.read_text()
-    for name in ("dptrain_sgd_update", "dptrain_sumsq_partial", "dptrain_norm_finish"):
+    for name in (*(f"dptrain_{r}_update" for r in RULES), "dptrain_sumsq_partial", "dptrain_norm_finish"):
         assert f"{name}(" in src
     assert "#include <cuda_fp16.h>" in src and "#include <cuda_bf16.h>" in src
-    sgd = [n for n in cuda.name_expressions() if n.startswith("dptrain_sgd_update<")]
-    assert len(sgd) == 3 * 2 * 2  # storage x momentum x vector width
+    for rule in RULES.values():
+        mine = [n for n in cuda.name_expressions() if n.startswith(f"dptrain_{rule.name}_update<")]
+        assert len(mine) == 3 * len(rule.state_dtypes) * 2  # storage x state dtype x vector width
     assert "--fmad=false" in cuda.NVRTC_OPTIONS and "--ftz=false" in cuda.NVRTC_OPTIONS
 
 
@@ -293,12 +361,16 @@ def test_bandwidth_benchmark_on_cpu_reports_the_reference_only(capsys):
 
 NVCC = shutil.which("nvcc")
 _CODES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_KERNEL_RULES = {"sgd": "dpt::MomentumRule<false>", "nesterov": "dpt::MomentumRule<true>", "adam": "dpt::AdamRule",
+                 "lamb": "dpt::LambRule", "rmsprop": "dpt::RmspropRule"}
+"""Each rule's functor in update.cu, which the harness runs through dpt::update_thread."""
 _HARNESS = r"""
 #include "update.cu"
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 
 // Every template instance kernels.py hands NVRTC as a name expression; taking the address forces
 // nvcc to compile the device code of each, as NVRTC will.
@@ -323,57 +395,80 @@ template <typename X> static void save(const std::string& path, const X* p, long
   std::fclose(f);
 }
 
+// Every rule's scalars struct is its fp32 floats followed by one int (decay_mode), as spec.py's
+// NamedTuples are; the floats arrive in that order.
+template <typename S, size_t... I> static S make_scalars(const float* f, int mode, std::index_sequence<I...>) {
+  return S{f[I]..., mode};
+}
+
 // Runs threads 0..nthreads-1 of the grid one after another, as the kernel would in parallel.
-template <typename T, typename M, int V> static void run(const std::string& d) {
-  long long ints[5];  // n, nthreads, decay_mode, has_scale, params_is_master
-  float fl[4];        // lr, momentum_coef, weight_decay, wd_lr
-  read_into(d + "/ints", ints, 5);
-  read_into(d + "/floats", fl, 4);
+template <typename R, typename T, typename M, int V> static void run(const std::string& d) {
+  using S = typename R::Scalars;
+  constexpr size_t kFloats = sizeof(S) / sizeof(float) - 1;
+  static_assert(sizeof(S) == (kFloats + 1) * sizeof(float), "scalars are floats then one int");
+  // n, nthreads, decay_mode, has_lr_scale, has_decay_scale, has_bias_correction, params_is_master, states
+  long long ints[8];
+  float fl[kFloats];
+  read_into(d + "/ints", ints, 8);
+  read_into(d + "/floats", fl, kFloats);
   const long long n = ints[0];
-  dpt::SgdArgs<T, M> a;
+  dpt::Args<T, M> a;
   a.grads = load<T>(d + "/grads", n);
   a.master = load<float>(d + "/master", n);
-  a.params = ints[4] ? nullptr : load<T>(d + "/params", n);
-  a.momentum = load<M>(d + "/momentum", n);
+  a.params = ints[6] ? nullptr : load<T>(d + "/params", n);
+  for (int j = 0; j < dpt::kMaxStates; ++j) a.state[j] = j < ints[7] ? load<M>(d + "/state" + std::to_string(j), n) : nullptr;
   a.lr_scale = ints[3] ? load<float>(d + "/lr_scale", n) : nullptr;
+  a.decay_scale = ints[4] ? load<float>(d + "/decay_scale", n) : nullptr;
+  a.bias_correction = ints[5] ? load<float>(d + "/bias_correction", 2) : nullptr;
   a.grad_coef = load<float>(d + "/grad_coef", 1);
   a.found_inf = load<float>(d + "/found_inf", 1);
-  a.s = dpt::SgdScalars{fl[0], fl[1], fl[2], fl[3], static_cast<int>(ints[2])};
   a.n = n;
-  for (long long t = 0; t < ints[1]; ++t) dpt::sgd_update_thread<T, M, V>(a, t, ints[1]);
+  const S c = make_scalars<S>(fl, static_cast<int>(ints[2]), std::make_index_sequence<kFloats>{});
+  for (long long t = 0; t < ints[1]; ++t) dpt::update_thread<R, T, M, V>(a, c, t, ints[1]);
   save(d + "/grads.out", a.grads, n);
   save(d + "/master.out", a.master, n);
   if (a.params) save(d + "/params.out", a.params, n);
-  save(d + "/momentum.out", a.momentum, n);
+  for (int j = 0; j < ints[7]; ++j) save(d + "/state" + std::to_string(j) + ".out", a.state[j], n);
 }
 
-template <typename T, typename M> static void run_vec(int vec, const std::string& d) {
-  if (vec == 4) run<T, M, 4>(d); else run<T, M, 1>(d);
+template <typename R, typename T, typename M> static void run_vec(int vec, const std::string& d) {
+  if (vec == 4) run<R, T, M, 4>(d); else run<R, T, M, 1>(d);
 }
-template <typename T> static void run_mom(const std::string& mom, int vec, const std::string& d) {
-  if (mom == "f32") run_vec<T, float>(vec, d); else run_vec<T, __half>(vec, d);
+template <typename R, typename T> static void run_state(const std::string& state, int vec, const std::string& d) {
+  if constexpr (R::kStates == 1) {  // the momentum rules also take an fp16 history
+    if (state == "f16") return run_vec<R, T, __half>(vec, d);
+  }
+  run_vec<R, T, float>(vec, d);
+}
+template <typename R> static void run_storage(const std::string& storage, const std::string& state, int vec,
+                                              const std::string& d) {
+  if (storage == "f32") run_state<R, float>(state, vec, d);
+  else if (storage == "f16") run_state<R, __half>(state, vec, d);
+  else run_state<R, __nv_bfloat16>(state, vec, d);
 }
 int main(int argc, char** argv) {
-  if (argc != 5) return 2;
-  const std::string storage = argv[1], mom = argv[2], d = argv[4];
-  const int vec = std::atoi(argv[3]);
-  if (storage == "f32") run_mom<float>(mom, vec, d);
-  else if (storage == "f16") run_mom<__half>(mom, vec, d);
-  else run_mom<__nv_bfloat16>(mom, vec, d);
-  return 0;
+  if (argc != 6) return 2;
+  const std::string rule = argv[1], storage = argv[2], state = argv[3], d = argv[5];
+  const int vec = std::atoi(argv[4]);
+@RULE_DISPATCH@
+  return 2;
 }
 """
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> Path:
-    """Compile update.cu with every NVRTC name expression plus the host harness (about 3 s)."""
+    """Compile update.cu with every NVRTC name expression plus the host harness (about 10 s)."""
     if NVCC is None:
         pytest.skip("nvcc (CUDA toolkit) not on PATH: cannot compile dptrain/csrc/update.cu on this machine")
+    assert set(_KERNEL_RULES) == set(RULES), "every rule needs its functor named in _KERNEL_RULES"
     d = tmp_path_factory.mktemp("cuda")
     names = cuda.name_expressions()
     addresses = "\n".join(f"void* const kernel_address_{i} = (void*)&{n};" for i, n in enumerate(names))
-    (d / "harness.cu").write_text(_HARNESS.replace("@KERNEL_ADDRESSES@", addresses))
+    dispatch = "\n".join(f'  if (rule == "{r}") {{ run_storage<{f}>(storage, state, vec, d); return 0; }}'
+                         for r, f in _KERNEL_RULES.items())
+    source = _HARNESS.replace("@KERNEL_ADDRESSES@", addresses).replace("@RULE_DISPATCH@", dispatch)
+    (d / "harness.cu").write_text(source)
     opts = [o for o in cuda.NVRTC_OPTIONS if o != "--std=c++17"]
     cmd = [NVCC, "-std=c++17", *opts, "-arch=sm_80", "-diag-suppress=177", "-Xcompiler", "-ffp-contract=off",
            f"-I{cuda.SOURCE.parent}", str(d / "harness.cu"), "-o", str(d / "harness")]
@@ -382,58 +477,93 @@ def harness(tmp_path_factory) -> Path:
     return d / "harness"
 
 
-def _emulate(harness: Path, work: Path, case: dict[str, torch.Tensor], *, vec: int, nthreads: int,
-             with_scale: bool, skip: bool, lr: float, momentum_coef: float, weight_decay: float,
-             decoupled: bool, coef: float) -> dict[str, torch.Tensor]:
-    """Run the kernel's per-thread code on the host; scalars rounded exactly as kernels.py does."""
+def _raw_dtype(dtype: torch.dtype) -> np.dtype:
+    return _bits(torch.zeros(1, dtype=dtype)).numpy().dtype  # int16 or int32
+
+
+def _emulate(harness: Path, work: Path, a: UpdateArgs, *, vec: int, nthreads: int) -> dict[str, torch.Tensor]:
+    """Run the kernel's per-thread code for ``a`` on the host (on copies); scalars rounded exactly as
+    kernels.cuda rounds them. Returns grads, master, params and state0.. as the kernel left them."""
     work.mkdir()
-    storage, mom = case["params"].dtype, case["momentum"].dtype
-    params_is_master = storage == torch.float32
-    n = case["grads"].numel()
-    *floats, decay_mode = cuda.kernel_scalars(sgd_scalars(Hyper(lr=lr, momentum=momentum_coef,
-                                                                 weight_decay=weight_decay, decoupled=decoupled)))
-    np.array([n, nthreads, decay_mode, int(with_scale), int(params_is_master)], dtype=np.int64).tofile(work / "ints")
+    rule = RULES[a.rule]
+    storage, state_dtype = a.grads.dtype, a.state[0].dtype
+    params_is_master = a.params is a.master
+    n = a.numel
+    *floats, decay_mode = cuda.kernel_scalars(rule.scalars(a.hyper))
+    flags = [a.lr_scale is not None, a.decay_scale is not None, a.bias_correction is not None]
+    np.array([n, nthreads, decay_mode, *flags, params_is_master, len(a.state)], dtype=np.int64).tofile(work / "ints")
     np.array(floats, dtype=np.float32).tofile(work / "floats")
-    raw = {"grads": case["grads"], "master": case["master"], "params": case["params"], "momentum": case["momentum"],
-           "lr_scale": case["lr_scale"], "grad_coef": torch.tensor([coef], dtype=torch.float32),
-           "found_inf": torch.tensor([1.0 if skip else 0.0])}
+    raw = {"grads": a.grads, "master": a.master, "params": a.params, "lr_scale": a.lr_scale,
+           "decay_scale": a.decay_scale, "bias_correction": a.bias_correction, "grad_coef": a.grad_coef,
+           "found_inf": a.found_inf, **{f"state{j}": t for j, t in enumerate(a.state)}}
     for name, t in raw.items():
-        _bits(t.contiguous()).numpy().tofile(work / name)
-    subprocess.run([str(harness), _CODES[storage], _CODES[mom], str(vec), str(work)], check=True)
+        if t is not None:
+            _bits(t.contiguous()).numpy().tofile(work / name)
+    subprocess.run([str(harness), a.rule, _CODES[storage], _CODES[state_dtype], str(vec), str(work)], check=True)
     out = {}
-    for name, dtype in (("grads", storage), ("master", torch.float32), ("momentum", mom), ("params", storage)):
+    dtypes = {"grads": storage, "master": torch.float32, "params": storage,
+              **{f"state{j}": state_dtype for j in range(len(a.state))}}
+    for name, dtype in dtypes.items():
         if name == "params" and params_is_master:
             out[name] = out["master"]
             continue
-        raw_dtype = _bits(torch.zeros(1, dtype=dtype)).numpy().dtype  # int16 or int32
-        out[name] = torch.from_numpy(np.fromfile(work / f"{name}.out", dtype=raw_dtype)).view(dtype)
+        out[name] = torch.from_numpy(np.fromfile(work / f"{name}.out", dtype=_raw_dtype(dtype))).view(dtype)
     return out
 
 
-@pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("mom", [torch.float32, torch.float16])
+def _rule_args(rule: str, storage: torch.dtype, state_dtype: torch.dtype, n: int, seed: int, *, decay: str,
+               tables: bool, skip: bool = False) -> UpdateArgs:
+    """Arguments for any rule over the values of _make_case (non-negative state: Adam's and RMSProp's
+    second moments are); lr_scale in [0, 2), decay_scale in {0, 1, 2} (no_decay, plain, doubled)."""
+    case = _make_case(storage, state_dtype, n, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    state = tuple((torch.randn(n, generator=gen).abs() * 0.01).to(state_dtype) for _ in RULES[rule].state_names)
+    master = case["master"]
+    return UpdateArgs(
+        rule=rule, grads=case["grads"], master=master, params=master if storage == torch.float32 else case["params"],
+        state=state, grad_coef=torch.tensor([0.37 / 4096]), found_inf=torch.tensor([1.0 if skip else 0.0]),
+        hyper=Hyper(lr=LR, momentum=0.9, weight_decay=0.0 if decay == "none" else WD, decoupled=decay == "decoupled",
+                    beta1=0.9, beta2=0.999, eps=1e-8, rms_decay=0.99),
+        lr_scale=case["lr_scale"] if tables else None,
+        decay_scale=(torch.rand(n, generator=gen) * 2).round() if tables else None,
+        bias_correction=torch.tensor([1 - 0.9**3, (1 - 0.999**3) ** 0.5]) if RULES[rule].bias_correction else None,
+    )
+
+
+def _copy(a: UpdateArgs) -> UpdateArgs:
+    master = a.master.clone()
+    return replace(a, grads=a.grads.clone(), master=master, params=master if a.params is a.master else a.params.clone(),
+                   state=tuple(t.clone() for t in a.state))
+
+
+RULE_CASES = [(r, s, m) for r in RULES for s in (torch.float16, torch.bfloat16, torch.float32)
+              for m in RULES[r].state_dtypes]
+
+
+@pytest.mark.parametrize("rule,storage,state_dtype", RULE_CASES,
+                         ids=[f"{r}-{_CODES[s]}-{_CODES[m]}" for r, s, m in RULE_CASES])
 @pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
-def test_cuda_thread_code_matches_reference_bit_exactly(harness, tmp_path, storage, mom, decay):
-    """n = 203 is not a multiple of 4 (tail path) and 7 emulated threads wrap the grid-stride loop."""
-    case = _make_case(storage, mom, 203, seed=4)
-    kw = dict(lr=LR, momentum_coef=0.9, weight_decay=0.0 if decay == "none" else WD,
-              decoupled=decay == "decoupled")
-    coef = 0.37 / 4096
+def test_cuda_thread_code_matches_reference_bit_exactly(harness, tmp_path, rule, storage, state_dtype, decay):
+    """n = 203 is not a multiple of 4 (tail path) and 7 emulated threads wrap the grid-stride loop;
+    with and without the lr/decay tables, on both vector widths."""
     for vec in (4, 1):
-        for with_scale in (False, True):
-            got = _emulate(harness, tmp_path / f"v{vec}s{int(with_scale)}", case, vec=vec, nthreads=7,
-                           with_scale=with_scale, skip=False, coef=coef, **kw)
-            want = _run_reference(case, with_scale=with_scale, skip=False,
-                                  grad_coef=torch.tensor([coef], dtype=torch.float32), **kw)
-            for name in ("grads", "master", "params", "momentum"):
-                assert torch.equal(_bits(got[name]), _bits(want[name])), f"{name} vec={vec} scale={with_scale}"
+        for tables in (False, True):
+            a = _rule_args(rule, storage, state_dtype, 203, seed=4, decay=decay, tables=tables)
+            got = _emulate(harness, tmp_path / f"v{vec}t{int(tables)}", a, vec=vec, nthreads=7)
+            want = _copy(a)
+            reference(want)
+            expect = {"grads": want.grads, "master": want.master, "params": want.params,
+                      **{f"state{j}": t for j, t in enumerate(want.state)}}
+            for name, t in expect.items():
+                assert torch.equal(_bits(got[name]), _bits(t)), f"{name} vec={vec} tables={tables}"
 
 
+@pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16])
-def test_cuda_thread_code_skip_writes_only_zeroed_grads(harness, tmp_path, storage):
-    case = _make_case(storage, torch.float32, 203, seed=5)
-    got = _emulate(harness, tmp_path / "skip", case, vec=4, nthreads=5, with_scale=True, skip=True, lr=0.1,
-                   momentum_coef=0.9, weight_decay=5e-4, decoupled=False, coef=1.0)
-    for name in ("master", "params", "momentum"):
-        assert torch.equal(_bits(got[name]), _bits(case[name])), name
+def test_cuda_thread_code_skip_writes_only_zeroed_grads(harness, tmp_path, rule, storage):
+    a = _rule_args(rule, storage, torch.float32, 203, seed=5, decay="l2", tables=True, skip=True)
+    got = _emulate(harness, tmp_path / "skip", a, vec=4, nthreads=5)
+    assert torch.equal(_bits(got["master"]), _bits(a.master)) and torch.equal(_bits(got["params"]), _bits(a.params))
+    for j, t in enumerate(a.state):
+        assert torch.equal(_bits(got[f"state{j}"]), _bits(t)), j
     assert torch.equal(_bits(got["grads"]), torch.zeros(203, dtype=torch.int16))

@@ -46,9 +46,10 @@ def test_digits_learns_and_writes_outputs(tmp_path):
     assert [it for it, _ in list_snapshots(tmp_path)] == [60, 30]
 
 
-@pytest.mark.parametrize("storage", ["fp32", "bf16"])
-def test_resume_is_bit_exact(tmp_path, storage):
-    extra = (f"precision.storage={storage}", "solver.lr_policy=step", "solver.stepsize=7", "solver.display=0")
+@pytest.mark.parametrize("storage, solver", [("fp32", "sgd"), ("bf16", "sgd"), ("fp32", "lamb")])
+def test_resume_is_bit_exact(tmp_path, storage, solver):
+    extra = (f"precision.storage={storage}", "solver.lr_policy=step", "solver.stepsize=7", "solver.display=0",
+             f"solver.type={solver}", *(() if solver == "sgd" else ('solver.no_decay=["bias"]',)))
     straight = make_trainer(tmp_path / "a", "solver.max_iter=20", *extra)
     for _ in range(20):
         straight.train_step()
@@ -66,7 +67,9 @@ def test_resume_is_bit_exact(tmp_path, storage):
     for name, w in masters(straight).items():
         assert torch.equal(w, masters(resumed)[name]), name
     for g_a, g_b in zip(straight.flat.groups, resumed.flat.groups):
-        assert torch.equal(g_a.state["momentum"], g_b.state["momentum"])
+        assert g_a.state.keys() == g_b.state.keys() and len(g_a.state) == (1 if solver == "sgd" else 2)
+        for name in g_a.state:
+            assert torch.equal(g_a.state[name], g_b.state[name]), name
         assert torch.equal(g_a.params, g_b.params)
 
 
