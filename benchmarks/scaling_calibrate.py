@@ -42,7 +42,9 @@ FIT_CAP_MB = 25.0
 WORLD_SIZES = (1, 2, 3)
 GOAL = 0.15
 SETS = ["model.name=resnet18_cifar", "model.width=32", "model.num_classes=10", "data.image_size=32",
-        "data.batch_size=32", "precision.storage=fp32", "solver.cpu_fused_update=true"]
+        "data.batch_size=32", "precision.storage=fp32", "solver.cpu_fused_update=true", "train.threads=1"]
+"""One intra-op thread per solver at every world size: a 2-thread solver on a loaded 2-core host stalls in
+OpenMP barriers (measured: 8.2 s steps instead of ~0.5 s), which would time the host, not dptrain."""
 
 
 def _cmd(world: int, cap: float, trace: Path) -> list[str]:

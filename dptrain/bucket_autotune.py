@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from statistics import median
 
 import numpy as np
 
@@ -144,3 +145,47 @@ def expected_max_normal(n: int) -> float:
     phi = np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
     cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
     return float(np.trapezoid(x * n * phi * cdf ** (n - 1), x))
+
+
+@dataclass(frozen=True)
+class AutoDecision:
+    """The auto plan: what rank 0 decides from its probe and broadcasts to every rank."""
+
+    order: list[str]
+    """Gradient-ready order, then the parameters that got no gradient: the new layout order."""
+    cuts: list[int]
+    """Positions in ``order`` where a bucket starts."""
+    cost: LinearCost
+    collectives: int
+    """How many measured allreduces the cost was fitted on."""
+    backward_ms: float
+    predicted_exposed_ms: float
+    probe_exposed_ms: float
+    """Measured exposed communication of the probe plan (a bucket per parameter)."""
+    fit_note: str = ""
+    """Why the fit fell back to the median allreduce time ("" when it did not)."""
+
+
+def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str, list[float]],
+                backward_ms: Sequence[float], collectives: Sequence[tuple[int, float]],
+                probe_exposed_ms: Sequence[float]) -> AutoDecision:
+    """The auto plan from probe measurements: medians over the probe iterations, a cost fit, the cuts.
+
+    ``order``: every parameter, ready ones first; ``ready_ms``: per parameter, its ready time
+    (ms after backward starts) in each probe iteration (none: ready at the end of backward);
+    ``collectives``: (bytes, service ms) of each measured allreduce. If the fit fails (fewer
+    than two sizes, or times that do not grow with size), every bucket is priced at the median
+    allreduce time, which merges buckets as far as the timeline allows.
+    """
+    bwd = median(backward_ms)
+    ready = [median(ready_ms[n]) if ready_ms.get(n) else bwd for n in order]
+    sizes = [nbytes[n] for n in order]
+    note = ""
+    try:
+        cost = fit_linear_cost([b for b, _ in collectives], [t for _, t in collectives])
+    except ValueError as e:
+        cost, note = LinearCost(median(t for _, t in collectives), 0.0), str(e)
+    cuts = plan_cuts(ready, sizes, cost)
+    pred = simulate_overlap(*buckets_of(ready, sizes, cuts), bwd, cost)
+    return AutoDecision(list(order), list(cuts), cost, len(collectives), bwd, pred.exposed_ms,
+                        median(probe_exposed_ms), note)

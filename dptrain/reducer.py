@@ -58,7 +58,7 @@ from statistics import median
 
 import torch
 
-from dptrain.bucket_autotune import LinearCost, buckets_of, fit_linear_cost, plan_cuts, simulate_overlap
+from dptrain.bucket_autotune import AutoDecision, decide_plan
 from dptrain.buckets import (
     Bucket,
     BucketPlan,
@@ -84,23 +84,6 @@ AUTO_PROBE_ITERS = 3
 PROBE_CAP_MB = 1e-9
 """Caps below any parameter's size: one bucket per parameter while probing, so every gradient's
 ready time and a spread of message sizes (biases to the largest weight) are measured."""
-
-
-@dataclass(frozen=True)
-class AutoDecision:
-    """What rank 0 chose for ``bucket_mb = "auto"`` (broadcast to every rank)."""
-
-    order: list[str]
-    """Gradient-ready order: the new layout order."""
-    cuts: list[int]
-    """Positions in ``order`` where a bucket starts."""
-    cost: LinearCost
-    collectives: int
-    """How many measured allreduces the cost was fitted on."""
-    backward_ms: float
-    predicted_exposed_ms: float
-    probe_exposed_ms: float
-    """Measured exposed communication of the probe plan (a bucket per parameter)."""
 
 
 @dataclass
@@ -456,22 +439,15 @@ class Reducer:
                      decision.backward_ms, decision.predicted_exposed_ms, decision.probe_exposed_ms)
 
     def _auto_propose(self) -> AutoDecision:
-        """The plan from rank 0's probe measurements (medians over the probe iterations)."""
+        """The plan from rank 0's probe measurements (``dptrain.bucket_autotune.decide_plan``)."""
         a = self._auto
-        order = order_from_ready(self.flat.layout_order, list(self._ready))
-        backward_ms = median(a.backward_ms)
-        ready = [median(a.ready_ms[n]) if n in a.ready_ms else backward_ms for n in order]
         size_of = {s.name: s.padded_numel * g.elem_size for g in group_specs(self.flat) for s in g.segments}
-        nbytes = [size_of[n] for n in order]
-        try:
-            cost = fit_linear_cost([b for b, _ in a.comm], [t for _, t in a.comm])
-        except ValueError as e:  # too few sizes or noise: price every collective at its median time
-            log.warning("rank %d: reducer auto plan: %s; using the median allreduce time for every bucket",
-                        self.comm.rank, e)
-            cost = LinearCost(median(t for _, t in a.comm), 0.0)
-        cuts = plan_cuts(ready, nbytes, cost)
-        pred = simulate_overlap(*buckets_of(ready, nbytes, cuts), backward_ms, cost)
-        return AutoDecision(order, list(cuts), cost, len(a.comm), backward_ms, pred.exposed_ms, median(a.exposed_ms))
+        d = decide_plan(order_from_ready(self.flat.layout_order, list(self._ready)), size_of, a.ready_ms,
+                        a.backward_ms, a.comm, a.exposed_ms)
+        if d.fit_note:
+            log.warning("rank %d: reducer auto plan: %s; priced every bucket at the median allreduce time",
+                        self.comm.rank, d.fit_note)
+        return d
 
     def _auto_finish(self) -> None:
         a = self._auto

@@ -12,6 +12,7 @@ import pytest
 from dptrain.bucket_autotune import (
     LinearCost,
     buckets_of,
+    decide_plan,
     expected_max_normal,
     fit_linear_cost,
     plan_cuts,
@@ -82,6 +83,25 @@ def test_plan_cuts_matches_brute_force_on_random_timelines(seed):
     cuts = plan_cuts(ready, nbytes, cost)
     end = simulate_overlap(*buckets_of(ready, nbytes, cuts), max(ready), cost).comm_end_ms
     assert (round(end, 9), len(cuts)) == _brute_force_end(ready, nbytes, cost)
+
+
+def test_decide_plan_from_a_synthetic_probe():
+    # 4 parameters of 1 MB ready at 1, 2, 3, 10 ms (medians of 3 probe iterations), "unused" never ready;
+    # collectives measured exactly on 2 ms + 1 ms/MB: the fit recovers it and the plan is test_plan_cuts_by_hand's,
+    # with "unused" (ready at the end of backward, 10 ms) joining the last bucket: [a b c] [d unused]
+    order = ["a", "b", "c", "d", "unused"]
+    nbytes = {n: 1_000_000 for n in order}
+    ready = {"a": [1.0, 0.9, 1.1], "b": [2.0, 2.0, 2.2], "c": [3.0, 2.9, 3.0], "d": [10.0, 9.0, 11.0]}
+    comm = [(b, 2.0 + b / 1e6) for b in (40, 4_000, 1_000_000, 2_000_000)]
+    d = decide_plan(order, nbytes, ready, [10.0, 9.5, 10.5], comm, [4.0, 5.0, 6.0])
+    assert d.cuts == [0, 3] and d.order == order and d.fit_note == ""
+    assert (d.cost.alpha_ms, d.cost.beta_ms_per_mb) == pytest.approx((2.0, 1.0))
+    # [a b c] ready 3: 3 -> 8; [d unused] ready 10: 10 -> 14; exposed 14 - 10 = 4
+    assert (d.backward_ms, d.predicted_exposed_ms, d.probe_exposed_ms, d.collectives) == pytest.approx((10, 4, 5, 4))
+    # one message size only: priced at the median time, so one bucket at the end of backward
+    one = decide_plan(order, nbytes, ready, [10.0], [(1000, 0.5), (1000, 0.7), (1000, 0.6)], [1.0])
+    assert one.cuts == [0] and "at least 2 distinct message sizes" in one.fit_note
+    assert one.predicted_exposed_ms == pytest.approx(0.6)
 
 
 def test_expected_max_of_normals():
