@@ -243,3 +243,27 @@ def test_validation_against_the_published_rows_meets_the_goal(capsys):
     a100_amp = next(r for r in rows if r.label == "DGX A100 80GB, AMP")
     assert a100_amp.efficiency == pytest.approx(16621 / (8 * 2470))
     assert sv.predict(a100_amp, wl, ceilings, plain=True) > 0.99  # the overlap model alone misses by 16 points
+
+
+def test_bad_workload_and_rows_are_named(tmp_path):
+    import scaling_validate as sv
+
+    wl = tmp_path / "w.toml"
+    wl.write_text('model = "resnet50"\n')
+    with pytest.raises(ValueError, match=r"w.toml: workload profile lacks 'update_bytes_per_param'"):
+        sm.load_workload(wl)
+    rows = tmp_path / "rows.toml"
+    rows.write_text('[[rows]]\nlabel = "x"\nmachine = "dgx-x"\ngpus = 8\nbatch_size = 1\nimages_per_s_1 = 1.0\n'
+                    'images_per_s_n = 8.0\nrole = "fit"\nsource = "s"\n')
+    with pytest.raises(ValueError, match=r"rows \['x'\] need role fit\|fit-input\|check and a machine in"):
+        sv.load_rows(rows)
+
+
+def test_calibration_reads_collective_service_times_from_a_trace():
+    import scaling_calibrate as sc
+
+    # two allreduces, the second queued behind the first: service = end - max(start, previous end)
+    trace = {"traceEvents": [{"name": "allreduce", "ph": "X", "ts": 0.0, "dur": 3000.0, "args": {"bytes": 100}},
+                             {"name": "allreduce", "ph": "X", "ts": 1000.0, "dur": 4000.0, "args": {"bytes": 200}},
+                             {"name": "forward", "ph": "X", "ts": 0.0, "dur": 1.0, "args": {}}]}
+    assert sc._trace_collectives(trace) == [(100, 3.0), (200, 2.0)]
