@@ -62,6 +62,9 @@ def fit_linear_cost(sizes_bytes: Sequence[float], times_ms: Sequence[float], rel
                          "measure larger messages or more iterations")
     if a < 0:
         a, b = 0.0, float(np.sum(w * w * s * t) / np.sum(w * w * s * s))
+    if not b > 0:
+        raise ValueError(f"fitted time per byte through the origin is {b:.3g} ms (<= 0); the measured times are "
+                         "not positive")
     return LinearCost(float(a), float(b) * 1e6)
 
 
@@ -173,19 +176,21 @@ def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str
 
     ``order``: every parameter, ready ones first; ``ready_ms``: per parameter, its ready time
     (ms after backward starts) in each probe iteration (none: ready at the end of backward);
-    ``collectives``: (bytes, service ms) of each measured allreduce. If the fit fails (fewer
+    ``collectives``: (bytes, service ms) of each measured allreduce; one with no service time
+    of its own (<= 0: it ran beside the previous one, as gloo's worker threads allow) says
+    nothing about its cost and is left out. If the fit fails (fewer
     than two sizes, or times that do not grow with size), every bucket is priced at the median
     allreduce time, which merges buckets as far as the timeline allows.
     """
     bwd = median(backward_ms)
     ready = [median(ready_ms[n]) if ready_ms.get(n) else bwd for n in order]
     sizes = [nbytes[n] for n in order]
-    note = ""
+    note, timed = "", [(b, t) for b, t in collectives if t > 0]
     try:
-        cost = fit_linear_cost([b for b, _ in collectives], [t for _, t in collectives])
+        cost = fit_linear_cost([b for b, _ in timed], [t for _, t in timed])
     except ValueError as e:
-        cost, note = LinearCost(median(t for _, t in collectives), 0.0), str(e)
+        cost, note = LinearCost(median(t for _, t in timed) if timed else 0.0, 0.0), str(e)
     cuts = plan_cuts(ready, sizes, cost)
     pred = simulate_overlap(*buckets_of(ready, sizes, cuts), bwd, cost)
-    return AutoDecision(list(order), list(cuts), cost, len(collectives), bwd, pred.exposed_ms,
+    return AutoDecision(list(order), list(cuts), cost, len(timed), bwd, pred.exposed_ms,
                         median(probe_exposed_ms), note)
