@@ -93,6 +93,7 @@ def test_decide_plan_from_a_synthetic_probe():
     nbytes = {n: 1_000_000 for n in order}
     ready = {"a": [1.0, 0.9, 1.1], "b": [2.0, 2.0, 2.2], "c": [3.0, 2.9, 3.0], "d": [10.0, 9.0, 11.0]}
     comm = [(b, 2.0 + b / 1e6) for b in (40, 4_000, 1_000_000, 2_000_000)]
+    comm.append((3_000_000, 0.0))  # ran beside the previous one: no service time of its own, left out
     d = decide_plan(order, nbytes, ready, [10.0, 9.5, 10.5], comm, [4.0, 5.0, 6.0])
     assert d.cuts == [0, 3] and d.order == order and d.fit_note == ""
     assert (d.cost.alpha_ms, d.cost.beta_ms_per_mb) == pytest.approx((2.0, 1.0))
