@@ -10,11 +10,17 @@ step time and exposed communication with ``scaling_model.simulate_step`` and
 - the solver's compute profile (forward, backward, update, gradient-ready curve) at that
   world size, taken from the trace of the profile run (cap ``FIT_CAP_MB``), with the
   contention its own overlap added taken back out of backward;
-- alpha + beta * bytes of one allreduce, fitted on the collectives of the profile runs' traces;
+- alpha + beta * bytes of one allreduce, fitted on ``collective_bench`` at that world size
+  (ranks started together by a barrier);
+- ``jitter_cv``: per-rank step-time variation; the slowest rank sets the pace, and rank 0's
+  measured exposed communication holds its wait for the slowest (``cv * step * E[max of N]``);
 - ``contention``: the fraction of overlapped communication time that backward loses (on a
-  2-core host the gloo threads take cores from compute), fitted on the step times of the
-  ``KAPPA_CAP_MB`` runs (the profile run alone cannot identify it: its own contention is
-  inside its measured backward).
+  2-core host the gloo threads take cores from compute);
+- ``overlap_rate``: the speed of an allreduce while backward runs, relative to after it (the
+  other side of the same contention);
+  these three by grid search on the step times and exposed communication of the fit runs
+  (caps ``FIT_CAP_MB`` and ``KAPPA_CAP_MB``; the profile run alone cannot identify the
+  contention: its own is inside its measured backward).
 
 Check runs (caps 5 and 100 MB) use nothing of their own; their errors are the calibration's.
 
@@ -43,7 +49,7 @@ CAPS_MB = (1.0, 5.0, 25.0, 100.0)
 FIT_CAP_MB = 25.0
 """The profile runs use the default cap."""
 KAPPA_CAP_MB = 1.0
-"""The contention is fitted on these runs (the most overlap: a bucket per ~1 MB)."""
+"""With the profile runs, these fit contention, overlap rate and jitter (the most overlap: a bucket per ~1 MB)."""
 WORLD_SIZES = (1, 2, 3)
 GOAL = 0.15
 SETS = ["model.name=resnet18_cifar", "model.width=32", "model.num_classes=10", "data.image_size=32",
@@ -89,18 +95,6 @@ def _append(path: Path, rec: dict[str, Any]) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-def _trace_collectives(trace: dict[str, Any]) -> list[tuple[int, float]]:
-    """(bytes, service ms) of each traced allreduce: end minus the later of its start and the previous end."""
-    evs = sorted((e for e in trace["traceEvents"] if e.get("name") == "allreduce" and e.get("ph") == "X"),
-                 key=lambda e: e["ts"])
-    out, prev_end = [], 0.0
-    for e in evs:
-        end = e["ts"] + e["dur"]
-        out.append((int(e["args"]["bytes"]), (end - max(e["ts"], prev_end)) / 1e3))
-        prev_end = end
-    return out
-
-
 def _median_runs(runs: list[dict[str, Any]]) -> dict[tuple[int, float], dict[str, Any]]:
     """One record per (world, cap): the medians over the repeats, with the traces of all of them."""
     groups: dict[tuple[int, float], list[dict[str, Any]]] = {}
@@ -111,10 +105,11 @@ def _median_runs(runs: list[dict[str, Any]]) -> dict[tuple[int, float], dict[str
                 "traces": [r["trace"] for r in v], "n": len(v)} for k, v in groups.items()}
 
 
-def predict(profile: sm.Profile, cap: float, cost: LinearCost, contention: float, world: int) -> sm.StepPrediction:
+def predict(profile: sm.Profile, cap: float, cost: LinearCost, contention: float, world: int,
+            rate: float = 1.0, jitter_cv: float = 0.0) -> sm.StepPrediction:
     """Step and exposed comm of a ``cap`` run at ``world`` from the fit run's profile."""
     p = sm.rebucket(profile, cap, min(cap, 1.0))
-    t = sm.Terms(contention=contention, world_size=world, gpus_per_node=world)
+    t = sm.Terms(contention=contention, world_size=world, gpus_per_node=world, overlap_rate=rate, jitter_cv=jitter_cv)
     return sm.simulate_step(p, cost if world > 1 else (lambda _b: 0.0), t)
 
 
@@ -122,6 +117,7 @@ def report(d: Path) -> str:
     runs = [json.loads(x) for x in (d / "runs.jsonl").read_text().splitlines() if x.strip()]
     med = _median_runs(runs)
     profiles, costs = {}, {}
+    bench = [json.loads(x) for x in (d / "collectives.jsonl").read_text().splitlines() if x.strip()]
     for world in WORLD_SIZES:
         fit = med[(world, FIT_CAP_MB)]
         traces = [json.loads((d / name).read_text()) for name in fit["traces"]]
@@ -131,34 +127,35 @@ def report(d: Path) -> str:
         profiles[world] = sm.scale_compute(traced, (fit["step_ms"] - fit["exposed_ms"] - traced.update_ms)
                                            / (traced.forward_ms + traced.backward_ms))
         if world > 1:
-            pts = [c for tr in traces for c in _trace_collectives(tr)]
-            try:
-                costs[world] = fit_linear_cost([b for b, _ in pts], [t for _, t in pts])
-            except ValueError:  # the fit run's buckets are too few sizes: add the collective_bench points
-                extra = [json.loads(x) for x in (d / "collectives.jsonl").read_text().splitlines() if x.strip()]
-                pts += [(e["bytes"], e["ms"]) for e in extra if e["world_size"] == world]
-                costs[world] = fit_linear_cost([b for b, _ in pts], [t for _, t in pts])
+            # the allreduce alone, ranks started together by a barrier: a traced allreduce also holds the
+            # wait for the slowest rank, which the jitter term models
+            pts = [(e["bytes"], e["ms"]) for e in bench if e["world_size"] == world]
+            costs[world] = fit_linear_cost([b for b, _ in pts], [t for _, t in pts], relative=False)
     # the compute profile of a fit run already contains its own contention: remove it for the fitted value
-    grid = [i / 100 for i in range(0, 301)]
-
-    def fit_err(k: float) -> float:
+    def fit_err(k: float, rate: float, cv: float) -> float:
         err = 0.0
         for world in (2, 3):
             base = _without_contention(profiles[world], FIT_CAP_MB, costs[world], k, world)
-            pred = predict(base, KAPPA_CAP_MB, costs[world], k, world)
-            m = med[(world, KAPPA_CAP_MB)]
-            err += ((pred.step_ms - m["step_ms"]) / m["step_ms"]) ** 2
+            for cap in (FIT_CAP_MB, KAPPA_CAP_MB):
+                pred, m = predict(base, cap, costs[world], k, world, rate, cv), med[(world, cap)]
+                err += ((pred.step_ms - m["step_ms"]) / m["step_ms"]) ** 2
+                err += ((_exposed(pred) - m["exposed_ms"]) / max(m["exposed_ms"], 1.0)) ** 2
         return err
 
-    kappa = min(grid, key=fit_err)
+    grid = [(k / 10, r / 10, cv / 200) for k in range(11) for r in range(1, 11) for cv in range(41)]
+    kappa, rate, cv = min(grid, key=lambda g: fit_err(*g))
     out = [f"# Scaling model on measured gloo runs ({datetime.date.today():%Y-%m-%d})", "",
            f"`python benchmarks/scaling_calibrate.py --run --dir {d} --repeats N` then `--report`. ResNet-18 CIFAR "
            "width 32, batch 32 per solver, fp32, synthetic data, `dptrain bench` (10 timed steps, 6 phase-timed "
            f"steps), median over {max(v['n'] for v in med.values())} round-robin repeats; 2-core VM shared with other jobs.",
-           "", f"Fit runs: cap {FIT_CAP_MB:g} MB at each world size (their traces give the compute profile and the "
-           f"allreduce cost) and cap {KAPPA_CAP_MB:g} MB (their step times give the contention). Fitted: " + "; ".join(
+           "", f"Fit runs: cap {FIT_CAP_MB:g} MB at each world size (their traces give the compute profile) and "
+           f"caps {FIT_CAP_MB:g} and {KAPPA_CAP_MB:g} MB together (their step times and exposed communication give "
+           "contention, overlap rate and jitter, by grid search); the allreduce cost comes from collective_bench. "
+           "Fitted: " + "; ".join(
                f"world {w}: allreduce {c.alpha_ms:.3f} ms + {c.beta_ms_per_mb:.3f} ms/MB" for w, c in costs.items())
-           + f"; contention {kappa:.2f} (backward loses that fraction of the overlapped allreduce time).", "",
+           + f"; contention {kappa:.2f} (backward loses that fraction of the overlapped allreduce time); overlap "
+           f"rate {rate:.2f} (an allreduce's speed while backward runs, relative to after it); jitter_cv {cv:.3f} "
+           "(predicted exposed comm includes rank 0's wait for the slowest rank).", "",
            "| world | cap MB | role | step ms measured | predicted | error | exposed ms measured | predicted | error |",
            "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     worst = {"step": 0.0, "exposed": 0.0}
@@ -168,15 +165,15 @@ def report(d: Path) -> str:
             pred = predict(profiles[1], cap, LinearCost(0, 0), 0.0, 1)
         else:
             base = _without_contention(profiles[world], FIT_CAP_MB, costs[world], kappa, world)
-            pred = predict(base, cap, costs[world], kappa, world)
+            pred = predict(base, cap, costs[world], kappa, world, rate, cv)
         e_step = (pred.step_ms - m["step_ms"]) / m["step_ms"]
-        e_exp = (pred.exposed_ms - m["exposed_ms"]) / m["exposed_ms"] if m["exposed_ms"] > 0.05 else float("nan")
+        e_exp = (_exposed(pred) - m["exposed_ms"]) / m["exposed_ms"] if m["exposed_ms"] > 0.05 else float("nan")
         if role == "check":
             worst["step"] = max(worst["step"], abs(e_step))
             if e_exp == e_exp:
                 worst["exposed"] = max(worst["exposed"], abs(e_exp))
         out.append(f"| {world} | {cap:g} | {role} | {m['step_ms']:.1f} | {pred.step_ms:.1f} | {e_step:+.0%} | "
-                   f"{m['exposed_ms']:.1f} | {pred.exposed_ms:.1f} | {e_exp:+.0%} |")
+                   f"{m['exposed_ms']:.1f} | {_exposed(pred):.1f} | {e_exp:+.0%} |")
     out += ["", "Noise floor: the 25 and 100 MB caps give the same two buckets for this 11 MB model, so their "
             "difference is the host's noise alone: " + "; ".join(
                 f"world {w}: step {_spread(med[(w, 25.0)]['step_ms'], med[(w, 100.0)]['step_ms']):.0%}, exposed "
@@ -186,6 +183,11 @@ def report(d: Path) -> str:
             f"{'met' if max(worst.values()) <= GOAL else 'NOT met'}). Exposed comm is the phase-timed wait after "
             "backward; below 0.05 ms measured, its relative error is not defined (nan).", ""]
     return "\n".join(out)
+
+
+def _exposed(pred: sm.StepPrediction) -> float:
+    """Rank 0's measured exposed communication: the model's, plus its wait for the slowest rank."""
+    return pred.exposed_ms + pred.jitter_ms
 
 
 def _spread(a: float, b: float) -> float:

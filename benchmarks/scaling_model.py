@@ -25,6 +25,8 @@ beyond that (:class:`Terms`, each documented with its source in the profile file
     T_N = max(compute + contention * overlapped comm + exposed + stats + jitter_cv * compute * E[max of N normals],
               N_node * batch / input_images_per_s_per_node)
 
+and an allreduce progresses at overlap_rate of its speed while backward runs (1 on GPUs).
+
 contention: NCCL kernels take SMs and HBM from the backward they overlap; stats: the running
 statistics' allreduce where it is not overlapped; jitter: the slowest of N ranks sets the pace;
 the input pipeline's ceiling per node. Weak-scaling efficiency = T_1 / T_N.
@@ -345,6 +347,9 @@ class Terms:
     stats_exposed: bool = False
     """True for DDP (buffers broadcast before forward); dptrain overlaps the statistics' allreduce."""
     host_ms_per_step: float = 0.0
+    overlap_rate: float = 1.0
+    """Speed of an allreduce while backward runs, relative to after it (1: NCCL on its own SMs; a
+    CPU host without a spare core: much less; ``dptrain.bucket_autotune.finish_ms``)."""
     world_size: int = 1
     gpus_per_node: int = 1
 
@@ -370,7 +375,8 @@ def one_solver_ms(p: Profile, t: Terms = Terms()) -> float:
 
 def simulate_step(p: Profile, comm_ms: Callable[[float], float], t: Terms = Terms()) -> StepPrediction:
     """T_N for ``t.world_size`` solvers (module docstring); the overlap is ``dptrain.bucket_autotune``'s."""
-    o = simulate_overlap([b.ready_ms for b in p.buckets], [b.nbytes for b in p.buckets], p.backward_ms, comm_ms)
+    o = simulate_overlap([b.ready_ms for b in p.buckets], [b.nbytes for b in p.buckets], p.backward_ms, comm_ms,
+                         t.overlap_rate)
     compute = max(p.compute_ms, t.host_ms_per_step)
     stats = comm_ms(t.stats_bytes) if (t.stats_exposed and t.stats_bytes and t.world_size > 1) else 0.0
     contention = t.contention * o.overlapped_ms
@@ -398,7 +404,7 @@ def strong_efficiency(p_full: Profile, pred: StepPrediction, world_size: int) ->
 def auto_plan(p: Profile, comm: Callable[[float], float]) -> Profile:
     """``p`` cut where ``reducer.bucket_mb = "auto"`` would cut it (``dptrain.bucket_autotune.plan_cuts``)."""
     ready, nbytes = [b.ready_ms for b in p.buckets], [b.nbytes for b in p.buckets]
-    r, s = buckets_of(ready, nbytes, plan_cuts(ready, nbytes, comm))
+    r, s = buckets_of(ready, nbytes, plan_cuts(ready, nbytes, comm, p.backward_ms))
     return replace(p, buckets=tuple(BucketTiming(int(b), t) for t, b in zip(r, s)), granularity="bucket")
 
 

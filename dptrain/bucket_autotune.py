@@ -4,8 +4,13 @@ and ``benchmarks/scaling_model.py``. Pure: no torch, no process group. Times in 
 Overlap model (one communication channel; buckets launch strictly in plan order, as the
 Reducer launches them):
 
-    start_k = max(ready_k, end_{k-1});   end_k = start_k + cost(bytes_k)
+    start_k = max(ready_k, end_{k-1});   end_k = finish(start_k, cost(bytes_k))
     exposed = max(0, end_last - backward_ms)
+
+``finish`` runs an allreduce at ``overlap_rate`` of its full speed while backward still
+computes and at full speed after it (:func:`finish_ms`). On a GPU NCCL has SMs of its own
+(rate 1); on a CPU host without a spare core the gloo threads get little time until
+backward ends (the Reducer fits the rate on its probe's measured exposed communication).
 
 where ``ready_k`` is when bucket k's last gradient is ready, in ms after backward starts
 (clamped to [0, backward_ms]). ``cost`` is any non-decreasing function of the bytes: a
@@ -15,10 +20,10 @@ Reducer's auto plan), or the NCCL ring/tree/NVLS model of the scaling model.
 Planner (:func:`plan_cuts`): over the gradients in ready order, choose where buckets start
 so that the last allreduce ends as early as possible (which minimises exposed
 communication), fewest buckets on a tie. Dynamic programme, O(n^2) cost evaluations for n
-gradients: ``f(j) = min_i max(R_j, f(i-1)) + cost(S_j - S_{i-1})`` with R_j the latest
-ready time among the first j gradients and S_j their bytes. It is exact for this model:
-a bucket's end is non-decreasing in the previous bucket's end, so the earliest end of
-each prefix is all a later choice needs.
+gradients: ``f(j) = min_i finish(max(R_j, f(i-1)), cost(S_j - S_{i-1}))`` with R_j the
+latest ready time among the first j gradients and S_j their bytes. It is exact for this
+model: a bucket's end is non-decreasing in the previous bucket's end, so the earliest end
+of each prefix is all a later choice needs.
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ import numpy as np
 
 CostFn = Callable[[float], float]
 """Milliseconds one allreduce of that many bytes takes."""
+OVERLAP_RATES = tuple(i / 50 for i in range(1, 51))
+"""Overlap rates the auto plan tries (0.02 .. 1): the one whose prediction of the probe's exposed
+communication is closest to the measurement is kept."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,18 @@ def fit_linear_cost(sizes_bytes: Sequence[float], times_ms: Sequence[float], rel
     return LinearCost(float(a), float(b) * 1e6)
 
 
+def finish_ms(start, cost_ms, backward_ms: float, overlap_rate: float = 1.0):
+    """End of an allreduce of ``cost_ms`` (at full speed) started at ``start``: it progresses at
+    ``overlap_rate`` until ``backward_ms`` and at full speed after. Floats or numpy arrays."""
+    if overlap_rate >= 1.0:
+        return start + cost_ms
+    inside = np.maximum(backward_ms - start, 0.0) * overlap_rate  # full-speed ms done before backward ends
+    with np.errstate(divide="ignore", invalid="ignore"):
+        early = start + np.where(cost_ms > 0, cost_ms / max(overlap_rate, 1e-12), 0.0)
+    out = np.where(cost_ms <= inside, early, np.maximum(start, backward_ms) + cost_ms - inside)
+    return float(out) if np.ndim(out) == 0 else out
+
+
 @dataclass(frozen=True)
 class Overlap:
     """What the overlap model predicts for one backward."""
@@ -82,19 +102,20 @@ class Overlap:
 
 
 def simulate_overlap(ready_ms: Sequence[float], nbytes: Sequence[float], backward_ms: float,
-                     cost: CostFn) -> Overlap:
+                     cost: CostFn, overlap_rate: float = 1.0) -> Overlap:
     """Run the buckets through one in-order channel (see the module docstring)."""
     end = busy = overlapped = 0.0
     for r, b in zip(ready_ms, nbytes):
         c = cost(b)
         start = max(min(max(r, 0.0), backward_ms), end)
-        end = start + c
+        end = finish_ms(start, c, backward_ms, overlap_rate)
         busy += c
         overlapped += max(0.0, min(end, backward_ms) - start)
     return Overlap(end, max(0.0, end - backward_ms), busy, overlapped)
 
 
-def plan_cuts(ready_ms: Sequence[float], nbytes: Sequence[float], cost: CostFn) -> tuple[int, ...]:
+def plan_cuts(ready_ms: Sequence[float], nbytes: Sequence[float], cost: CostFn, backward_ms: float = math.inf,
+              overlap_rate: float = 1.0) -> tuple[int, ...]:
     """Indices where buckets start (the first is 0) over gradients in ready order; see the module docstring.
 
     Two passes over the cost matrix ``C[i, j] = cost(bytes of gradients i..j-1)``: the earliest
@@ -111,13 +132,13 @@ def plan_cuts(ready_ms: Sequence[float], nbytes: Sequence[float], cost: CostFn) 
         c[i, i + 1:] = [cost(prefix[j] - prefix[i]) for j in range(i + 1, n + 1)]
     best = np.zeros(n + 1)  # earliest end of each prefix, any bucket count
     for j in range(1, n + 1):
-        best[j] = np.min(np.maximum(ready[j - 1], best[:j]) + c[:j, j])
+        best[j] = np.min(finish_ms(np.maximum(ready[j - 1], best[:j]), c[:j, j], backward_ms, overlap_rate))
     target = best[n] + 1e-9 * max(1.0, abs(best[n]))
     levels = [np.concatenate([[0.0], np.full(n, np.inf)])]  # f_0: only the empty prefix
     starts: list[np.ndarray] = []
     while levels[-1][n] > target:
         prev = levels[-1]
-        ends = np.maximum(ready[None, :], prev[:, None]) + c[:, 1:]  # [i, j-1]: last bucket i..j-1
+        ends = finish_ms(np.maximum(ready[None, :], prev[:, None]), c[:, 1:], backward_ms, overlap_rate)  # [i, j-1]
         starts.append(np.argmin(ends, axis=0))
         levels.append(np.concatenate([[np.inf], ends[starts[-1], np.arange(n)]]))
     cuts, j = [], n
@@ -167,6 +188,8 @@ class AutoDecision:
     """Measured exposed communication of the probe plan (a bucket per parameter)."""
     fit_note: str = ""
     """Why the fit fell back to the median allreduce time ("" when it did not)."""
+    overlap_rate: float = 1.0
+    """Fitted so the model reproduces the probe's measured exposed communication (see the module docstring)."""
 
 
 def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str, list[float]],
@@ -190,7 +213,9 @@ def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str
         cost = fit_linear_cost([b for b, _ in timed], [t for _, t in timed])
     except ValueError as e:
         cost, note = LinearCost(median(t for _, t in timed) if timed else 0.0, 0.0), str(e)
-    cuts = plan_cuts(ready, sizes, cost)
-    pred = simulate_overlap(*buckets_of(ready, sizes, cuts), bwd, cost)
-    return AutoDecision(list(order), list(cuts), cost, len(timed), bwd, pred.exposed_ms,
-                        median(probe_exposed_ms), note)
+    measured = median(probe_exposed_ms)
+    probe = ready, [float(b) for b in sizes]  # the probe plan: a bucket per parameter
+    rate = min(OVERLAP_RATES, key=lambda r: abs(simulate_overlap(*probe, bwd, cost, r).exposed_ms - measured))
+    cuts = plan_cuts(ready, sizes, cost, bwd, rate)
+    pred = simulate_overlap(*buckets_of(ready, sizes, cuts), bwd, cost, rate)
+    return AutoDecision(list(order), list(cuts), cost, len(timed), bwd, pred.exposed_ms, measured, note, rate)

@@ -434,9 +434,10 @@ class Reducer:
         if self.comm.rank == 0:
             c = decision.cost
             log.info("reducer auto plan: %s (probe: %s); allreduce cost %.3f ms + %.3f ms/MB fitted on %d "
-                     "collectives; backward %.2f ms; predicted exposed comm %.2f ms (probe plan measured %.2f ms)",
-                     self.plan.describe(), old, c.alpha_ms, c.beta_ms_per_mb, decision.collectives,
-                     decision.backward_ms, decision.predicted_exposed_ms, decision.probe_exposed_ms)
+                     "collectives, overlap rate %.2f; backward %.2f ms; predicted exposed comm %.2f ms (probe plan "
+                     "measured %.2f ms)", self.plan.describe(), old, c.alpha_ms, c.beta_ms_per_mb,
+                     decision.collectives, decision.overlap_rate, decision.backward_ms,
+                     decision.predicted_exposed_ms, decision.probe_exposed_ms)
 
     def _auto_propose(self) -> AutoDecision:
         """The plan from rank 0's probe measurements (``dptrain.bucket_autotune.decide_plan``)."""
@@ -456,6 +457,7 @@ class Reducer:
         measured = median(a.exposed_ms) if self._host_completion else None  # CUDA: wait() does not block the host
         self.auto_report = {"plan": self.plan.describe(), "buckets": len(self.plan.buckets),
                             "alpha_ms": round(d.cost.alpha_ms, 4), "beta_ms_per_mb": round(d.cost.beta_ms_per_mb, 4),
+                            "overlap_rate": d.overlap_rate,
                             "predicted_exposed_ms": round(d.predicted_exposed_ms, 3),
                             "measured_exposed_ms": None if measured is None else round(measured, 3),
                             "probe_exposed_ms": round(d.probe_exposed_ms, 3)}

@@ -14,6 +14,7 @@ from dptrain.bucket_autotune import (
     buckets_of,
     decide_plan,
     expected_max_normal,
+    finish_ms,
     fit_linear_cost,
     plan_cuts,
     simulate_overlap,
@@ -64,25 +65,37 @@ def test_plan_cuts_by_hand():
         plan_cuts([1.0], [], cost)
 
 
-def _brute_force_end(ready: list[float], nbytes: list[float], cost: LinearCost) -> tuple[float, int]:
+def test_finish_at_a_lower_rate_while_backward_runs():
+    # rate 0.5 until backward ends at 10 ms: 4 ms of work from 2 ms: 8 ms of wall time fit -> ends at 10;
+    # 6 ms of work: 4 done by 10, 2 more at full speed -> 12; after backward: full speed
+    assert finish_ms(2.0, 4.0, 10.0, 0.5) == pytest.approx(10.0)
+    assert finish_ms(2.0, 6.0, 10.0, 0.5) == pytest.approx(12.0)
+    assert finish_ms(12.0, 3.0, 10.0, 0.5) == pytest.approx(15.0)
+    assert finish_ms(2.0, 6.0, 10.0) == 8.0 and finish_ms(2.0, 0.0, 10.0, 0.0) == pytest.approx(2.0)
+    assert finish_ms(2.0, 6.0, 10.0, 0.0) == pytest.approx(16.0)  # nothing moves until backward ends
+
+
+def _brute_force_end(ready: list[float], nbytes: list[float], cost: LinearCost,
+                     rate: float = 1.0) -> tuple[float, int]:
     n, best = len(ready), (math.inf, 0)
     for mask in itertools.product([False, True], repeat=n - 1):
         cuts = [0, *(i + 1 for i, cut in enumerate(mask) if cut)]
-        end = simulate_overlap(*buckets_of(ready, nbytes, cuts), max(ready), cost).comm_end_ms
+        end = simulate_overlap(*buckets_of(ready, nbytes, cuts), max(ready), cost, rate).comm_end_ms
         best = min(best, (round(end, 9), len(cuts)))
     return best
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(10))
 def test_plan_cuts_matches_brute_force_on_random_timelines(seed):
     rng = random.Random(seed)
     n = rng.randint(2, 9)
     ready = sorted(rng.uniform(0, 20) for _ in range(n))
     nbytes = [rng.choice([4e2, 4e4, 1e6, 4e6, 1.6e7]) for _ in range(n)]
     cost = LinearCost(rng.choice([0.05, 0.5, 3.0]), rng.choice([0.1, 0.5, 2.0]))
-    cuts = plan_cuts(ready, nbytes, cost)
-    end = simulate_overlap(*buckets_of(ready, nbytes, cuts), max(ready), cost).comm_end_ms
-    assert (round(end, 9), len(cuts)) == _brute_force_end(ready, nbytes, cost)
+    rate = rng.choice([1.0, 0.5, 0.1])
+    cuts = plan_cuts(ready, nbytes, cost, max(ready), rate)
+    end = simulate_overlap(*buckets_of(ready, nbytes, cuts), max(ready), cost, rate).comm_end_ms
+    assert (round(end, 9), len(cuts)) == _brute_force_end(ready, nbytes, cost, rate)
 
 
 def test_decide_plan_from_a_synthetic_probe():
@@ -103,6 +116,10 @@ def test_decide_plan_from_a_synthetic_probe():
     one = decide_plan(order, nbytes, ready, [10.0], [(1000, 0.5), (1000, 0.7), (1000, 0.6)], [1.0])
     assert one.cuts == [0] and "at least 2 distinct message sizes" in one.fit_note
     assert one.predicted_exposed_ms == pytest.approx(0.6)
+    # a probe whose allreduces barely moved during backward (exposed 14.5 ms measured; at rate 1 the
+    # model says 6) fits a low overlap rate, and the plan then merges what would only wait anyway
+    slow = decide_plan(order, nbytes, ready, [10.0], comm, [14.5])
+    assert slow.overlap_rate < 0.2 and len(slow.cuts) <= 2
 
 
 def test_expected_max_of_normals():

@@ -257,13 +257,3 @@ def test_bad_workload_and_rows_are_named(tmp_path):
                     'images_per_s_n = 8.0\nrole = "fit"\nsource = "s"\n')
     with pytest.raises(ValueError, match=r"rows \['x'\] need role fit\|fit-input\|check and a machine in"):
         sv.load_rows(rows)
-
-
-def test_calibration_reads_collective_service_times_from_a_trace():
-    import scaling_calibrate as sc
-
-    # two allreduces, the second queued behind the first: service = end - max(start, previous end)
-    trace = {"traceEvents": [{"name": "allreduce", "ph": "X", "ts": 0.0, "dur": 3000.0, "args": {"bytes": 100}},
-                             {"name": "allreduce", "ph": "X", "ts": 1000.0, "dur": 4000.0, "args": {"bytes": 200}},
-                             {"name": "forward", "ph": "X", "ts": 0.0, "dur": 1.0, "args": {}}]}
-    assert sc._trace_collectives(trace) == [(100, 3.0), (200, 2.0)]
