@@ -68,7 +68,8 @@ def _cmd(world: int, cap: float, trace: Path) -> list[str]:
 
 
 def run(out: Path, repeats: int) -> None:
-    """Measure the matrix, round-robin over the repeats; append JSON lines to out/runs.jsonl."""
+    """Measure the matrix, round-robin over the repeats; append JSON lines to out/runs.jsonl (a
+    later call adds repeats after the ones there)."""
     out.mkdir(parents=True, exist_ok=True)
     from collective_bench import measure_allreduce
 
@@ -76,7 +77,10 @@ def run(out: Path, repeats: int) -> None:
     for world in (2, 3):
         for nbytes, t in measure_allreduce(sizes, world_size=world, iters=20):
             _append(out / "collectives.jsonl", {"world_size": world, "bytes": nbytes, "ms": t * 1e3})
-    for rep in range(repeats):
+    done = [json.loads(x)["repeat"] for x in (out / "runs.jsonl").read_text().splitlines()] \
+        if (out / "runs.jsonl").exists() else []
+    first = max(done, default=-1) + 1  # a later call adds repeats
+    for rep in range(first, first + repeats):
         for world in WORLD_SIZES:
             for cap in (CAPS_MB if world > 1 else (FIT_CAP_MB,)):
                 trace = out / f"trace_w{world}_cap{cap:g}_r{rep}"
