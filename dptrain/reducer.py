@@ -81,6 +81,8 @@ AUTO_WARMUP_ITERS = 1
 """Synced iterations the auto plan ignores: the first pays allocator and kernel-selection costs no later one pays."""
 AUTO_PROBE_ITERS = 3
 """Synced iterations timed per phase of the auto plan (probe, then check); medians over them."""
+PROBE_SETTLE_S = 1.0
+"""CUDA probe: how long to wait for the completion watcher to stamp collectives the device has finished."""
 PROBE_CAP_MB = 1e-9
 """Caps below any parameter's size: one bucket per parameter while probing, so every gradient's
 ready time and a spread of message sizes (biases to the largest weight) are measured."""
@@ -358,6 +360,8 @@ class Reducer:
             if self.tracer.enabled and self._host_completion:
                 self._trace(rec, rec.end_us[0] if rec.end_us else now_us())
         if self._auto is not None and self._auto.phase != "done":
+            if self._auto.phase == "probe" and not self._host_completion:
+                self._settle_probe()
             self._auto_record(backward_end_us, now_us())
         self._launched = []
         self._finish_stats()
@@ -423,6 +427,14 @@ class Reducer:
             end = rec.end_us[0] if rec.end_us else done_us
             a.comm.append((rec.bucket.nbytes, (end - max(rec.start_us, prev_end)) / 1e3))
             prev_end = end
+
+    def _settle_probe(self) -> None:
+        """CUDA probe iterations only: sync the device and let the completion watcher stamp every
+        collective, so the probe's exposed communication and service times are device times."""
+        torch.cuda.synchronize(self.comm.device)
+        deadline = time.perf_counter() + PROBE_SETTLE_S
+        while any(not rec.end_us for rec in self._launched) and time.perf_counter() < deadline:
+            time.sleep(1e-4)
 
     def _auto_decide(self) -> None:
         """Rank 0 plans from the probe's timeline; every rank applies it now (collective)."""
