@@ -40,21 +40,28 @@ class Row:
     images_per_s_n: float
     role: str
     source: str
+    pipeline: str = "pytorch-dataloader"
+    """Input ceilings are fitted per (machine, pipeline): another framework's loader is another ceiling."""
 
     @property
     def efficiency(self) -> float:
         return self.images_per_s_n / (self.gpus * self.images_per_s_1)
 
 
-def load_rows(path: Path) -> list[Row]:
-    rows = [Row(**r) for r in tomllib.loads(path.read_text())["rows"]]
+def load_rows(*paths: Path) -> list[Row]:
+    rows = [Row(**r) for path in paths for r in tomllib.loads(path.read_text())["rows"]]
     bad = [r.label for r in rows if r.role not in ("fit", "fit-input", "check") or r.machine not in sm.MACHINES]
     if bad:
-        raise ValueError(f"{path}: rows {bad} need role fit|fit-input|check and a machine in {sorted(sm.MACHINES)}")
+        raise ValueError(f"{', '.join(map(str, paths))}: rows {bad} need role fit|fit-input|check and a machine in "
+                         f"{sorted(sm.MACHINES)}")
     return rows
 
 
-def predict(row: Row, wl: sm.Workload, ceilings: dict[str, float], plain: bool = False) -> float:
+Ceilings = dict[tuple[str, str], float]
+"""(machine, pipeline) -> input images/s per node."""
+
+
+def predict(row: Row, wl: sm.Workload, ceilings: Ceilings, plain: bool = False) -> float:
     """Predicted weak-scaling efficiency of ``row`` (plain: the overlap model alone)."""
     m = sm.MACHINES[row.machine]
     p = sm.reference_profile(row.machine, row.batch_size, images_per_s=row.images_per_s_1,
@@ -62,14 +69,15 @@ def predict(row: Row, wl: sm.Workload, ceilings: dict[str, float], plain: bool =
     p = sm.rebucket(p, sm.DEFAULT_BUCKET_MB, sm.DEFAULT_FIRST_BUCKET_MB)
     nodes = max(1, row.gpus // m.gpus_per_node)
     t = sm.plain_terms(m)(nodes) if plain else replace(
-        wl.terms(row.machine, nodes, stats_exposed=True), input_images_per_s_per_node=ceilings.get(row.machine, 0.0))
+        wl.terms(row.machine, nodes, stats_exposed=True),
+        input_images_per_s_per_node=ceilings.get((row.machine, row.pipeline), 0.0))
     pred = sm.simulate_step(p, sm.comm_fn(m, nodes, gpus_per_node=min(row.gpus, m.gpus_per_node)), t)
     return sm.weak_efficiency(p, pred, t)
 
 
-def fit(rows: list[Row], wl: sm.Workload) -> tuple[float, dict[str, float]]:
-    """(jitter_cv, input ceiling per machine) from the fit rows."""
-    ceilings = {r.machine: r.images_per_s_n / max(1, r.gpus // sm.MACHINES[r.machine].gpus_per_node)
+def fit(rows: list[Row], wl: sm.Workload) -> tuple[float, Ceilings]:
+    """(jitter_cv, input ceiling per machine and pipeline) from the fit rows."""
+    ceilings = {(r.machine, r.pipeline): r.images_per_s_n / max(1, r.gpus // sm.MACHINES[r.machine].gpus_per_node)
                 for r in rows if r.role == "fit-input"}
     fit_rows = [r for r in rows if r.role == "fit"]
 
@@ -80,13 +88,14 @@ def fit(rows: list[Row], wl: sm.Workload) -> tuple[float, dict[str, float]]:
     return min(JITTER_GRID, key=sse), ceilings
 
 
-def report(rows: list[Row], wl: sm.Workload, source: Path) -> str:
+def report(rows: list[Row], wl: sm.Workload, sources: list[Path]) -> str:
     cv, ceilings = fit(rows, wl)
     fitted = replace(wl, jitter_cv=cv)
     out = [f"# Scaling model vs published 1-to-N tables ({datetime.date.today():%Y-%m-%d})", "",
-           f"`python benchmarks/scaling_validate.py --out benchmarks/results`; rows: `{source.relative_to(sm.PROFILES.parent.parent)}`.",
+           "`python benchmarks/scaling_validate.py --out benchmarks/results`; rows: "
+           + ", ".join(f"`{p.relative_to(sm.PROFILES.parent.parent)}`" for p in sources) + ".",
            "", f"Fitted on the fit rows: jitter_cv = {cv:g} (the workload file holds {wl.jitter_cv:g}); input ceiling "
-           "per node: " + ", ".join(f"{k} {v:,.0f} img/s" for k, v in ceilings.items()) + ". Contention per machine file "
+           "per node: " + ", ".join(f"{m} ({pipe}) {v:,.0f} img/s" for (m, pipe), v in ceilings.items()) + ". Contention per machine file "
            "(assumed 0.15, see below).", "",
            "| row | role | GPUs | published img/s, 1 -> N | published efficiency | overlap model only (2026-11-23) "
            "| corrected model | error (points) |", "|---|---|---:|---|---:|---:|---:|---:|"]
@@ -111,7 +120,7 @@ def report(rows: list[Row], wl: sm.Workload, source: Path) -> str:
     return "\n".join(out) + "\n"
 
 
-def _with_contention(row: Row, wl: sm.Workload, ceilings: dict[str, float], contention: float) -> float:
+def _with_contention(row: Row, wl: sm.Workload, ceilings: Ceilings, contention: float) -> float:
     m = sm.MACHINES[row.machine]
     sm.MACHINES[row.machine] = replace(m, contention=contention)
     try:
@@ -122,16 +131,18 @@ def _with_contention(row: Row, wl: sm.Workload, ceilings: dict[str, float], cont
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default=str(sm.PROFILES / "published" / "resnet50_dle_pytorch.toml"))
+    ap.add_argument("--rows", default=",".join(str(p) for p in sorted((sm.PROFILES / "published").glob("*.toml"))),
+                    help="comma-separated published-rows files")
     ap.add_argument("--workload", default=str(sm.PROFILES / "workloads" / "resnet50.toml"))
     ap.add_argument("--out", help="write OUT/scaling_validation_<yyyymmdd>.md")
     args = ap.parse_args(argv)
     try:
-        rows, wl = load_rows(Path(args.rows)), sm.load_workload(Path(args.workload))
+        sources = [Path(p).resolve() for p in args.rows.split(",")]
+        rows, wl = load_rows(*sources), sm.load_workload(Path(args.workload))
     except (ValueError, OSError, TypeError) as e:
         print(f"scaling_validate.py: error: {e}", file=sys.stderr)
         return 2
-    text = report(rows, wl, Path(args.rows).resolve())
+    text = report(rows, wl, sources)
     sm.emit_report(text, args.out, "scaling_validation")
     return 0
 

@@ -233,11 +233,13 @@ def test_auto_plan_is_never_worse_than_a_fixed_cap():
 def test_validation_against_the_published_rows_meets_the_goal(capsys):
     import scaling_validate as sv
 
-    rows = sv.load_rows(sm.PROFILES / "published" / "resnet50_dle_pytorch.toml")
+    rows = sv.load_rows(*sorted((sm.PROFILES / "published").glob("*.toml")))
     wl = sm.load_workload()
     cv, ceilings = sv.fit(rows, wl)
     assert cv == pytest.approx(wl.jitter_cv)  # the workload file holds the fitted value
-    assert ceilings == {"dgx-a100": 16621.0, "dgx-1-v100": 8322.0}
+    assert ceilings[("dgx-a100", "pytorch-dataloader")] == 16621.0 == wl.machines["dgx-a100"]["input_images_per_s_per_node"]
+    assert ceilings[("dgx-1-v100", "pytorch-dataloader")] == 8322.0 and ceilings[("dgx-2-v100", "tensorflow")] == 17250.0
+    assert sum(r.role == "check" for r in rows) == 11
     for r in rows:
         assert abs(sv.predict(r, wl, ceilings) - r.efficiency) * 100 <= sv.GOAL_PP, r.label
     a100_amp = next(r for r in rows if r.label == "DGX A100 80GB, AMP")
