@@ -53,7 +53,8 @@ KAPPA_CAP_MB = 1.0
 WORLD_SIZES = (1, 2, 3)
 GOAL = 0.15
 SETS = ["model.name=resnet18_cifar", "model.width=32", "model.num_classes=10", "data.image_size=32",
-        "data.batch_size=32", "precision.storage=fp32", "solver.cpu_fused_update=true", "train.threads=1"]
+        "data.batch_size=32", "precision.storage=fp32", "solver.cpu_fused_update=true", "train.threads=1",
+        "model.channels_last=false"]
 """One intra-op thread per solver at every world size: a 2-thread solver on a loaded 2-core host stalls in
 OpenMP barriers (measured: 8.2 s steps instead of ~0.5 s), which would time the host, not dptrain."""
 

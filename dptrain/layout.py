@@ -6,9 +6,11 @@ Rule (every zoo model is convolutional; ``true``/``false`` in the config overrid
   cuDNN transposes around each convolution (NVIDIA's deep learning performance guide,
   "Tensor layouts in memory"), which is why NVIDIA's ResNet-50 recipes train channels_last.
 - CPU, bf16 storage with native bf16 kernels (AVX512-BF16/AMX): NHWC. Measured on a
-  native-bf16 2-core VM, 2 gloo solvers, ResNet-18 CIFAR width 32, batch 32 per solver:
-  544 images/s NCHW, 582-626 NHWC.
-- CPU, fp32 (and anything else): NCHW. See ``CPU_FP32_CHANNELS_LAST`` for the measurement.
+  native-bf16 2-core VM (an earlier session), 2 gloo solvers, ResNet-18 CIFAR width 32, batch 32
+  per solver: 544 images/s NCHW, 582-626 NHWC.
+- CPU, fp32: NHWC (``CPU_FP32_CHANNELS_LAST``, measured on the AVX2-only VM).
+- CPU, a storage dtype without native kernels (bf16/fp16 on AVX2): NCHW; that path is a slow
+  reference fallback either way and was not measured.
 """
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ import torch
 
 from dptrain.precision import cpu_native_support
 
-CPU_FP32_CHANNELS_LAST = False
-"""fp32 on the CPU stays NCHW: measured on the AVX2-only 2-core VM (benchmarks/results/
-throughput_cpu_cpu2_20261125_layout.md), NHWC was not faster there."""
+CPU_FP32_CHANNELS_LAST = True
+"""fp32 on the CPU runs NHWC: on the AVX2-only 2-core VM (oneDNN), ResNet-18 CIFAR width 32,
+batch 32, one thread, alternated rounds: forward + backward 874 ms NHWC vs 1106 ms NCHW (plain
+torch, median of 3 rounds); ``dptrain bench`` one solver 32.4 / 39.9 images/s NHWC vs
+29.2 / 30.5 NCHW (2 rounds). 2-solver figures: benchmarks/results/throughput_layout_cpu2_20261125.md."""
 
 
 def resolve_channels_last(setting: bool | Literal["auto"], storage: str, device: torch.device) -> bool:
@@ -29,6 +33,6 @@ def resolve_channels_last(setting: bool | Literal["auto"], storage: str, device:
         return bool(setting)
     if device.type == "cuda":
         return storage in ("fp16", "bf16")
-    if storage in ("fp16", "bf16"):
-        return cpu_native_support(storage)
-    return CPU_FP32_CHANNELS_LAST
+    if storage == "fp32":
+        return CPU_FP32_CHANNELS_LAST
+    return cpu_native_support(storage)
