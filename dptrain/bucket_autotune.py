@@ -7,20 +7,19 @@ Reducer launches them):
     start_k = max(ready_k, end_{k-1});   end_k = finish(start_k, cost(bytes_k))
     exposed = max(0, end_last - backward_ms)
 
-``finish`` runs an allreduce at ``overlap_rate`` of its full speed while backward still
-computes and at full speed after it (:func:`finish_ms`). On a GPU NCCL has SMs of its own
-(rate 1); on a CPU host without a spare core the gloo threads get little time until
-backward ends (the Reducer fits the rate on its probe's measured exposed communication).
-
 where ``ready_k`` is when bucket k's last gradient is ready, in ms after backward starts
 (clamped to [0, backward_ms]). ``cost`` is any non-decreasing function of the bytes: a
 :class:`LinearCost` ``alpha + beta * bytes`` fitted from measured collectives (the
-Reducer's auto plan), or the NCCL ring/tree/NVLS model of the scaling model.
+Reducer's auto plan), or the NCCL ring/tree/NVLS model of the scaling model. ``finish``
+runs an allreduce at ``overlap_rate`` of its full speed while backward still computes and
+at full speed after it (:func:`finish_ms`). On a GPU NCCL has SMs of its own (rate 1); on a
+CPU host without a spare core the gloo threads get little time until backward ends (the
+Reducer fits the rate on its probe's measured exposed communication).
 
 Planner (:func:`plan_cuts`): over the gradients in ready order, choose where buckets start
 so that the last allreduce ends as early as possible (which minimises exposed
-communication), fewest buckets on a tie. Dynamic programme, O(n^2) cost evaluations for n
-gradients: ``f(j) = min_i finish(max(R_j, f(i-1)), cost(S_j - S_{i-1}))`` with R_j the
+communication), fewest buckets on a tie. Dynamic programme over O(n^2) cost evaluations
+for n gradients (then one O(n^2) level per bucket of the answer, for the fewest buckets): ``f(j) = min_i finish(max(R_j, f(i-1)), cost(S_j - S_{i-1}))`` with R_j the
 latest ready time among the first j gradients and S_j their bytes. It is exact for this
 model: a bucket's end is non-decreasing in the previous bucket's end, so the earliest end
 of each prefix is all a later choice needs.
