@@ -198,18 +198,20 @@ def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str
 
     ``order``: every parameter, ready ones first; ``ready_ms``: per parameter, its ready time
     (ms after backward starts) in each probe iteration (none: ready at the end of backward);
-    ``collectives``: (bytes, service ms) of each measured allreduce; one with no service time
-    of its own (<= 0: it ran beside the previous one, as gloo's worker threads allow) says
-    nothing about its cost and is left out. If the fit fails (fewer
+    ``collectives``: (bytes, ms) of each measured allreduce; the fit takes the median time per
+    size (a collective also waits for the slowest rank to launch it, a long tail on a shared
+    host), and a time <= 0 is left out. If the fit fails (fewer
     than two sizes, or times that do not grow with size), every bucket is priced at the median
     allreduce time, which merges buckets as far as the timeline allows.
     """
     bwd = median(backward_ms)
     ready = [median(ready_ms[n]) if ready_ms.get(n) else bwd for n in order]
     sizes = [nbytes[n] for n in order]
-    note, timed = "", [(b, t) for b, t in collectives if t > 0]
+    note, timed, by_size = "", [(b, t) for b, t in collectives if t > 0], {}
+    for b, t in timed:
+        by_size.setdefault(b, []).append(t)
     try:
-        cost = fit_linear_cost([b for b, _ in timed], [t for _, t in timed])
+        cost = fit_linear_cost(list(by_size), [median(v) for v in by_size.values()])
     except ValueError as e:
         cost, note = LinearCost(median(t for _, t in timed) if timed else 0.0, 0.0), str(e)
     measured = median(probe_exposed_ms)

@@ -25,8 +25,9 @@ on it is identical everywhere without another collective.
 
 ``bucket_mb = "auto"``: after ``AUTO_WARMUP_ITERS`` synced iterations, ``AUTO_PROBE_ITERS``
 more run with one bucket per parameter while the Reducer records when each gradient is
-ready and how long each allreduce takes (its end minus the later of its launch and the
-previous one's end). Rank 0 fits ``alpha + beta * bytes`` to those collectives, plans the
+ready and how long each allreduce takes (those launched while no earlier one was still
+running: their duration is their cost alone). Rank 0 fits ``alpha + beta * bytes`` to the
+median time per size, plans the
 bucket boundaries that minimise exposed communication over the median ready times
 (:mod:`dptrain.bucket_autotune`, the scaling model's cost model) and broadcasts the
 gradient order and the cuts; every rank re-lays out its buffers at the same iteration,
@@ -423,10 +424,11 @@ class Reducer:
         for name, t in a.ready.items():
             a.ready_ms.setdefault(name, []).append(t)
         prev_end = 0.0
-        for rec in self._launched:  # launch order; one channel: service = end - max(launch, previous end)
+        for rec in self._launched:  # launch order
             end = rec.end_us[0] if rec.end_us else done_us
-            a.comm.append((rec.bucket.nbytes, (end - max(rec.start_us, prev_end)) / 1e3))
-            prev_end = end
+            if rec.start_us >= prev_end:  # launched on an idle channel: its duration is its cost alone
+                a.comm.append((rec.bucket.nbytes, (end - rec.start_us) / 1e3))
+            prev_end = max(prev_end, end)
 
     def _settle_probe(self) -> None:
         """CUDA probe iterations only: sync the device and let the completion watcher stamp every

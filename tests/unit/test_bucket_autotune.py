@@ -106,12 +106,13 @@ def test_decide_plan_from_a_synthetic_probe():
     nbytes = {n: 1_000_000 for n in order}
     ready = {"a": [1.0, 0.9, 1.1], "b": [2.0, 2.0, 2.2], "c": [3.0, 2.9, 3.0], "d": [10.0, 9.0, 11.0]}
     comm = [(b, 2.0 + b / 1e6) for b in (40, 4_000, 1_000_000, 2_000_000)]
-    comm.append((3_000_000, 0.0))  # ran beside the previous one: no service time of its own, left out
+    comm.append((3_000_000, 0.0))  # no time: left out
+    comm += [(4_000, 50.0), (4_000, 2.004)]  # one long wait for a slow rank: the median per size holds
     d = decide_plan(order, nbytes, ready, [10.0, 9.5, 10.5], comm, [4.0, 5.0, 6.0])
     assert d.cuts == [0, 3] and d.order == order and d.fit_note == ""
     assert (d.cost.alpha_ms, d.cost.beta_ms_per_mb) == pytest.approx((2.0, 1.0))
     # [a b c] ready 3: 3 -> 8; [d unused] ready 10: 10 -> 14; exposed 14 - 10 = 4
-    assert (d.backward_ms, d.predicted_exposed_ms, d.probe_exposed_ms, d.collectives) == pytest.approx((10, 4, 5, 4))
+    assert (d.backward_ms, d.predicted_exposed_ms, d.probe_exposed_ms, d.collectives) == pytest.approx((10, 4, 5, 6))
     # one message size only: priced at the median time, so one bucket at the end of backward
     one = decide_plan(order, nbytes, ready, [10.0], [(1000, 0.5), (1000, 0.7), (1000, 0.6)], [1.0])
     assert one.cuts == [0] and "at least 2 distinct message sizes" in one.fit_note
