@@ -39,7 +39,7 @@ class ModelConfig:
     """Base channel count for the ``*_cifar`` nets (ResNet-18 uses 64). Smaller is faster."""
     channels_last: bool | Literal["auto"] = "auto"
     """Store activations NHWC. "auto": wherever it was measured faster (``dptrain.layout``: CUDA
-    with fp16/bf16 storage; CPU with fp32, or bf16 where the CPU runs it natively); true/false force it."""
+    with fp16/bf16 storage; CPU with bf16 where the CPU runs it natively); true/false force it."""
 
     def __post_init__(self) -> None:
         from dptrain.models import MODELS
