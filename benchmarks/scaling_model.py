@@ -17,8 +17,24 @@ busbw/2); hierarchical = NVLink reduce-scatter, per-rail ring allreduce of S/g a
 NVLink allgather. ``best`` takes the fastest per message, as NCCL's tuner does.
 
 Overlap: buckets launch in plan order when ready and run one at a time on one channel;
-exposed comm = max(0, end of the last allreduce - end of backward);
-step = forward + backward + exposed + update. Weak-scaling efficiency = T_1 / T_N.
+exposed comm = max(0, end of the last allreduce - end of backward) (``dptrain.bucket_autotune``,
+the cost model the Reducer's ``bucket_mb = "auto"`` plans with). The costs a real step pays
+beyond that (:class:`Terms`, each documented with its source in the profile files):
+
+    compute = forward + backward + update, at least host_ms_per_step (launch + host loop)
+    T_N = max(compute + contention * overlapped comm + exposed + stats + jitter_cv * compute * E[max of N normals],
+              N_node * batch / input_images_per_s_per_node)
+
+and an allreduce progresses at overlap_rate of its speed while backward runs (1 on GPUs).
+
+contention: NCCL kernels take SMs and HBM from the backward they overlap; stats: the running
+statistics' allreduce where it is not overlapped; jitter: the slowest of N ranks sets the pace;
+the input pipeline's ceiling per node. Weak-scaling efficiency = T_1 / T_N.
+
+Machines (``benchmarks/profiles/machines/*.toml``: GPUs per node, HBM, NVLink/NVSwitch, NIC,
+contention) and workloads (``benchmarks/profiles/workloads/*.toml``: one-GPU rate, batch,
+gradient bytes, jitter, input ceiling per machine) are data files to copy and edit for your
+cluster. ``benchmarks/scaling_validate.py`` checks the model against published tables.
 
     python benchmarks/scaling_model.py                       # DGX H100, reference ResNet-50 profile
     python benchmarks/scaling_model.py --profile runs/t.rank0.json --profile-batch 32 --machines dgx-h100,dgx-a100
@@ -39,7 +55,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import tomllib
 
+from dptrain.bucket_autotune import (
+    buckets_of,
+    expected_max_normal,
+    fit_linear_cost,
+    plan_cuts,
+    simulate_overlap,
+)
+
+PROFILES = Path(__file__).resolve().parent / "profiles"
 GB = 1e9  # bandwidths are in GB/s = 1e9 bytes/s, as nccl-tests reports them
 MIB = 1024 * 1024
 Algorithm = Literal["ring", "tree", "hierarchical", "nvls", "best"]
@@ -219,31 +245,29 @@ class Machine:
     """NVLink SHARP (single node only): alpha_us is paid once, not per step."""
     launch_us: float = 0.0
     """Fixed cost per collective (NCCL baseLat, ring/Simple)."""
+    hbm_gbs: float = 0.0
+    contention: float = 0.0
+    """Fraction of the communication time that overlaps backward which backward loses to it."""
+    sources: tuple[tuple[str, str], ...] = ()
 
 
-_NCCL_TUNING = ("NCCL src/graph/tuning.cc (NVIDIA/nccl@b6475625), hwLat[{}][RING][SIMPLE]; the tuner's "
-                "per-hop latency for the Simple protocol that large buckets use")
-MACHINES: dict[str, Machine] = {
-    "dgx-h100": Machine(
-        "DGX H100 (8x H100 SXM, NVLink4 + 4th-gen NVSwitch, 8x ConnectX-7 NDR 400 Gb/s)", 8,
-        nvlink=Link(370.0, 3.4, "NVLink4: 450 GB/s per direction; ~370 GB/s NCCL ring allreduce busbw for large "
-                                "messages (NVIDIA's NCCL figures for DGX H100 as collected in shared/REFERENCE.md, the "
-                                "project's reference notes; NVIDIA DGX H100 user guide); alpha: "
-                                + _NCCL_TUNING.format("NVLINK")),
-        network=Link(400.0, 14.0, "8x ConnectX-7 InfiniBand NDR 400 Gb/s = 8 x 50 GB/s per node, one NIC per GPU "
-                                  "(NVIDIA DGX H100 user guide), line rate; alpha: " + _NCCL_TUNING.format("NET")),
-        nvls=Link(480.0, 23.0, "NVLS (NVLink SHARP) allreduce ~480 GB/s busbw (shared/REFERENCE.md); alpha: NCCL "
-                               "tuning.cc hwLat[NVLINK][NVLS][SIMPLE]"),
-        launch_us=8.4),
-    "dgx-a100": Machine(
-        "DGX A100 (8x A100 SXM, NVLink3 + NVSwitch, 8x ConnectX-6 HDR 200 Gb/s)", 8,
-        nvlink=Link(235.0, 3.4, "NVLink3: 600 GB/s bidirectional per GPU; ~230-240 GB/s ring busbw measured, and "
-                                "NCCL's tuner caps sm80 busbw at 235 GB/s (tuning.cc, NCCL 2.8-era); alpha: "
-                                + _NCCL_TUNING.format("NVLINK")),
-        network=Link(200.0, 14.0, "8x ConnectX-6 InfiniBand HDR 200 Gb/s = 8 x 25 GB/s per node (NVIDIA DGX A100 "
-                                  "user guide DU-09821-001), line rate; alpha: " + _NCCL_TUNING.format("NET")),
-        launch_us=8.4),
-}
+def _link(d: dict[str, Any] | None) -> Link | None:
+    return Link(float(d["busbw_gbs"]), float(d["alpha_us"]), str(d["source"])) if d else None
+
+
+def load_machine(path: Path) -> Machine:
+    """A machine profile from its TOML file (see benchmarks/profiles/machines/dgx-h100.toml)."""
+    try:
+        d = tomllib.loads(path.read_text())
+        return Machine(str(d["name"]), int(d["gpus_per_node"]), _link(d["nvlink"]), _link(d.get("network")),
+                       _link(d.get("nvls")), float(d.get("launch_us", 0.0)), float(d["hbm_gbs"]),
+                       float(d.get("contention", 0.0)),
+                       tuple((k, str(v)) for k, v in d.items() if k.endswith("_source")))
+    except (KeyError, TypeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"{path}: not a machine profile ({e!r}); start from machines/dgx-h100.toml") from e
+
+
+MACHINES: dict[str, Machine] = {p.stem: load_machine(p) for p in sorted((PROFILES / "machines").glob("*.toml"))}
 
 
 # ---------------------------------------------------------------------------------------- collectives
@@ -312,41 +336,76 @@ def allreduce_cost(nbytes: float, m: Machine, nodes: int, algorithm: Algorithm =
 # ---------------------------------------------------------------------------------------- overlap
 
 @dataclass(frozen=True)
+class Terms:
+    """The per-step costs beyond the overlap model (module docstring); zero: the plain overlap model."""
+
+    contention: float = 0.0
+    jitter_cv: float = 0.0
+    input_images_per_s_per_node: float = 0.0
+    """0: the input pipeline is not modelled (synthetic data)."""
+    stats_bytes: int = 0
+    stats_exposed: bool = False
+    """True for DDP (buffers broadcast before forward); dptrain overlaps the statistics' allreduce."""
+    host_ms_per_step: float = 0.0
+    overlap_rate: float = 1.0
+    """Speed of an allreduce while backward runs, relative to after it (1: NCCL on its own SMs; a
+    CPU host without a spare core: much less; ``dptrain.bucket_autotune.finish_ms``)."""
+    world_size: int = 1
+    gpus_per_node: int = 1
+
+
+@dataclass(frozen=True)
 class StepPrediction:
     step_ms: float
     exposed_ms: float
     comm_end_ms: float
     """End of the last allreduce, ms after backward start."""
     comm_busy_ms: float
+    contention_ms: float = 0.0
+    jitter_ms: float = 0.0
+    input_ms: float = 0.0
+    """The input pipeline's time per step at its ceiling (0: not modelled)."""
 
 
-def simulate_step(p: Profile, comm_ms: Callable[[int], float]) -> StepPrediction:
-    """Overlap of the bucket allreduces with backward: launch in plan order when ready, one at a time.
+def one_solver_ms(p: Profile, t: Terms = Terms()) -> float:
+    """T_1: one solver, no communication, the whole node's input pipeline."""
+    compute = max(p.compute_ms, t.host_ms_per_step)
+    return max(compute, p.batch_size / t.input_images_per_s_per_node * 1e3 if t.input_images_per_s_per_node else 0.0)
 
-    start_i = max(ready_i, end_{i-1}); end_i = start_i + comm_ms(bytes_i); ready times are
-    clamped to [0, backward_ms]. Exposed = max(0, end_last - backward_ms).
-    """
-    end, busy = 0.0, 0.0
-    for b in p.buckets:
-        c = comm_ms(b.nbytes)
-        end = max(min(max(b.ready_ms, 0.0), p.backward_ms), end) + c
-        busy += c
-    exposed = max(0.0, end - p.backward_ms)
-    return StepPrediction(p.compute_ms + exposed, exposed, end, busy)
+
+def simulate_step(p: Profile, comm_ms: Callable[[float], float], t: Terms = Terms()) -> StepPrediction:
+    """T_N for ``t.world_size`` solvers (module docstring); the overlap is ``dptrain.bucket_autotune``'s."""
+    o = simulate_overlap([b.ready_ms for b in p.buckets], [b.nbytes for b in p.buckets], p.backward_ms, comm_ms,
+                         t.overlap_rate)
+    compute = max(p.compute_ms, t.host_ms_per_step)
+    stats = comm_ms(t.stats_bytes) if (t.stats_exposed and t.stats_bytes and t.world_size > 1) else 0.0
+    contention = t.contention * o.overlapped_ms
+    jitter = t.jitter_cv * compute * expected_max_normal(t.world_size)
+    per_node = min(t.world_size, t.gpus_per_node)
+    input_ms = per_node * p.batch_size / t.input_images_per_s_per_node * 1e3 if t.input_images_per_s_per_node else 0.0
+    step = max(compute + contention + o.exposed_ms + stats + jitter, input_ms)
+    return StepPrediction(step, o.exposed_ms, o.comm_end_ms, o.busy_ms, contention, jitter, input_ms)
 
 
 def comm_fn(m: Machine, nodes: int, algorithm: Algorithm = "best", gpus_per_node: int | None = None) -> Callable[[int], float]:
     return lambda nbytes: allreduce_cost(nbytes, m, nodes, algorithm, gpus_per_node).total_ms
 
 
-def weak_efficiency(p: Profile, pred: StepPrediction) -> float:
+def weak_efficiency(p: Profile, pred: StepPrediction, t: Terms = Terms()) -> float:
     """T_1 / T_N at a fixed per-solver batch (one solver needs no allreduce)."""
-    return p.compute_ms / pred.step_ms
+    return one_solver_ms(p, t) / pred.step_ms
 
 
 def strong_efficiency(p_full: Profile, pred: StepPrediction, world_size: int) -> float:
     """T_1(G) / (N * T_N(G / N)), where ``p_full`` is the one-solver profile at the global batch G."""
     return p_full.compute_ms / (world_size * pred.step_ms)
+
+
+def auto_plan(p: Profile, comm: Callable[[float], float]) -> Profile:
+    """``p`` cut where ``reducer.bucket_mb = "auto"`` would cut it (``dptrain.bucket_autotune.plan_cuts``)."""
+    ready, nbytes = [b.ready_ms for b in p.buckets], [b.nbytes for b in p.buckets]
+    r, s = buckets_of(ready, nbytes, plan_cuts(ready, nbytes, comm, p.backward_ms))
+    return replace(p, buckets=tuple(BucketTiming(int(b), t) for t, b in zip(r, s)), granularity="bucket")
 
 
 def sweep_bucket_sizes(p: Profile, comm: Callable[[int], float], caps_mb: list[float],
@@ -364,32 +423,46 @@ def sweep_bucket_sizes(p: Profile, comm: Callable[[int], float], caps_mb: list[f
 def fit_alpha_beta(sizes_bytes: list[float], times_s: list[float], n: int, relative: bool = True) -> tuple[float, float]:
     """Least-squares (alpha_us, busbw_gbs) of the ring model T = 2(n-1) alpha + 2(n-1)/n * S/B.
 
-    Fits T = a + b S, then alpha = a / (2(n-1)) and B = 2(n-1)/n / b. ``relative`` weights
-    each point by 1/T (minimises relative error), so small messages pin down alpha instead
-    of being swamped by the large ones.
+    Fits T = a + b S (``dptrain.bucket_autotune.fit_linear_cost``, the Reducer's fit), then
+    alpha = a / (2(n-1)) and B = 2(n-1)/n / b.
     """
     if n < 2:
         raise ValueError(f"calibration needs >= 2 ranks, got {n}")
-    s, t = np.asarray(sizes_bytes, dtype=float), np.asarray(times_s, dtype=float)
-    if len(set(s.tolist())) < 2 or s.shape != t.shape:
-        raise ValueError("calibration needs times for at least 2 distinct message sizes")
-    w = 1.0 / t if relative else np.ones_like(t)
-    (a, b), *_ = np.linalg.lstsq(np.stack([w, w * s], axis=1), w * t, rcond=None)
-    if b <= 0:
-        raise ValueError(f"fitted time per byte is {b:.3g} s (<= 0): the measurements do not grow with size; "
-                         "measure larger messages (--sizes) or more iterations")
-    return float(a / (2 * (n - 1)) * 1e6), float(2 * (n - 1) / n / b / GB)
+    c = fit_linear_cost(sizes_bytes, [t * 1e3 for t in times_s], relative=relative)
+    return c.alpha_ms * 1e3 / (2 * (n - 1)), 2 * (n - 1) / n / (c.beta_ms_per_mb / 1e3 / 1e6) / GB
 
 
 # ---------------------------------------------------------------------------------------- reference profile
 
-REFERENCE_RATES = {
-    "dgx-h100": (7050.0, 3350.0, "compute at MLPerf Training v3.1 DGX H100 ResNet-50 speed, ~7.05k img/s per GPU "
-                                 "(MLPerf Training v3.1 results, MXNet + DALI; heavily tuned, so a hard case for overlap); update at "
-                                 "H100 SXM HBM3 3.35 TB/s"),
-    "dgx-a100": (2470.0, 2039.0, "compute at NVIDIA's PyTorch ResNet-50 AMP speed, 2470 img/s on 1 A100 "
-                                 "(NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5 AMP); update at A100 80GB SXM HBM2e 2.04 TB/s"),
-}
+@dataclass(frozen=True)
+class Workload:
+    """A workload profile (benchmarks/profiles/workloads/*.toml): the model and, per machine, its
+    one-GPU rate, batch, gradient bytes and input ceiling, with the per-step terms."""
+
+    model: str
+    update_bytes_per_param: int
+    stats_bytes: int
+    jitter_cv: float
+    host_ms_per_step: float
+    machines: dict[str, dict[str, Any]]
+
+    def terms(self, key: str, nodes: int, stats_exposed: bool = False, synthetic: bool = False) -> Terms:
+        m, w = MACHINES[key], self.machines.get(key, {})
+        return Terms(contention=m.contention, jitter_cv=self.jitter_cv, stats_bytes=self.stats_bytes,
+                     stats_exposed=stats_exposed, host_ms_per_step=self.host_ms_per_step,
+                     input_images_per_s_per_node=0.0 if synthetic else float(w.get("input_images_per_s_per_node", 0.0)),
+                     world_size=nodes * m.gpus_per_node, gpus_per_node=m.gpus_per_node)
+
+
+def load_workload(path: Path = PROFILES / "workloads" / "resnet50.toml") -> Workload:
+    d = tomllib.loads(Path(path).read_text())
+    try:
+        return Workload(str(d["model"]), int(d["update_bytes_per_param"]), int(d["stats_bytes"]),
+                        float(d["jitter_cv"]), float(d["host_ms_per_step"]), dict(d["machines"]))
+    except KeyError as e:
+        raise ValueError(f"{path}: workload profile lacks {e}; start from workloads/resnet50.toml") from e
+
+
 UPDATE_BYTES_PER_PARAM = 20
 """Master SGD traffic per parameter: fp32 master and momentum read+write (16 B), fp16 grad read and weight write (4 B)."""
 
@@ -424,8 +497,12 @@ def resnet50_params() -> list[tuple[str, int, int]]:
     return out
 
 
-def reference_profile(machine: str, batch_size: int = 256) -> Profile:
-    """A per-parameter ResNet-50 FP16 profile for ``machine`` (see REFERENCE_RATES), derived, not measured.
+def reference_profile(machine: str, batch_size: int | None = None, *, images_per_s: float | None = None,
+                      grad_bytes: int | None = None, workload: Workload | None = None) -> Profile:
+    """A per-parameter ResNet-50 profile for ``machine`` from the workload file, derived, not measured.
+
+    The one-GPU rate, batch and gradient bytes come from the workload's entry for the machine
+    unless given (the validation passes a published row's).
 
     Step time = batch / images_per_s; update = params x 20 B / HBM bandwidth; the rest splits
     forward:backward = 1:2 (backward computes data and weight gradients). Backward visits
@@ -433,18 +510,23 @@ def reference_profile(machine: str, batch_size: int = 256) -> Profile:
     proportional to cumulative MACs (BatchNorm counted as free, so its parameters are ready
     with the next layer backward reaches).
     """
-    rate, hbm_gbs, why = REFERENCE_RATES[machine]
+    w = (workload or load_workload()).machines.get(machine, {})
+    rate = images_per_s or float(w["images_per_s"])
+    batch_size = batch_size or int(w["batch_size"])
+    grad_bytes = grad_bytes or int(w["grad_bytes_per_param"])
+    why = w.get("rate_source", f"{rate:g} img/s on one GPU") if images_per_s is None else f"{rate:g} img/s on one GPU"
     params = resnet50_params()
     n_params = sum(n for _, n, _ in params)
-    update_ms = n_params * UPDATE_BYTES_PER_PARAM / (hbm_gbs * GB) * 1e3
+    update_ms = n_params * UPDATE_BYTES_PER_PARAM / (MACHINES[machine].hbm_gbs * GB) * 1e3
     fwd_ms = (batch_size / rate * 1e3 - update_ms) / 3
     total_macs, cum, buckets = sum(m for _, _, m in params), 0, []
     for _, numel, macs in reversed(params):
         cum += macs
-        buckets.append(BucketTiming(numel * 2, 2 * fwd_ms * cum / total_macs))  # fp16 gradients
+        buckets.append(BucketTiming(numel * grad_bytes, 2 * fwd_ms * cum / total_macs))
     return Profile(forward_ms=fwd_ms, backward_ms=2 * fwd_ms, update_ms=update_ms, buckets=tuple(buckets),
                    batch_size=batch_size, granularity="parameter",
-                   source=f"reference ResNet-50 v1.5 FP16, {n_params:,} parameters, batch {batch_size}: {why}")
+                   source=f"reference ResNet-50 v1.5, {grad_bytes} B gradients, {n_params:,} parameters, batch "
+                          f"{batch_size}: {why}; update at {MACHINES[machine].hbm_gbs:g} GB/s HBM")
 
 
 # ---------------------------------------------------------------------------------------- reports
@@ -464,71 +546,97 @@ def explain(p: Profile, pred: StepPrediction, m: Machine, nodes: int, algorithm:
             f"{p.update_ms / pred.step_ms:.0%}) runs on every GPU and does not shrink with more GPUs")
 
 
-def weak_rows(p: Profile, m: Machine, nodes_list: list[int], algorithm: Algorithm) -> list[dict[str, Any]]:
+TermsFn = Callable[[int], Terms]
+"""Node count -> the per-step terms at that scale."""
+
+
+def plain_terms(m: Machine) -> TermsFn:
+    """The overlap model alone (no contention, jitter, input ceiling or host floor)."""
+    return lambda nodes: Terms(world_size=nodes * m.gpus_per_node, gpus_per_node=m.gpus_per_node)
+
+
+def weak_rows(p: Profile, m: Machine, nodes_list: list[int], algorithm: Algorithm,
+              terms: TermsFn | None = None) -> list[dict[str, Any]]:
+    terms = terms or plain_terms(m)
     rows = []
     for nodes in nodes_list:
-        pred = simulate_step(p, comm_fn(m, nodes, algorithm))
+        t = terms(nodes)
+        pred = simulate_step(p, comm_fn(m, nodes, algorithm), t)
         biggest = max(p.buckets, key=lambda b: b.nbytes)
         c = allreduce_cost(biggest.nbytes, m, nodes, algorithm)
         n = nodes * m.gpus_per_node
-        rows.append({"nodes": nodes, "gpus": n, "pred": pred, "eff": weak_efficiency(p, pred),
+        rows.append({"nodes": nodes, "gpus": n, "pred": pred, "eff": weak_efficiency(p, pred, t),
                      "ips": n * p.batch_size / pred.step_ms * 1e3 if p.batch_size else None,
                      "big": f"{biggest.nbytes / MIB:.1f} MiB: {c.total_ms:.3f} ms ({c.algorithm})"})
     return rows
 
 
 def strong_rows(p: Profile, m: Machine, nodes_list: list[int], global_batch: int,
-                algorithm: Algorithm) -> list[dict[str, Any]]:
+                algorithm: Algorithm, terms: TermsFn | None = None) -> list[dict[str, Any]]:
     """Rows for every node count whose per-GPU batch G / (nodes g) is a whole number >= 1."""
+    terms = terms or plain_terms(m)
     full = scale_compute(p, global_batch / p.batch_size)
+    t1 = one_solver_ms(full, replace(terms(1), world_size=1))
     rows = []
     for nodes in nodes_list:
         n = nodes * m.gpus_per_node
         if global_batch % n:
             continue
         q = scale_compute(p, global_batch / n / p.batch_size)
-        pred = simulate_step(q, comm_fn(m, nodes, algorithm))
+        pred = simulate_step(q, comm_fn(m, nodes, algorithm), terms(nodes))
         rows.append({"nodes": nodes, "gpus": n, "batch": global_batch // n, "pred": pred, "q": q,
-                     "eff": strong_efficiency(full, pred, n), "ips": global_batch / pred.step_ms * 1e3})
+                     "eff": t1 / (n * pred.step_ms), "ips": global_batch / pred.step_ms * 1e3})
     return rows
 
 
 def report_predictions(raw: Profile, key: str, nodes_list: list[int], *, bucket_mb: float | None,
-                       first_bucket_mb: float, global_batch: int, sweep_mb: list[float], algorithm: Algorithm) -> str:
+                       first_bucket_mb: float, global_batch: int, sweep_mb: list[float], algorithm: Algorithm,
+                       terms: TermsFn | None = None, real_data: TermsFn | None = None) -> str:
     """Markdown: weak scaling at ``nodes_list``, bucket sweep, strong scaling and where scaling breaks.
 
     ``raw`` is re-bucketed to ``bucket_mb`` (None: keep its plan); the sweep re-buckets ``raw``.
+    ``terms``: the per-step terms with synthetic data; ``real_data``: with the input ceiling too.
     """
     m = MACHINES[key]
+    terms = terms or plain_terms(m)
     p = rebucket(raw, bucket_mb, first_bucket_mb) if bucket_mb else raw
+    real = {r["nodes"]: r for r in weak_rows(p, m, nodes_list, algorithm, real_data)} if real_data else {}
     out = [f"### {m.name}", "", f"Profile: {p.source}. Forward {p.forward_ms:.2f} ms, backward {p.backward_ms:.2f} ms, "
            f"update {p.update_ms:.2f} ms, {p.total_bytes / MIB:.1f} MiB of gradients in {len(p.buckets)} buckets; "
            f"algorithm {algorithm}.", "",
-           "| nodes | GPUs | largest bucket allreduce | comm busy ms | exposed ms | step ms | weak efficiency | images/s |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|"]
-    for r in weak_rows(p, m, nodes_list, algorithm):
+           "| nodes | GPUs | largest bucket allreduce | comm busy ms | exposed ms | contention ms | jitter ms | step ms "
+           "| weak efficiency, synthetic data | with the input ceiling | images/s (synthetic) |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in weak_rows(p, m, nodes_list, algorithm, terms):
         ips = f"{r['ips']:,.0f}" if r["ips"] else "-"
-        out.append(f"| {r['nodes']} | {r['gpus']} | {r['big']} | {r['pred'].comm_busy_ms:.3f} | "
-                   f"{r['pred'].exposed_ms:.3f} | {r['pred'].step_ms:.2f} | {r['eff']:.3f} | {ips} |")
-    out += ["", f"Exposed comm (ms) by bucket cap (MiB; first bucket min(cap, {first_bucket_mb:g} MiB)), best in bold:",
-            "", "| case | " + " | ".join(f"{c:g}" for c in sweep_mb) + " |", "|---|" + "---:|" * len(sweep_mb)]
+        pr = r["pred"]
+        ceiling = f"{real[r['nodes']]['eff']:.3f}" if r["nodes"] in real else "-"
+        out.append(f"| {r['nodes']} | {r['gpus']} | {r['big']} | {pr.comm_busy_ms:.3f} | {pr.exposed_ms:.3f} | "
+                   f"{pr.contention_ms:.3f} | {pr.jitter_ms:.2f} | {pr.step_ms:.2f} | {r['eff']:.3f} | {ceiling} | {ips} |")
+    out += ["", f"Exposed comm (ms) by bucket cap (MiB; first bucket min(cap, {first_bucket_mb:g} MiB)) and with "
+            "the auto plan (`reducer.bucket_mb = \"auto\"`, planned on this timeline), best cap in bold:",
+            "", "| case | " + " | ".join(f"{c:g}" for c in sweep_mb) + " | auto |", "|---|" + "---:|" * (len(sweep_mb) + 1)]
     cases = [(nodes_list[0], raw), (nodes_list[-1], raw)]
     if raw.batch_size >= 8:
         cases.append((nodes_list[-1], scale_compute(raw, 1 / 8)))
     for nodes, q in cases:
-        sw = {cap: pred for cap, _, pred in sweep_bucket_sizes(q, comm_fn(m, nodes, algorithm), sweep_mb,
-                                                                first_bucket_mb)}
+        comm = comm_fn(m, nodes, algorithm)
+        sw = {cap: pred for cap, _, pred in sweep_bucket_sizes(q, comm, sweep_mb, first_bucket_mb)}
         best = min(sw, key=lambda c: (round(sw[c].exposed_ms, 6), sw[c].comm_end_ms))
         cells = [f"**{sw[c].exposed_ms:.3f}**" if c == best else f"{sw[c].exposed_ms:.3f}" for c in sweep_mb]
+        auto = auto_plan(q, comm) if q.granularity == "parameter" else None
+        cells.append(f"{simulate_step(auto, comm).exposed_ms:.3f} ({len(auto.buckets)} buckets)" if auto else "-")
         out.append(f"| {nodes} node(s), batch {q.batch_size or '?'}/GPU | " + " | ".join(cells) + " |")
-    out += ["", *breakdown_lines(p, m, global_batch, algorithm)]
+    out += ["", *breakdown_lines(p, m, global_batch, algorithm, terms)]
     return "\n".join(out) + "\n"
 
 
-def breakdown_lines(p: Profile, m: Machine, global_batch: int, algorithm: Algorithm) -> list[str]:
+def breakdown_lines(p: Profile, m: Machine, global_batch: int, algorithm: Algorithm,
+                    terms: TermsFn | None = None) -> list[str]:
     """Where efficiency first falls below EFFICIENCY_FLOOR: nodes (weak), per-GPU batch, nodes (strong)."""
+    terms = terms or plain_terms(m)
     out = []
-    weak = weak_rows(p, m, _pow2_up_to(1024), algorithm)
+    weak = weak_rows(p, m, _pow2_up_to(1024), algorithm, terms)
     bad = next((r for r in weak if r["eff"] < EFFICIENCY_FLOOR), None)
     out.append(f"- Weak scaling at batch {p.batch_size or '?'}/GPU: " + (
         f"efficiency falls below {EFFICIENCY_FLOOR} at {bad['nodes']} nodes ({bad['gpus']} GPUs, {bad['eff']:.2f}): "
@@ -539,12 +647,12 @@ def breakdown_lines(p: Profile, m: Machine, global_batch: int, algorithm: Algori
         return out + ["- Strong scaling: needs the profile's batch size (--profile-batch)."]
     for b in (p.batch_size // 2**k for k in range(int(math.log2(p.batch_size)) + 1)):
         q = scale_compute(p, b / p.batch_size)
-        pred = simulate_step(q, comm_fn(m, 64, algorithm))
-        if weak_efficiency(q, pred) < EFFICIENCY_FLOOR:
+        pred = simulate_step(q, comm_fn(m, 64, algorithm), terms(64))
+        if weak_efficiency(q, pred, terms(64)) < EFFICIENCY_FLOOR:
             out.append(f"- At 64 nodes, weak scaling falls below {EFFICIENCY_FLOOR} once the per-GPU batch is "
-                       f"{b} ({weak_efficiency(q, pred):.2f}): " + explain(q, pred, m, 64, algorithm))
+                       f"{b} ({weak_efficiency(q, pred, terms(64)):.2f}): " + explain(q, pred, m, 64, algorithm))
             break
-    strong = strong_rows(p, m, _pow2_up_to(max(1, global_batch // m.gpus_per_node)), global_batch, algorithm)
+    strong = strong_rows(p, m, _pow2_up_to(max(1, global_batch // m.gpus_per_node)), global_batch, algorithm, terms)
     bad = next((r for r in strong if r["eff"] < EFFICIENCY_FLOOR), None)
     out.append(f"- Strong scaling at global batch {global_batch}: " + ", ".join(
         f"{r['nodes']} nodes (batch {r['batch']}/GPU) {r['eff']:.2f}" for r in strong) + ". " + (
@@ -584,9 +692,12 @@ def _read_bench(path: str) -> dict[str, Any]:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--machines", default="dgx-h100", help=f"comma-separated from {sorted(MACHINES)}")
+    ap.add_argument("--machines", default="dgx-h100", help=f"comma-separated from {sorted(MACHINES)} "
+                    "(benchmarks/profiles/machines/<key>.toml; add your own file there)")
     ap.add_argument("--profile", help="trace (PATH.rank0.json) or profile JSON; default: the reference ResNet-50")
     ap.add_argument("--profile-batch", type=int, default=0, help="per-solver batch of --profile")
+    ap.add_argument("--workload", default=str(PROFILES / "workloads" / "resnet50.toml"),
+                    help="workload profile: one-GPU rates, jitter, input ceilings (benchmarks/profiles/workloads/)")
     ap.add_argument("--bucket-mb", type=float, help="re-bucket the profile (default: its own plan; "
                                                      f"{DEFAULT_BUCKET_MB:g} for a per-parameter profile)")
     ap.add_argument("--first-bucket-mb", type=float, default=DEFAULT_FIRST_BUCKET_MB)
@@ -616,18 +727,26 @@ def main(argv: list[str] | None = None) -> int:
         if bool(args.measured_bench) != bool(args.bench_profile):
             raise ValueError("--measured-bench and --bench-profile go together (a bench JSON line and its trace)")
         given = load_profile(args.profile, args.profile_batch) if args.profile else None
+        wl = load_workload(Path(args.workload))
         bench_profile = load_profile(args.bench_profile) if args.bench_profile else None
     except (ValueError, OSError) as e:
         print(f"scaling_model.py: error: {e}", file=sys.stderr)
         return 2
-    md = [f"## Scaling model predictions ({datetime.date.today():%Y-%m-%d})", ""]
+    md = [f"## Scaling model predictions ({datetime.date.today():%Y-%m-%d})", "",
+          "Terms beyond the overlap model: contention and host floor from the machine and workload files, "
+          f"jitter_cv {wl.jitter_cv:g} (fit, benchmarks/scaling_validate.py), input ceiling per node where the "
+          "workload file has one. The validated error of these predictions is in "
+          "benchmarks/results/scaling_validation_*.md.", ""]
     for i, key in enumerate(keys):
-        raw = given or reference_profile(key)
+        raw = given or reference_profile(key, workload=wl)
         if args.write_profile and i == 0:
             Path(args.write_profile).write_text(json.dumps(profile_to_json(raw), indent=1))
         plan_mb = args.bucket_mb or (DEFAULT_BUCKET_MB if raw.granularity == "parameter" else None)
+        has_ceiling = bool(wl.machines.get(key, {}).get("input_images_per_s_per_node"))
         md.append(report_predictions(raw, key, nodes, bucket_mb=plan_mb, first_bucket_mb=args.first_bucket_mb,
-                                     global_batch=args.global_batch, sweep_mb=sweep, algorithm=args.algorithm))
+                                     global_batch=args.global_batch, sweep_mb=sweep, algorithm=args.algorithm,
+                                     terms=lambda n, key=key: wl.terms(key, n, synthetic=True),
+                                     real_data=(lambda n, key=key: wl.terms(key, n)) if has_ceiling else None))
     if args.calibrate:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from collective_bench import measure_allreduce
@@ -643,14 +762,18 @@ def main(argv: list[str] | None = None) -> int:
                f"Host {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, shared with other jobs), torch "
                f"{torch.__version__}, gloo over a file:// rendezvous; median of {args.iters} timed calls per size.", "",
                calibration_report(points, 2, alpha_us, busbw, bench, bench_profile)]
-    text = "\n".join(md)
+    emit_report("\n".join(md), args.out, "scaling_model")
+    return 0
+
+
+def emit_report(text: str, out: str | None, stem: str) -> None:
+    """Print a markdown report and, with ``out``, write it to OUT/<stem>_<yyyymmdd>.md."""
     print(text)
-    if args.out:
-        path = Path(args.out) / f"scaling_model_{datetime.date.today():%Y%m%d}.md"
+    if out:
+        path = Path(out) / f"{stem}_{datetime.date.today():%Y%m%d}.md"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ Each case runs dptrain's ``bench`` and the peer (benchmarks/peer.py) alternately
 to ``benchmarks/results/throughput_<hardware>_<yyyymmdd>.md`` with every raw JSON line.
 
     python benchmarks/throughput.py                 # CPU cases (2 cores: a few minutes)
+    python benchmarks/throughput.py --suite layout  # dptrain's default layout vs DDP with and without channels_last
+    python benchmarks/throughput.py --suite buckets # reducer.bucket_mb = "auto" vs a sweep of fixed caps
     python benchmarks/throughput.py --suite gpu     # GPU cases (one GPU)
     python benchmarks/throughput.py --dry-run       # print the commands only
 """
@@ -36,9 +38,12 @@ class Case:
     image_size: int
     batch_size: int
     precision: str  # dptrain storage == peer autocast dtype
-    channels_last: bool
+    channels_last: bool | None
+    """None: dptrain's default ("auto") and the peer's default (NCHW)."""
     peer: bool = True
     extra_sets: list[str] = field(default_factory=list)
+    peer_channels_last: bool | None = None
+    """The peer's layout when it differs from dptrain's (None: the same; NCHW for dptrain's default)."""
 
 
 FUSED = ["solver.cpu_fused_update=true"]
@@ -61,6 +66,33 @@ def cpu_cases(quick: bool) -> list[Case]:
     return cases
 
 
+def layout_cases() -> list[Case]:
+    """The issue's layout comparison: ResNet-18 CIFAR width 32, batch 32, 2 solvers; dptrain with its
+    defaults against DDP without and with channels_last, in bf16 (native-bf16 CPUs) and fp32."""
+    common = dict(model="resnet18_cifar", width=32, num_classes=10, image_size=32, batch_size=32)
+    cases = []
+    for prec in ("bf16", "fp32"):
+        peer = "DDP + autocast bf16" if prec == "bf16" else "DDP fp32"
+        cases += [Case(f"2 solvers {prec}, dptrain defaults vs {peer}", 2, precision=prec, channels_last=None, **common),
+                  Case(f"2 solvers {prec}, dptrain defaults vs {peer} + channels_last", 2, precision=prec,
+                       channels_last=None, peer_channels_last=True, **common),
+                  Case(f"2 solvers {prec}, dptrain channels_last=false (peer NCHW)", 2, precision=prec,
+                       channels_last=False, peer=False, **common),
+                  Case(f"2 solvers {prec}, dptrain channels_last=true (peer NHWC)", 2, precision=prec,
+                       channels_last=True, peer=False, **common)]
+    return cases
+
+
+def bucket_cases() -> list[Case]:
+    """``reducer.bucket_mb = "auto"`` against fixed caps, 2 solvers fp32 (runs on any CPU)."""
+    common = dict(model="resnet18_cifar", width=32, num_classes=10, image_size=32, batch_size=32,
+                  channels_last=True, precision="fp32", peer=False)  # layout pinned: not what is compared
+    cases = [Case(f"buckets {mb} MB, 2 solvers fp32", 2, extra_sets=[f"reducer.bucket_mb={mb}",
+                                                                     f"reducer.first_bucket_mb={min(mb, 1)}"], **common)
+             for mb in (1, 5, 25, 100)]
+    return [*cases, Case("buckets auto, 2 solvers fp32", 2, extra_sets=["reducer.bucket_mb=auto"], **common)]
+
+
 def gpu_cases() -> list[Case]:
     common = dict(model="resnet50", width=64, num_classes=1000, image_size=224, batch_size=256, channels_last=True)
     return [Case("ResNet-50 fp16 vs torch AMP (autocast + GradScaler)", 1, precision="fp16", **common),
@@ -74,9 +106,11 @@ def _launcher(world_size: int) -> list[str]:
 
 
 def dptrain_cmd(c: Case, steps: int, warmup: int) -> list[str]:
+    layout = "auto" if c.channels_last is None else str(c.channels_last).lower()  # the recipe sets true
     sets = [f"model.name={c.model}", f"model.width={c.width}", f"model.num_classes={c.num_classes}",
-            f"model.channels_last={'true' if c.channels_last else 'false'}", f"data.image_size={c.image_size}",
-            f"data.batch_size={c.batch_size}", f"precision.storage={c.precision}", *c.extra_sets]
+            f"model.channels_last={layout}",
+            f"data.image_size={c.image_size}", f"data.batch_size={c.batch_size}", f"precision.storage={c.precision}",
+            *c.extra_sets]
     return [*_launcher(c.world_size), "-m", "dptrain", "bench", "--config", str(BASE_CONFIG), "--synthetic",
             f"--steps={steps}", f"--warmup={warmup}", "--phase-steps=3", *[f"--set={s}" for s in sets]]
 
@@ -85,7 +119,8 @@ def peer_cmd(c: Case, steps: int, warmup: int) -> list[str]:
     cmd = [*_launcher(c.world_size), str(REPO / "benchmarks" / "peer.py"), f"--model={c.model}",
            f"--width={c.width}", f"--num-classes={c.num_classes}", f"--precision={c.precision}",
            f"--batch-size={c.batch_size}", f"--image-size={c.image_size}", f"--steps={steps}", f"--warmup={warmup}"]
-    return cmd + (["--channels-last"] if c.channels_last else [])
+    return cmd + (["--channels-last"] if (c.peer_channels_last if c.peer_channels_last is not None
+                                          else c.channels_last) else [])
 
 
 def run_json(cmd: list[str]) -> dict:
@@ -114,7 +149,7 @@ def render(rows: list[dict], machine: str, date: str, raw: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--suite", choices=["cpu", "layout", "buckets", "gpu"], default="cpu")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
@@ -126,9 +161,10 @@ def main() -> int:
                     help="run bf16/fp16 CPU cases even where the CPU has no native kernels for them")
     ap.add_argument("--tag", default="", help="suffix of the results file name, e.g. peers or buckets")
     args = ap.parse_args()
-    cases = cpu_cases(args.quick) if args.suite == "cpu" else gpu_cases()
+    cases = {"cpu": lambda: cpu_cases(args.quick), "layout": layout_cases, "buckets": bucket_cases,
+             "gpu": gpu_cases}[args.suite]()
     cases = [c for c in cases if args.only in c.name]
-    if args.suite == "cpu" and not args.allow_slow_dtypes:
+    if args.suite != "gpu" and not args.allow_slow_dtypes:
         from dptrain.precision import cpu_native_support
 
         slow = [c for c in cases if not cpu_native_support(c.precision)]
@@ -146,24 +182,27 @@ def main() -> int:
             if c.peer:
                 print(" ".join(peer_cmd(c, args.steps, args.warmup)))
         return 0
-    rows, raw = [], []
-    for c in cases:
-        ours, theirs, last = [], [], {}
-        for _ in range(args.repeats):
+    raw = []
+    for rep in range(args.repeats):  # round-robin: a slow spell on a shared host lands on every case alike
+        for c in cases:
             last = run_json(dptrain_cmd(c, args.steps, args.warmup))
-            ours.append(last["images_per_s"])
-            raw.append({"case": c.name, "side": "dptrain", **last})
+            raw.append({"case": c.name, "side": "dptrain", "repeat": rep, **last})
+            print(json.dumps({"case": c.name, "dptrain": last["images_per_s"]}), flush=True)
             if c.peer:
                 p = run_json(peer_cmd(c, args.steps, args.warmup))
-                theirs.append(p["images_per_s"])
-                raw.append({"case": c.name, "side": "peer", **p})
-        row = {"case": c.name, "world_size": c.world_size, "dptrain_ips": statistics.median(ours),
-               "peer_ips": statistics.median(theirs) if theirs else None,
-               "peer_name": raw[-1].get("peer") if c.peer else None, "exposed_comm_ms": last["exposed_comm_ms"]}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+                raw.append({"case": c.name, "side": "peer", "repeat": rep, **p})
+                print(json.dumps({"case": c.name, "peer": p["images_per_s"]}), flush=True)
+    rows = []
+    for c in cases:
+        ours = [r for r in raw if r["case"] == c.name and r["side"] == "dptrain"]
+        theirs = [r for r in raw if r["case"] == c.name and r["side"] == "peer"]
+        rows.append({"case": c.name, "world_size": c.world_size,
+                     "dptrain_ips": statistics.median(r["images_per_s"] for r in ours),
+                     "peer_ips": statistics.median(r["images_per_s"] for r in theirs) if theirs else None,
+                     "peer_name": theirs[-1].get("peer") if theirs else None,
+                     "exposed_comm_ms": statistics.median(r["exposed_comm_ms"] for r in ours)})
     device = raw[0]["device"]
-    hw = (f"cpu{len(os.sched_getaffinity(0))}" if args.suite == "cpu"
+    hw = (f"cpu{len(os.sched_getaffinity(0))}" if args.suite != "gpu"
           else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_"))
     machine = f"{device}; {platform.platform()}; torch {raw[0]['versions']['torch']}"
     date = datetime.date.today().strftime("%Y%m%d")

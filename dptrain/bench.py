@@ -138,6 +138,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         "precision": cfg.precision.storage,
         "data": cfg.data.source,
         "bucket_mb": cfg.reducer.bucket_mb,
+        "auto_buckets": trainer.reducer.auto_report or None,
         "config_hash": config_hash(cfg),
         "git_commit": git_commit(),
         "steps": steps,

@@ -6,6 +6,9 @@ and close a bucket when adding the next parameter would exceed the cap. The firs
 of each group uses ``first_bucket_mb`` so communication starts early in backward (DDP
 uses 1 MiB). A parameter is never split; one larger than the cap gets a bucket of its
 own. A bucket never crosses groups, so it is one contiguous slice of one flat buffer.
+With explicit ``cuts`` (the auto plan, ``dptrain.bucket_autotune``) the caps give way to
+cut positions in the global ready order: a bucket closes where the next parameter lies
+past a cut, so every group is cut at the same points in time.
 
 Launch order: buckets of all groups are sorted by the ready position of their *last*
 parameter, i.e. by when the bucket is expected to be complete. (Sorting by the first
@@ -14,7 +17,9 @@ BatchNorm parameters, hold back every later fp16 bucket until the end of backwar
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MIB = 1024 * 1024
@@ -77,8 +82,10 @@ class BucketPlan:
         return {n: b.index for b in self.buckets for n in b.names}
 
 
-def build_bucket_plan(groups: list[GroupSpec], bucket_mb: float, first_bucket_mb: float) -> BucketPlan:
-    """Cut each group's layout into buckets capped at ``bucket_mb`` (first: ``first_bucket_mb``)."""
+def build_bucket_plan(groups: list[GroupSpec], bucket_mb: float, first_bucket_mb: float,
+                      cuts: Sequence[int] | None = None) -> BucketPlan:
+    """Cut each group's layout into buckets capped at ``bucket_mb`` (first: ``first_bucket_mb``),
+    or, with ``cuts`` (sorted ready positions where a bucket starts), at those positions."""
     if bucket_mb <= 0 or first_bucket_mb <= 0:
         raise RuntimeError(f"bucket caps must be > 0 MiB, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}")
     raw: list[tuple[int, Bucket]] = []  # (ready position of the last parameter, bucket with index -1)
@@ -87,7 +94,11 @@ def build_bucket_plan(groups: list[GroupSpec], bucket_mb: float, first_bucket_mb
         cap, cur, cur_bytes = first_bucket_mb * MIB, [], 0
         for seg in g.segments:
             seg_bytes = seg.padded_numel * g.elem_size
-            if cur and cur_bytes + seg_bytes > cap:
+            if cuts is not None:
+                closes = bool(cur) and bisect.bisect_right(cuts, seg.order) != bisect.bisect_right(cuts, cur[0].order)
+            else:
+                closes = bool(cur) and cur_bytes + seg_bytes > cap
+            if closes:
                 raw.append(_close(gi, g, cur))
                 cap, cur, cur_bytes = bucket_mb * MIB, [], 0
             cur.append(seg)
@@ -128,7 +139,7 @@ def order_from_ready(layout_order: list[str], ready_order: list[str]) -> list[st
 
 
 def plan_from_ready_order(groups: list[GroupSpec], ready_order: list[str], bucket_mb: float,
-                          first_bucket_mb: float) -> tuple[list[list[str]], BucketPlan]:
+                          first_bucket_mb: float, cuts: Sequence[int] | None = None) -> tuple[list[list[str]], BucketPlan]:
     """Re-plan from an observed gradient-ready order (``reducer.replan``).
 
     Returns each group's new parameter order (to re-lay out its flat buffers with) and
@@ -147,7 +158,7 @@ def plan_from_ready_order(groups: list[GroupSpec], ready_order: list[str], bucke
             offset += s.padded_numel
         new_groups.append(GroupSpec(g.dtype, g.elem_size, tuple(tiled)))
         names_per_group.append([s.name for s in segs])
-    return names_per_group, build_bucket_plan(new_groups, bucket_mb, first_bucket_mb)
+    return names_per_group, build_bucket_plan(new_groups, bucket_mb, first_bucket_mb, cuts)
 
 
 def explain_difference(mine: BucketPlan, theirs: BucketPlan, my_rank: int, their_rank: int) -> str:

@@ -37,8 +37,9 @@ class ModelConfig:
     """Width of the classifier. Labels must lie in [0, num_classes)."""
     width: int = 64
     """Base channel count for the ``*_cifar`` nets (ResNet-18 uses 64). Smaller is faster."""
-    channels_last: bool = False
-    """Store activations NHWC. Faster convolutions on tensor cores; no effect on tiny CPU nets."""
+    channels_last: bool | Literal["auto"] = "auto"
+    """Store activations NHWC. "auto": wherever it was measured faster (``dptrain.layout``: CUDA
+    with fp16/bf16 storage; CPU with bf16 where the CPU runs it natively); true/false force it."""
 
     def __post_init__(self) -> None:
         from dptrain.models import MODELS
@@ -342,8 +343,11 @@ class PrecisionConfig:
 class ReducerConfig:
     backend: Literal["torch", "cupy-nccl"] = "torch"
     """"torch": torch.distributed (NCCL on CUDA, gloo on CPU). "cupy-nccl": cupy.cuda.nccl on a high-priority stream."""
-    bucket_mb: float = 25.0
-    """Bucket capacity in MiB. Bigger: fewer launches; smaller: the first allreduce starts earlier."""
+    bucket_mb: float | Literal["auto"] = 25.0
+    """Bucket capacity in MiB. Bigger: fewer launches; smaller: the first allreduce starts earlier.
+    "auto": probe a few iterations with a bucket per parameter, fit the allreduce's cost and choose
+    the bucket boundaries that minimise exposed communication (``dptrain.bucket_autotune``;
+    rank 0 decides, every rank switches at the same iteration; implies ``replan``)."""
     first_bucket_mb: float = 1.0
     """Capacity of the first bucket (the last layers), so communication starts early in backward."""
     reduce_dtype: Literal["storage", "fp32"] = "storage"
@@ -357,7 +361,8 @@ class ReducerConfig:
     watchdog enforces train.process_group_timeout_s on every collective instead."""
 
     def __post_init__(self) -> None:
-        _positive("reducer.bucket_mb", self.bucket_mb)
+        if self.bucket_mb != "auto":
+            _positive("reducer.bucket_mb", self.bucket_mb)
         _positive("reducer.first_bucket_mb", self.first_bucket_mb)
         _positive("reducer.timeout_s", self.timeout_s)
 
@@ -424,8 +429,14 @@ def _check_value(key: str, tp: Any, value: Any) -> Any:
         if value not in choices or isinstance(value, bool):
             raise ConfigError(f"{key} must be one of {choices}, got {value!r}")
         return value
-    if origin in (typing.Union, types.UnionType):
-        raise AssertionError(f"config field {key} uses a union type; use a Literal or a plain type")
+    if origin in (typing.Union, types.UnionType):  # e.g. float | Literal["auto"]: the first member that takes it
+        for member in get_args(tp):
+            try:
+                return _check_value(key, member, value)
+            except ConfigError:
+                pass
+        kinds = " or ".join(f"one of {get_args(m)}" if get_origin(m) is Literal else _type_name(m) for m in get_args(tp))
+        raise ConfigError(f"{key} must be {kinds}, got {value!r}")
     if origin is list:
         (item_tp,) = get_args(tp)
         if not isinstance(value, list):

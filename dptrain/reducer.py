@@ -23,6 +23,18 @@ over ranks. The solver unscales by ``1 / (S * grad_divisor)`` in fp32:
 Every rank then holds the bit-identical reduced gradient, so the overflow decision taken
 on it is identical everywhere without another collective.
 
+``bucket_mb = "auto"``: after ``AUTO_WARMUP_ITERS`` synced iterations, ``AUTO_PROBE_ITERS``
+more run with one bucket per parameter while the Reducer records when each gradient is
+ready and how long each allreduce takes (those launched while no earlier one was still
+running: their duration is their cost alone). Rank 0 fits ``alpha + beta * bytes`` to the
+median time per size, plans the
+bucket boundaries that minimise exposed communication over the median ready times
+(:mod:`dptrain.bucket_autotune`, the scaling model's cost model) and broadcasts the
+gradient order and the cuts; every rank re-lays out its buffers at the same iteration,
+as ``replan`` does, and the plan digests are compared again. The next ``AUTO_PROBE_ITERS``
+iterations measure the exposed communication of the chosen plan, logged beside the
+prediction. A snapshot keeps the order and the cuts; a resumed run applies them at once.
+
 Running statistics (BatchNorm's running mean and variance) are averaged over the ranks
 once per iteration, by one small allreduce launched right behind the first bucket and
 waited for in ``wait()``. Every rank then holds the same statistics, so the test phase
@@ -43,9 +55,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from statistics import median
 
 import torch
 
+from dptrain.bucket_autotune import AutoDecision, decide_plan
 from dptrain.buckets import (
     Bucket,
     BucketPlan,
@@ -63,6 +77,31 @@ from dptrain.flat import FlatParams
 from dptrain.trace import Tracer, now_us
 
 log = logging.getLogger(__name__)
+
+AUTO_WARMUP_ITERS = 1
+"""Synced iterations the auto plan ignores: the first pays allocator and kernel-selection costs no later one pays."""
+AUTO_PROBE_ITERS = 3
+"""Synced iterations timed per phase of the auto plan (probe, then check); medians over them."""
+PROBE_SETTLE_S = 1.0
+"""CUDA probe: how long to wait for the completion watcher to stamp collectives the device has finished."""
+PROBE_CAP_MB = 1e-9
+"""Caps below any parameter's size: one bucket per parameter while probing, so every gradient's
+ready time and a spread of message sizes (biases to the largest weight) are measured."""
+
+
+@dataclass
+class _AutoProbe:
+    """Measurements of the auto plan's probe and check phases (see the module docstring)."""
+
+    synced: int = 0
+    phase: str = "probe"  # -> "check" -> "done"
+    t0_us: float = 0.0
+    ready: dict[str, float] = field(default_factory=dict)  # this iteration: name -> ms after backward start
+    ready_ms: dict[str, list[float]] = field(default_factory=dict)
+    comm: list[tuple[int, float]] = field(default_factory=list)  # (bytes, service ms)
+    backward_ms: list[float] = field(default_factory=list)
+    exposed_ms: list[float] = field(default_factory=list)
+    decision: AutoDecision | None = None
 
 
 def group_specs(flat: FlatParams) -> list[GroupSpec]:
@@ -108,9 +147,13 @@ class Reducer:
         self._host_completion = flat.groups[0].grads.device.type == "cpu"
         """gloo on CPU: a collective is complete when its wait() returns; CUDA: when its event fires."""
         self._collective = self._build_collective()
-        self._set_plan(build_bucket_plan(group_specs(flat), cfg.bucket_mb, cfg.first_bucket_mb))
+        self._cuts: list[int] | None = None
+        self._auto = _AutoProbe() if cfg.bucket_mb == "auto" and self.world_size > 1 else None
+        self.auto_report: dict[str, float | int | str | None] = {}
+        """The auto plan's choice and its predicted and measured exposed communication (rank 0, once known)."""
+        self._set_plan(build_bucket_plan(group_specs(flat), *self._caps()))
         self._check_plan_agreement()
-        self._replan_pending = cfg.replan and self.world_size > 1
+        self._replan_pending = cfg.replan and self.world_size > 1 and self._auto is None
         self._ready_order: list[str] = []
         # One solver reduces nothing, but a traced run still records when each bucket would be
         # ready: that single-solver profile is what benchmarks/scaling_model.py extrapolates from.
@@ -137,6 +180,12 @@ class Reducer:
         return CupyNcclCommunicator(self.comm, self.cfg.timeout_s)
 
     # ------------------------------------------------------------------ plan
+
+    def _caps(self) -> tuple[float, float]:
+        """(bucket_mb, first_bucket_mb) as numbers; "auto" probes with a bucket per parameter."""
+        if self.cfg.bucket_mb == "auto":
+            return PROBE_CAP_MB, PROBE_CAP_MB
+        return self.cfg.bucket_mb, self.cfg.first_bucket_mb
 
     def _set_plan(self, plan: BucketPlan) -> None:
         self.plan = plan
@@ -177,6 +226,8 @@ class Reducer:
                 self._ready: list[str] = []
                 self._seen: set[str] = set()
                 self.launch_log = []
+                if self._auto is not None and self._auto.phase != "done":
+                    self._auto.ready, self._auto.t0_us = {}, now_us()
 
     def _make_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
@@ -194,6 +245,10 @@ class Reducer:
                 )
             self._seen.add(name)
             self._ready.append(name)
+            if self._auto is not None and self._auto.phase == "probe":
+                if self.comm.device.type == "cuda":  # probe only: host time = device time, at one sync per hook
+                    torch.cuda.current_stream(self.comm.device).synchronize()
+                self._auto.ready[name] = (now_us() - self._auto.t0_us) / 1e3
             b = self._bucket_of[name]
             self._pending[b] -= 1
             if self._pending[b] == 0 and self.tracer.enabled:
@@ -217,10 +272,15 @@ class Reducer:
         if self._next_launch == 1 and (self.running_stats or self._control is not None):
             self._launch_stats()
         rec = _Launched(b, work, upcast, start_us)
-        if self.tracer.enabled:  # CPU: the event is written at wait(); CUDA: by the watcher, at completion
-            work.on_complete(rec.end_us.append if self._host_completion else
-                             lambda end_us, rec=rec: self._trace(rec, end_us))
+        if self.tracer.enabled or (self._auto is not None and self._auto.phase == "probe"):
+            work.on_complete(lambda end_us, rec=rec: self._completed(rec, end_us))
         self._launched.append(rec)
+
+    def _completed(self, rec: _Launched, end_us: float) -> None:
+        """A collective's completion callback (any thread). CPU: traced at wait(); CUDA: here."""
+        rec.end_us.append(end_us)
+        if self.tracer.enabled and not self._host_completion:
+            self._trace(rec, end_us)
 
     def _launch_stats(self) -> None:
         """Start the running-statistics average (and the control vector's sum), right behind the
@@ -284,6 +344,7 @@ class Reducer:
                 raise RuntimeError(f"rank {self.comm.rank}: Reducer.wait() without begin(sync=True) before the "
                                    "last backward; gradients would not be reduced")
             self._active = False
+            backward_end_us = now_us()
             if self._next_launch < len(self.plan.buckets):
                 self._warn_unused()
             while self._next_launch < len(self.plan.buckets):
@@ -299,10 +360,17 @@ class Reducer:
                 view.copy_(src.div_(self.world_size))  # average in fp32, then round once
             if self.tracer.enabled and self._host_completion:
                 self._trace(rec, rec.end_us[0] if rec.end_us else now_us())
+        if self._auto is not None and self._auto.phase != "done":
+            if self._auto.phase == "probe" and not self._host_completion:
+                self._settle_probe()
+            self._auto_record(backward_end_us, now_us())
         self._launched = []
         self._finish_stats()
         if self._replan_pending:
             self._replan()
+        if self._auto is not None and self._auto.phase == "probe" and \
+                self._auto.synced == AUTO_WARMUP_ITERS + AUTO_PROBE_ITERS:
+            self._auto_decide()
 
     def _warn_unused(self) -> None:
         if self._warned_unused:
@@ -328,35 +396,115 @@ class Reducer:
         if self.comm.rank == 0:
             log.info("reducer re-planned from the observed gradient order: %s (was %s)", self.plan.describe(), old)
 
-    def _apply_ready_order(self, order: list[str]) -> None:
-        """Re-lay out the flat buffers and re-plan the buckets for gradient-ready ``order`` (collective)."""
-        per_group, predicted = plan_from_ready_order(group_specs(self.flat), order, self.cfg.bucket_mb,
-                                                     self.cfg.first_bucket_mb)
+    def _apply_ready_order(self, order: list[str], cuts: list[int] | None = None) -> None:
+        """Re-lay out the flat buffers and re-plan the buckets for gradient-ready ``order``,
+        cut by the caps or, given ``cuts`` (positions in ``order``), there (collective)."""
+        per_group, predicted = plan_from_ready_order(group_specs(self.flat), order, *self._caps(), cuts)
         self.flat.reorder(per_group, order_from_ready(self.flat.layout_order, order))
-        plan = build_bucket_plan(group_specs(self.flat), self.cfg.bucket_mb, self.cfg.first_bucket_mb)
+        plan = build_bucket_plan(group_specs(self.flat), *self._caps(), cuts)
         assert plan.digest() == predicted.digest(), "relayout does not match the planned layout"
         self._set_plan(plan)
         self._check_plan_agreement()
-        self._ready_order = list(order)
+        self._ready_order, self._cuts = list(order), (list(cuts) if cuts is not None else None)
 
-    def state_dict(self) -> dict[str, list[str]]:
-        """The gradient-ready order a ``reducer.replan`` laid the buffers out by (empty before it ran)."""
-        return {"ready_order": list(self._ready_order)}
+    # ------------------------------------------------------------------ auto plan
 
-    def load_state_dict(self, state: dict[str, list[str]]) -> None:
+    def _auto_record(self, backward_end_us: float, done_us: float) -> None:
+        """Keep this synced iteration's timeline (after the warm-up ones)."""
+        a = self._auto
+        a.synced += 1
+        if a.synced <= AUTO_WARMUP_ITERS:
+            return
+        a.exposed_ms.append((done_us - backward_end_us) / 1e3)
+        if a.phase != "probe":
+            if len(a.exposed_ms) == AUTO_PROBE_ITERS:
+                self._auto_finish()
+            return
+        a.backward_ms.append((backward_end_us - a.t0_us) / 1e3)
+        for name, t in a.ready.items():
+            a.ready_ms.setdefault(name, []).append(t)
+        prev_end = 0.0
+        for rec in self._launched:  # launch order
+            end = rec.end_us[0] if rec.end_us else done_us
+            if rec.start_us >= prev_end:  # launched on an idle channel: its duration is its cost alone
+                a.comm.append((rec.bucket.nbytes, (end - rec.start_us) / 1e3))
+            prev_end = max(prev_end, end)
+
+    def _settle_probe(self) -> None:
+        """CUDA probe iterations only: sync the device and let the completion watcher stamp every
+        collective, so the probe's exposed communication and service times are device times."""
+        torch.cuda.synchronize(self.comm.device)
+        deadline = time.perf_counter() + PROBE_SETTLE_S
+        while any(not rec.end_us for rec in self._launched) and time.perf_counter() < deadline:
+            time.sleep(1e-4)
+
+    def _auto_decide(self) -> None:
+        """Rank 0 plans from the probe's timeline; every rank applies it now (collective)."""
+        a = self._auto
+        decision = self.comm.broadcast_object(self._auto_propose() if self.comm.rank == 0 else None, src=0)
+        old = self.plan.describe()
+        self._apply_ready_order(decision.order, decision.cuts)
+        a.phase, a.decision, a.exposed_ms = "check", decision, []
+        if self.comm.rank == 0:
+            c = decision.cost
+            log.info("reducer auto plan: %s (probe: %s); allreduce cost %.3f ms + %.3f ms/MB fitted on %d "
+                     "collectives, overlap rate %.2f; backward %.2f ms; predicted exposed comm %.2f ms (probe plan "
+                     "measured %.2f ms)", self.plan.describe(), old, c.alpha_ms, c.beta_ms_per_mb,
+                     decision.collectives, decision.overlap_rate, decision.backward_ms,
+                     decision.predicted_exposed_ms, decision.probe_exposed_ms)
+
+    def _auto_propose(self) -> AutoDecision:
+        """The plan from rank 0's probe measurements (``dptrain.bucket_autotune.decide_plan``)."""
+        a = self._auto
+        size_of = {s.name: s.padded_numel * g.elem_size for g in group_specs(self.flat) for s in g.segments}
+        d = decide_plan(order_from_ready(self.flat.layout_order, list(self._ready)), size_of, a.ready_ms,
+                        a.backward_ms, a.comm, a.exposed_ms)
+        if d.fit_note:
+            log.warning("rank %d: reducer auto plan: %s; priced every bucket at the median allreduce time",
+                        self.comm.rank, d.fit_note)
+        return d
+
+    def _auto_finish(self) -> None:
+        a = self._auto
+        a.phase = "done"
+        d = a.decision
+        measured = median(a.exposed_ms) if self._host_completion else None  # CUDA: wait() does not block the host
+        self.auto_report = {"plan": self.plan.describe(), "buckets": len(self.plan.buckets),
+                            "alpha_ms": round(d.cost.alpha_ms, 4), "beta_ms_per_mb": round(d.cost.beta_ms_per_mb, 4),
+                            "overlap_rate": d.overlap_rate,
+                            "predicted_exposed_ms": round(d.predicted_exposed_ms, 3),
+                            "measured_exposed_ms": None if measured is None else round(measured, 3),
+                            "probe_exposed_ms": round(d.probe_exposed_ms, 3)}
+        if self.comm.rank == 0:
+            log.info("reducer auto plan: exposed comm measured %s ms (median of %d iterations) vs predicted %.2f ms",
+                     "-" if measured is None else f"{measured:.2f}", AUTO_PROBE_ITERS, d.predicted_exposed_ms)
+
+    # ------------------------------------------------------------------ snapshot
+
+    def state_dict(self) -> dict[str, list]:
+        """The gradient-ready order a ``replan`` or auto plan laid the buffers out by, and the auto
+        plan's cuts (both empty before they ran)."""
+        return {"ready_order": list(self._ready_order), "bucket_cuts": list(self._cuts or [])}
+
+    def load_state_dict(self, state: dict[str, list]) -> None:
         """Re-apply a snapshot's replanned layout at once (collective), so a resumed run reduces
         in the same buckets as the interrupted one from its first iteration: bucket boundaries
         decide gloo's summation order with 3+ ranks, so the default plan for that one
-        iteration made a resume differ in the last bits."""
+        iteration made a resume differ in the last bits. An auto plan's cuts come back with it
+        (no new probe); a snapshot taken before the auto plan was chosen leaves probing on."""
         order = list(state.get("ready_order", []))
-        if not (order and self._replan_pending):
+        cuts = list(state.get("bucket_cuts", []))
+        auto_ready = self._auto is not None and self._auto.phase == "probe" and bool(cuts)
+        if not (order and (self._replan_pending or auto_ready)):
             return
         if set(order) - set(self.flat.layout_order):
             log.warning("rank %d: the snapshot's bucket layout names parameters this model lacks; re-planning "
                         "from this run's gradient order instead", self.comm.rank)
             return
         self._replan_pending = False
-        self._apply_ready_order(order)
+        if auto_ready:
+            self._auto.phase = "done"
+        self._apply_ready_order(order, cuts if auto_ready else None)
 
     def close(self) -> None:
         """Remove the gradient hooks (the model stays usable without a reducer) and release a

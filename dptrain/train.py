@@ -47,6 +47,7 @@ from dptrain.data.base import DROPPED_LABEL, DeviceFeeder
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, eval_range
 from dptrain.errors import ConfigError, DivergenceError, RankFailure, SetupError, first_line
 from dptrain.flat import FlatParams
+from dptrain.layout import resolve_channels_last
 from dptrain.metrics import MetricsWriter, TensorBoardWriter
 from dptrain.models import build_model, check_input
 from dptrain.optimizer import MasterOptimizer, rule_for
@@ -76,12 +77,15 @@ class RunPlan:
     micro_steps_per_epoch: int
     storage: str
     loss_scale: str
+    channels_last: bool = False
+    """``model.channels_last`` resolved (``dptrain.layout``)."""
 
     def describe(self) -> str:
         return (
             f"global batch {self.global_batch} = batch_size {self.batch_size} x world_size "
             f"{self.world_size} x iter_size {self.iter_size}; {self.micro_steps_per_epoch // self.iter_size} "
-            f"iterations per epoch; storage {self.storage}, loss scale {self.loss_scale}, device {self.device}"
+            f"iterations per epoch; storage {self.storage}, loss scale {self.loss_scale}, device {self.device}, "
+            f"layout {'NHWC' if self.channels_last else 'NCHW'}"
         )
 
 
@@ -108,7 +112,7 @@ def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.d
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
     model = build_model(m.name, num_classes=m.num_classes, width=m.width, in_channels=in_channels,
-                        channels_last=m.channels_last).to(device)
+                        channels_last=resolve_channels_last(m.channels_last, cfg.precision.storage, device)).to(device)
     comm.broadcast_module(model)
     fp32_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_precision(model, cfg.precision)
@@ -159,6 +163,7 @@ class Trainer:
             global_batch=cfg.data.batch_size * self.world_size * cfg.solver.iter_size,
             micro_steps_per_epoch=batches_per_epoch(self.source.num_train, self.shard.samples_per_step),
             storage=cfg.precision.storage, loss_scale=ls_mode,
+            channels_last=resolve_channels_last(cfg.model.channels_last, cfg.precision.storage, self.device),
         )
         self.dtype = DTYPES[cfg.precision.storage]
         self.iteration = 0
@@ -185,7 +190,7 @@ class Trainer:
 
     def _feeder_for(self, stream: Any) -> DeviceFeeder:
         return DeviceFeeder(stream, device=self.device, dtype=self.dtype, mean=self.source.mean,
-                            scale=self.source.scale, channels_last=self.cfg.model.channels_last,
+                            scale=self.source.scale, channels_last=self.plan.channels_last,
                             mean_image=self.source.mean_image)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:

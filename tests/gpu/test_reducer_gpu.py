@@ -151,3 +151,37 @@ def test_nccl_reducer_averages_and_overlaps_on_two_gpus():
 @requires_cupy_nccl()
 def test_cupy_nccl_reducer_averages_and_overlaps_on_two_gpus():
     run_ranks(2, _nccl_rank, "cupy-nccl", backend="nccl")
+
+
+def _auto_rank(rank: int, world: int) -> None:
+    from dptrain.reducer import AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
+
+    device = torch.device("cuda", rank)
+    comm = Communicator.from_initialized(device)
+    torch.manual_seed(0)
+    model = Tiny().to(device, torch.float16)
+    flat = FlatParams(model, state_dtype=torch.float32)
+    reducer = Reducer(flat, ReducerConfig(bucket_mb="auto"), comm, Tracer(rank))
+    for p in model.parameters():
+        p.register_hook(lambda g, v=rank + 1: torch.full_like(g, v))
+    x = torch.randn(64, 256, device=device, dtype=torch.float16)
+    for _ in range(AUTO_WARMUP_ITERS + 2 * AUTO_PROBE_ITERS):
+        for g in flat.groups:
+            g.grads.zero_()
+        reducer.begin(sync=True)
+        model(x).float().sum().backward()
+        reducer.wait()
+        torch.cuda.synchronize()
+        for g in flat.groups:  # every plan reduces to the closed-form average
+            assert torch.all(g.grads.float() / reducer.grad_divisor == (world + 1) / 2)
+    report = reducer.auto_report
+    assert report["buckets"] == len(reducer.plan.buckets) and report["measured_exposed_ms"] is None, report
+    assert report["predicted_exposed_ms"] >= 0 and reducer.state_dict()["bucket_cuts"][0] == 0
+    digests = comm.allgather_object(reducer.plan.digest())
+    assert digests[0] == digests[1]
+    reducer.close()
+
+
+@requires_gpus(2)
+def test_auto_bucket_plan_on_two_gpus():
+    run_ranks(2, _auto_rank, backend="nccl")

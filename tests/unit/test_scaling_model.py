@@ -190,3 +190,72 @@ def test_gloo_calibration_measures_two_processes():
     assert all(0 < t < 5 and math.isfinite(t) for _, t in points)
     with pytest.raises(ValueError, match="world_size >= 2"):
         measure_allreduce([4096], world_size=1)
+
+
+# ---------------------------------------------------------------- profiles, terms, validation (issue 21)
+
+def test_machine_profiles_are_data_files_and_a_bad_one_is_named(tmp_path):
+    assert {"dgx-h100", "dgx-a100", "dgx-1-v100", "dgx-2-v100"} <= set(sm.MACHINES)
+    h100 = sm.MACHINES["dgx-h100"]
+    assert (h100.gpus_per_node, h100.nvlink.busbw_gbs, h100.hbm_gbs) == (8, 370.0, 3350.0)
+    assert dict(h100.sources)["contention_source"].startswith("Assumed")
+    bad = tmp_path / "box.toml"
+    bad.write_text('name = "box"\ngpus_per_node = 2\n')
+    with pytest.raises(ValueError, match=r"box.toml: not a machine profile .*start from machines/dgx-h100.toml"):
+        sm.load_machine(bad)
+
+
+def test_terms_by_hand():
+    # toy profile (compute 32 ms, backward 20 ms), comm 1 ms per MB: exposed 2, overlapped 4 + 8 + 0 = 12 ms.
+    # contention 0.5 -> 6 ms; jitter 0.01 * 32 * E[max of 2] (0.5642) = 0.1805 ms; step 32 + 6 + 2 + 0.1805
+    p = _toy_profile()
+    t = sm.Terms(contention=0.5, jitter_cv=0.01, world_size=2, gpus_per_node=2)
+    pred = sm.simulate_step(p, lambda nbytes: nbytes / 1e6, t)
+    assert (pred.contention_ms, pred.exposed_ms) == pytest.approx((6.0, 2.0))
+    assert pred.jitter_ms == pytest.approx(0.32 / math.sqrt(math.pi), rel=1e-3)
+    assert pred.step_ms == pytest.approx(40.0 + 0.32 / math.sqrt(math.pi), rel=1e-4)
+    # input ceiling 1000 img/s per node: 2 solvers x 32 images = 64 ms per step binds; one solver: 32 ms
+    t = sm.Terms(input_images_per_s_per_node=1000.0, world_size=2, gpus_per_node=2)
+    pred = sm.simulate_step(p, lambda nbytes: nbytes / 1e6, t)
+    assert (pred.input_ms, pred.step_ms) == pytest.approx((64.0, 64.0))
+    assert sm.weak_efficiency(p, pred, t) == pytest.approx(32 / 64)
+
+
+def test_auto_plan_is_never_worse_than_a_fixed_cap():
+    p = sm.reference_profile("dgx-a100")
+    for nodes in (1, 64):
+        comm = sm.comm_fn(sm.MACHINES["dgx-a100"], nodes)
+        auto = sm.simulate_step(sm.auto_plan(p, comm), comm)
+        best_cap = sm.sweep_bucket_sizes(p, comm, [1, 2, 5, 10, 25, 50, 100], 1.0)[0][2]
+        assert auto.comm_end_ms <= best_cap.comm_end_ms + 1e-9
+
+
+def test_validation_against_the_published_rows_meets_the_goal(capsys):
+    import scaling_validate as sv
+
+    rows = sv.load_rows(*sorted((sm.PROFILES / "published").glob("*.toml")))
+    wl = sm.load_workload()
+    cv, ceilings = sv.fit(rows, wl)
+    assert cv == pytest.approx(wl.jitter_cv)  # the workload file holds the fitted value
+    assert ceilings[("dgx-a100", "pytorch-dataloader")] == 16621.0 == wl.machines["dgx-a100"]["input_images_per_s_per_node"]
+    assert ceilings[("dgx-1-v100", "pytorch-dataloader")] == 8322.0 and ceilings[("dgx-2-v100", "tensorflow")] == 17250.0
+    assert sum(r.role == "check" for r in rows) == 11
+    for r in rows:
+        assert abs(sv.predict(r, wl, ceilings) - r.efficiency) * 100 <= sv.GOAL_PP, r.label
+    a100_amp = next(r for r in rows if r.label == "DGX A100 80GB, AMP")
+    assert a100_amp.efficiency == pytest.approx(16621 / (8 * 2470))
+    assert sv.predict(a100_amp, wl, ceilings, plain=True) > 0.99  # the overlap model alone misses by 16 points
+
+
+def test_bad_workload_and_rows_are_named(tmp_path):
+    import scaling_validate as sv
+
+    wl = tmp_path / "w.toml"
+    wl.write_text('model = "resnet50"\n')
+    with pytest.raises(ValueError, match=r"w.toml: workload profile lacks 'update_bytes_per_param'"):
+        sm.load_workload(wl)
+    rows = tmp_path / "rows.toml"
+    rows.write_text('[[rows]]\nlabel = "x"\nmachine = "dgx-x"\ngpus = 8\nbatch_size = 1\nimages_per_s_1 = 1.0\n'
+                    'images_per_s_n = 8.0\nrole = "fit"\nsource = "s"\n')
+    with pytest.raises(ValueError, match=r"rows \['x'\] need role fit\|fit-input\|check and a machine in"):
+        sv.load_rows(rows)

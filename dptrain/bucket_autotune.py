@@ -1,0 +1,222 @@
+"""Bucket cost model and planner: the one implementation behind ``reducer.bucket_mb = "auto"``
+and ``benchmarks/scaling_model.py``. Pure: no torch, no process group. Times in ms, sizes in bytes.
+
+Overlap model (one communication channel; buckets launch strictly in plan order, as the
+Reducer launches them):
+
+    start_k = max(ready_k, end_{k-1});   end_k = finish(start_k, cost(bytes_k))
+    exposed = max(0, end_last - backward_ms)
+
+where ``ready_k`` is when bucket k's last gradient is ready, in ms after backward starts
+(clamped to [0, backward_ms]). ``cost`` is any non-decreasing function of the bytes: a
+:class:`LinearCost` ``alpha + beta * bytes`` fitted from measured collectives (the
+Reducer's auto plan), or the NCCL ring/tree/NVLS model of the scaling model. ``finish``
+runs an allreduce at ``overlap_rate`` of its full speed while backward still computes and
+at full speed after it (:func:`finish_ms`). On a GPU NCCL has SMs of its own (rate 1); on a
+CPU host without a spare core the gloo threads get little time until backward ends (the
+Reducer fits the rate on its probe's measured exposed communication).
+
+Planner (:func:`plan_cuts`): over the gradients in ready order, choose where buckets start
+so that the last allreduce ends as early as possible (which minimises exposed
+communication), fewest buckets on a tie. Dynamic programme over O(n^2) cost evaluations
+for n gradients (then one O(n^2) level per bucket of the answer, for the fewest buckets): ``f(j) = min_i finish(max(R_j, f(i-1)), cost(S_j - S_{i-1}))`` with R_j the
+latest ready time among the first j gradients and S_j their bytes. It is exact for this
+model: a bucket's end is non-decreasing in the previous bucket's end, so the earliest end
+of each prefix is all a later choice needs.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from statistics import median
+
+import numpy as np
+
+CostFn = Callable[[float], float]
+"""Milliseconds one allreduce of that many bytes takes."""
+OVERLAP_RATES = tuple(i / 50 for i in range(1, 51))
+"""Overlap rates the auto plan tries (0.02 .. 1): the one whose prediction of the probe's exposed
+communication is closest to the measurement is kept."""
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """``alpha_ms + beta_ms_per_mb * bytes / 1e6``: one allreduce, latency plus bytes over bandwidth."""
+
+    alpha_ms: float
+    beta_ms_per_mb: float
+
+    def __call__(self, nbytes: float) -> float:
+        return self.alpha_ms + self.beta_ms_per_mb * nbytes / 1e6
+
+
+def fit_linear_cost(sizes_bytes: Sequence[float], times_ms: Sequence[float], relative: bool = True) -> LinearCost:
+    """Least-squares ``alpha + beta * bytes`` through measured (bytes, ms) points.
+
+    ``relative`` weights each point by 1/time (minimises relative error), so the small
+    messages pin down alpha instead of being swamped by the large ones. Raises ValueError
+    with fewer than 2 distinct sizes or a fitted time per byte <= 0. A negative intercept
+    (noise on a latency of a few us) is clamped to 0 and beta refitted through the origin.
+    """
+    s, t = np.asarray(sizes_bytes, dtype=float), np.asarray(times_ms, dtype=float)
+    if s.shape != t.shape or len(set(s.tolist())) < 2:
+        raise ValueError("calibration needs times for at least 2 distinct message sizes")
+    w = 1.0 / np.maximum(t, 1e-9) if relative else np.ones_like(t)
+    (a, b), *_ = np.linalg.lstsq(np.stack([w, w * s], axis=1), w * t, rcond=None)
+    if b <= 0:
+        raise ValueError(f"fitted time per byte is {b:.3g} ms (<= 0): the measurements do not grow with size; "
+                         "measure larger messages or more iterations")
+    if a < 0:
+        a, b = 0.0, float(np.sum(w * w * s * t) / np.sum(w * w * s * s))
+    if not b > 0:
+        raise ValueError(f"fitted time per byte through the origin is {b:.3g} ms (<= 0); the measured times are "
+                         "not positive")
+    return LinearCost(float(a), float(b) * 1e6)
+
+
+def finish_ms(start, cost_ms, backward_ms: float, overlap_rate: float = 1.0):
+    """End of an allreduce of ``cost_ms`` (at full speed) started at ``start``: it progresses at
+    ``overlap_rate`` until ``backward_ms`` and at full speed after. Floats or numpy arrays."""
+    if overlap_rate >= 1.0:
+        return start + cost_ms
+    inside = np.maximum(backward_ms - start, 0.0) * overlap_rate  # full-speed ms done before backward ends
+    with np.errstate(divide="ignore", invalid="ignore"):
+        early = start + np.where(cost_ms > 0, cost_ms / max(overlap_rate, 1e-12), 0.0)
+    out = np.where(cost_ms <= inside, early, np.maximum(start, backward_ms) + cost_ms - inside)
+    return float(out) if np.ndim(out) == 0 else out
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """What the overlap model predicts for one backward."""
+
+    comm_end_ms: float
+    """End of the last allreduce, ms after backward starts."""
+    exposed_ms: float
+    busy_ms: float
+    """Sum of all allreduce times."""
+    overlapped_ms: float
+    """The part of ``busy_ms`` that runs while backward still computes."""
+
+
+def simulate_overlap(ready_ms: Sequence[float], nbytes: Sequence[float], backward_ms: float,
+                     cost: CostFn, overlap_rate: float = 1.0) -> Overlap:
+    """Run the buckets through one in-order channel (see the module docstring)."""
+    end = busy = overlapped = 0.0
+    for r, b in zip(ready_ms, nbytes):
+        c = cost(b)
+        start = max(min(max(r, 0.0), backward_ms), end)
+        end = finish_ms(start, c, backward_ms, overlap_rate)
+        busy += c
+        overlapped += max(0.0, min(end, backward_ms) - start)
+    return Overlap(end, max(0.0, end - backward_ms), busy, overlapped)
+
+
+def plan_cuts(ready_ms: Sequence[float], nbytes: Sequence[float], cost: CostFn, backward_ms: float = math.inf,
+              overlap_rate: float = 1.0) -> tuple[int, ...]:
+    """Indices where buckets start (the first is 0) over gradients in ready order; see the module docstring.
+
+    Two passes over the cost matrix ``C[i, j] = cost(bytes of gradients i..j-1)``: the earliest
+    end E over any bucket count, then levels ``f_k`` (earliest end of each prefix with exactly k
+    buckets, exact by the same argument) until ``f_k(n)`` reaches E: the fewest buckets that do.
+    """
+    n = len(ready_ms)
+    if n == 0 or len(nbytes) != n:
+        raise ValueError(f"plan_cuts needs one ready time per gradient, got {n} times and {len(nbytes)} sizes")
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(nbytes, dtype=float))])
+    ready = np.maximum.accumulate(np.maximum(np.asarray(ready_ms, dtype=float), 0.0))
+    c = np.full((n + 1, n + 1), np.inf)  # c[i, j]: one bucket of gradients i..j-1
+    for i in range(n):
+        c[i, i + 1:] = [cost(prefix[j] - prefix[i]) for j in range(i + 1, n + 1)]
+    best = np.zeros(n + 1)  # earliest end of each prefix, any bucket count
+    for j in range(1, n + 1):
+        best[j] = np.min(finish_ms(np.maximum(ready[j - 1], best[:j]), c[:j, j], backward_ms, overlap_rate))
+    target = best[n] + 1e-9 * max(1.0, abs(best[n]))
+    levels = [np.concatenate([[0.0], np.full(n, np.inf)])]  # f_0: only the empty prefix
+    starts: list[np.ndarray] = []
+    while levels[-1][n] > target:
+        prev = levels[-1]
+        ends = finish_ms(np.maximum(ready[None, :], prev[:, None]), c[:, 1:], backward_ms, overlap_rate)  # [i, j-1]
+        starts.append(np.argmin(ends, axis=0))
+        levels.append(np.concatenate([[np.inf], ends[starts[-1], np.arange(n)]]))
+    cuts, j = [], n
+    for k in range(len(starts) - 1, -1, -1):
+        j = int(starts[k][j - 1])
+        cuts.append(j)
+    return tuple(reversed(cuts))
+
+
+def buckets_of(ready_ms: Sequence[float], nbytes: Sequence[float],
+               cuts: Sequence[int]) -> tuple[list[float], list[float]]:
+    """(ready ms, bytes) per bucket when gradients in ready order are cut at ``cuts``."""
+    bounds = [*cuts, len(ready_ms)]
+    ready = [max(ready_ms[: bounds[k + 1]]) for k in range(len(cuts))]
+    size = [float(sum(nbytes[bounds[k]: bounds[k + 1]])) for k in range(len(cuts))]
+    return ready, size
+
+
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (0 for n = 1), by numerical integration.
+
+    Used for the slowest rank setting the pace: with per-rank step times ~ N(mu, sigma),
+    a synchronous step waits ``sigma * expected_max_normal(n)`` past the mean.
+    """
+    if n <= 1:
+        return 0.0
+    x = np.linspace(-8.0, 8.0, 4001)
+    phi = np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    return float(np.trapezoid(x * n * phi * cdf ** (n - 1), x))
+
+
+@dataclass(frozen=True)
+class AutoDecision:
+    """The auto plan: what rank 0 decides from its probe and broadcasts to every rank."""
+
+    order: list[str]
+    """Gradient-ready order, then the parameters that got no gradient: the new layout order."""
+    cuts: list[int]
+    """Positions in ``order`` where a bucket starts."""
+    cost: LinearCost
+    collectives: int
+    """How many measured allreduces the cost was fitted on."""
+    backward_ms: float
+    predicted_exposed_ms: float
+    probe_exposed_ms: float
+    """Measured exposed communication of the probe plan (a bucket per parameter)."""
+    fit_note: str = ""
+    """Why the fit fell back to the median allreduce time ("" when it did not)."""
+    overlap_rate: float = 1.0
+    """Fitted so the model reproduces the probe's measured exposed communication (see the module docstring)."""
+
+
+def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str, list[float]],
+                backward_ms: Sequence[float], collectives: Sequence[tuple[int, float]],
+                probe_exposed_ms: Sequence[float]) -> AutoDecision:
+    """The auto plan from probe measurements: medians over the probe iterations, a cost fit, the cuts.
+
+    ``order``: every parameter, ready ones first; ``ready_ms``: per parameter, its ready time
+    (ms after backward starts) in each probe iteration (none: ready at the end of backward);
+    ``collectives``: (bytes, ms) of each measured allreduce; the fit takes the median time per
+    size (a collective also waits for the slowest rank to launch it, a long tail on a shared
+    host), and a time <= 0 is left out. If the fit fails (fewer
+    than two sizes, or times that do not grow with size), every bucket is priced at the median
+    allreduce time, which merges buckets as far as the timeline allows.
+    """
+    bwd = median(backward_ms)
+    ready = [median(ready_ms[n]) if ready_ms.get(n) else bwd for n in order]
+    sizes = [nbytes[n] for n in order]
+    note, timed, by_size = "", [(b, t) for b, t in collectives if t > 0], {}
+    for b, t in timed:
+        by_size.setdefault(b, []).append(t)
+    try:
+        cost = fit_linear_cost(list(by_size), [median(v) for v in by_size.values()])
+    except ValueError as e:
+        cost, note = LinearCost(median(t for _, t in timed) if timed else 0.0, 0.0), str(e)
+    measured = median(probe_exposed_ms)
+    probe = ready, [float(b) for b in sizes]  # the probe plan: a bucket per parameter
+    rate = min(OVERLAP_RATES, key=lambda r: abs(simulate_overlap(*probe, bwd, cost, r).exposed_ms - measured))
+    cuts = plan_cuts(ready, sizes, cost, bwd, rate)
+    pred = simulate_overlap(*buckets_of(ready, sizes, cuts), bwd, cost, rate)
+    return AutoDecision(list(order), list(cuts), cost, len(timed), bwd, pred.exposed_ms, measured, note, rate)
