@@ -151,8 +151,9 @@ class LossScaler:
         ``solver.max_nonfinite``. Device ops only; a no-op with loss scaling, where the
         optimizer's norm pass sets the flag."""
         if not self.enabled:
-            self.found_inf.copy_((ranks_nonfinite > 0).float().reshape(1))
-            self._skipped.add_((ranks_nonfinite > 0).long().reshape(1))
+            skip = (ranks_nonfinite > 0).reshape(1)
+            self.found_inf.copy_(skip)
+            self._skipped.add_(skip)
 
     def update(self) -> None:
         """Advance the scale after a step; device ops only, no host sync."""

@@ -103,7 +103,7 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 
 def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.device,
-                           in_channels: int = 3) -> tuple[nn.Module, FlatParams]:
+                           in_channels: int = 3, channels_last: bool = False) -> tuple[nn.Module, FlatParams]:
     """The model in its storage dtype with flat buffers, initialised identically on every rank.
 
     Rank 0's fp32 weights are broadcast *before* the cast, so the fp32 masters start from
@@ -112,7 +112,7 @@ def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.d
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
     model = build_model(m.name, num_classes=m.num_classes, width=m.width, in_channels=in_channels,
-                        channels_last=resolve_channels_last(m.channels_last, cfg.precision.storage, device)).to(device)
+                        channels_last=channels_last).to(device)
     comm.broadcast_module(model)
     fp32_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_precision(model, cfg.precision)
@@ -145,7 +145,9 @@ class Trainer:
         self.run_dir.check_usable(writer=False)
         self.source = build_source(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed, device=self.device,
                                    rank=self.rank, cores=comm.topology.cores_per_process)
-        self.model, self.flat = build_model_and_params(cfg, comm, self.device, in_channels=self.source.sample_shape[2])
+        channels_last = resolve_channels_last(cfg.model.channels_last, cfg.precision.storage, self.device)
+        self.model, self.flat = build_model_and_params(cfg, comm, self.device, in_channels=self.source.sample_shape[2],
+                                                       channels_last=channels_last)
         self._input_ok = False
         ls_mode = cfg.precision.resolved_loss_scale_mode()
         self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
@@ -163,7 +165,7 @@ class Trainer:
             global_batch=cfg.data.batch_size * self.world_size * cfg.solver.iter_size,
             micro_steps_per_epoch=batches_per_epoch(self.source.num_train, self.shard.samples_per_step),
             storage=cfg.precision.storage, loss_scale=ls_mode,
-            channels_last=resolve_channels_last(cfg.model.channels_last, cfg.precision.storage, self.device),
+            channels_last=channels_last,
         )
         self.dtype = DTYPES[cfg.precision.storage]
         self.iteration = 0
