@@ -52,6 +52,8 @@ KAPPA_CAP_MB = 1.0
 """With the profile runs, these fit contention, overlap rate and jitter (the most overlap: a bucket per ~1 MB)."""
 WORLD_SIZES = (1, 2, 3)
 GOAL = 0.15
+PHASE_STEPS = 16
+"""Phase-timed steps per run: rank 0's wait and its split are medians over these."""
 SETS = ["model.name=resnet18_cifar", "model.width=32", "model.num_classes=10", "data.image_size=32",
         "data.batch_size=32", "precision.storage=fp32", "solver.cpu_fused_update=true", "train.threads=1",
         "model.channels_last=false"]
@@ -64,7 +66,7 @@ def _cmd(world: int, cap: float, trace: Path) -> list[str]:
                                                      f"--nproc-per-node={world}"]
     sets = [*SETS, f"reducer.bucket_mb={cap:g}", f"reducer.first_bucket_mb={min(cap, 1.0):g}"]
     return [*launcher, "-m", "dptrain", "bench", "--config", str(REPO / "launch/configs/resnet50_synthetic.toml"),
-            "--synthetic", "--steps=10", "--warmup=3", "--phase-steps=6", f"--trace={trace}",
+            "--synthetic", "--steps=10", "--warmup=3", f"--phase-steps={PHASE_STEPS}", f"--trace={trace}",
             *[f"--set={s}" for s in sets]]
 
 
@@ -107,6 +109,8 @@ def _median_runs(runs: list[dict[str, Any]]) -> dict[tuple[int, float], dict[str
         groups.setdefault((r["world_size"], r["cap_mb"]), []).append(r)
     return {k: {"step_ms": statistics.median(r["step_ms_median"] for r in v),
                 "exposed_ms": statistics.median(r["exposed_comm_ms"] or 0.0 for r in v),
+                "after_ms": statistics.median(r.get("comm_after_slowest_ms") or 0.0 for r in v),
+                "skew_ms": statistics.median(r.get("backward_skew_ms") or 0.0 for r in v),
                 "traces": [r["trace"] for r in v], "n": len(v)} for k, v in groups.items()}
 
 
@@ -144,26 +148,33 @@ def report(d: Path) -> str:
             for cap in (FIT_CAP_MB, KAPPA_CAP_MB):
                 pred, m = predict(base, cap, costs[world], k, world, rate, cv), med[(world, cap)]
                 err += ((pred.step_ms - m["step_ms"]) / m["step_ms"]) ** 2
-                err += ((_exposed(pred) - m["exposed_ms"]) / max(m["exposed_ms"], 1.0)) ** 2
+                err += ((pred.exposed_ms - m["after_ms"]) / max(m["after_ms"], 1.0)) ** 2
+                err += ((pred.jitter_ms - m["skew_ms"]) / max(m["skew_ms"], 1.0)) ** 2
         return err
 
     grid = [(k / 10, r / 10, cv / 200) for k in range(11) for r in range(1, 11) for cv in range(41)]
     kappa, rate, cv = min(grid, key=lambda g: fit_err(*g))
     out = [f"# Scaling model on measured gloo runs ({datetime.date.today():%Y-%m-%d})", "",
            f"`python benchmarks/scaling_calibrate.py --run --dir {d} --repeats N` then `--report`. ResNet-18 CIFAR "
-           "width 32, batch 32 per solver, fp32, synthetic data, `dptrain bench` (10 timed steps, 6 phase-timed "
-           f"steps), median over {max(v['n'] for v in med.values())} round-robin repeats; 2-core VM shared with other jobs.",
-           "", f"Fit runs: cap {FIT_CAP_MB:g} MB at each world size (their traces give the compute profile) and "
-           f"caps {FIT_CAP_MB:g} and {KAPPA_CAP_MB:g} MB together (their step times and exposed communication give "
+           f"width 32, batch 32 per solver, fp32, synthetic data, `dptrain bench` (10 timed steps, {PHASE_STEPS} "
+           f"phase-timed steps), median over {max(v['n'] for v in med.values())} round-robin repeats; 2-core VM.",
+           "", "Rank 0's wait after backward is split step by step (`straggler.StragglerMonitor.line_up`) into "
+           "**comm after slowest**, the least wait over the ranks (the rank that ended backward last waits only for "
+           "the communication left: the model's exposed communication), and **skew**, rank 0's wait beyond it (its "
+           "wait for the slowest rank: the model's jitter term). The goal is on the first: waiting for a straggler "
+           "is not communication.", "",
+           f"Fit runs: cap {FIT_CAP_MB:g} MB at each world size (their traces give the compute profile) and "
+           f"caps {FIT_CAP_MB:g} and {KAPPA_CAP_MB:g} MB together (their step times, comm after slowest and skew give "
            "contention, overlap rate and jitter, by grid search); the allreduce cost comes from collective_bench. "
            "Fitted: " + "; ".join(
                f"world {w}: allreduce {c.alpha_ms:.3f} ms + {c.beta_ms_per_mb:.3f} ms/MB" for w, c in costs.items())
            + f"; contention {kappa:.2f} (backward loses that fraction of the overlapped allreduce time); overlap "
-           f"rate {rate:.2f} (an allreduce's speed while backward runs, relative to after it); jitter_cv {cv:.3f} "
-           "(predicted exposed comm includes rank 0's wait for the slowest rank).", "",
-           "| world | cap MB | role | step ms measured | predicted | error | exposed ms measured | predicted | error |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
-    worst = {"step": 0.0, "exposed": 0.0}
+           f"rate {rate:.2f} (an allreduce's speed while backward runs, relative to after it); jitter_cv {cv:.3f}.",
+           "",
+           "| world | cap MB | role | step ms measured | predicted | error | comm after slowest ms measured | "
+           "predicted | error | skew ms measured | predicted | rank 0 wait ms measured | predicted | error |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    worst = {"step": 0.0, "after": 0.0, "wait": 0.0}
     for (world, cap), m in sorted(med.items()):
         role = "fit" if cap in (FIT_CAP_MB, KAPPA_CAP_MB) else "check"
         if world == 1:
@@ -171,23 +182,31 @@ def report(d: Path) -> str:
         else:
             base = _without_contention(profiles[world], FIT_CAP_MB, costs[world], kappa, world)
             pred = predict(base, cap, costs[world], kappa, world, rate, cv)
-        e_step = (pred.step_ms - m["step_ms"]) / m["step_ms"]
-        e_exp = (_exposed(pred) - m["exposed_ms"]) / m["exposed_ms"] if m["exposed_ms"] > 0.05 else float("nan")
+        e_step = _rel(pred.step_ms, m["step_ms"])
+        e_after = _rel(pred.exposed_ms, m["after_ms"])
+        e_wait = _rel(_exposed(pred), m["exposed_ms"])
         if role == "check":
-            worst["step"] = max(worst["step"], abs(e_step))
-            if e_exp == e_exp:
-                worst["exposed"] = max(worst["exposed"], abs(e_exp))
+            for key, e in (("step", e_step), ("after", e_after), ("wait", e_wait)):
+                if e == e:
+                    worst[key] = max(worst[key], abs(e))
         out.append(f"| {world} | {cap:g} | {role} | {m['step_ms']:.1f} | {pred.step_ms:.1f} | {e_step:+.0%} | "
-                   f"{m['exposed_ms']:.1f} | {_exposed(pred):.1f} | {e_exp:+.0%} |")
+                   f"{m['after_ms']:.2f} | {pred.exposed_ms:.2f} | {e_after:+.0%} | {m['skew_ms']:.1f} | "
+                   f"{pred.jitter_ms:.1f} | {m['exposed_ms']:.1f} | {_exposed(pred):.1f} | {e_wait:+.0%} |")
     out += ["", "Noise floor: the 25 and 100 MB caps give the same two buckets for this 11 MB model, so their "
             "difference is the host's noise alone: " + "; ".join(
-                f"world {w}: step {_spread(med[(w, 25.0)]['step_ms'], med[(w, 100.0)]['step_ms']):.0%}, exposed "
+                f"world {w}: step {_spread(med[(w, 25.0)]['step_ms'], med[(w, 100.0)]['step_ms']):.0%}, comm after "
+                f"slowest {_spread(med[(w, 25.0)]['after_ms'], med[(w, 100.0)]['after_ms']):.0%}, rank 0 wait "
                 f"{_spread(med[(w, 25.0)]['exposed_ms'], med[(w, 100.0)]['exposed_ms']):.0%}" for w in (2, 3)) + "."]
-    out += ["", f"Check runs: largest step-time error {worst['step']:.0%}, largest exposed-comm error "
-            f"{worst['exposed']:.0%} (goal {GOAL:.0%}: "
-            f"{'met' if max(worst.values()) <= GOAL else 'NOT met'}). Exposed comm is the phase-timed wait after "
-            "backward; below 0.05 ms measured, its relative error is not defined (nan).", ""]
+    met = worst["step"] <= GOAL and worst["after"] <= GOAL
+    out += ["", f"Check runs: largest step-time error {worst['step']:.0%}, largest comm-after-slowest error "
+            f"{worst['after']:.0%} (goal {GOAL:.0%} on both: {'met' if met else 'NOT met'}); largest error on rank "
+            f"0's whole wait, straggling included, {worst['wait']:.0%}. Relative errors of figures below 0.05 ms "
+            "are not defined (nan).", ""]
     return "\n".join(out)
+
+
+def _rel(pred: float, measured: float) -> float:
+    return (pred - measured) / measured if measured > 0.05 else float("nan")
 
 
 def _exposed(pred: sm.StepPrediction) -> float:

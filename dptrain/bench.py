@@ -5,6 +5,11 @@ step, so step times are real); then ``phase_steps`` steps timed phase by phase
 (``trace.PhaseTimer``: host times on the CPU, CUDA events on the compute stream on a GPU,
 which do not disturb the overlap), giving data_wait, forward, backward, exposed_comm (the
 compute stream, or the host on gloo, waiting for the allreduces after backward) and update.
+On the CPU, rank 0's exposed_comm is also split, step by step, into ``backward_skew_ms``
+(its wait for the rank that finished backward last) and ``comm_after_slowest_ms`` (the
+communication still exposed after that, the least wait over the ranks): the first is
+straggling, the second the cost of the collectives themselves
+(``straggler.StragglerMonitor.line_up``).
 Throughput figures come from the untimed-phase steps only.
 """
 from __future__ import annotations
@@ -101,9 +106,11 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         ranks = trainer.stragglers.gather(trainer.clock)  # collective: every rank, same point
         tracer.events.clear()
         trainer.time_phases(True)
+        trainer.clock.host_marks = [] if device.type == "cpu" else None
         for _ in range(phase_steps):
             trainer.train_step()
         phase_ms = trainer.phase_totals_ms()
+        lined_up = trainer.stragglers.line_up(trainer.clock.host_marks or [])  # collective: every rank
         if trace:
             tracer.save(trace)
     finally:
@@ -123,6 +130,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
     }
     for ph in PHASES:  # None when --phase-steps 0 measured no phase (not 0.0, which would read as free)
         rec[f"{ph}_ms"] = round(phase_ms.get(ph, 0.0) / phase_steps, 3) if phase_steps else None
+    rec.update(lined_up)
     rec.update({
         "peak_mem_bytes": peak_mem_bytes(device),
         "solver": cfg.solver.type,

@@ -6,12 +6,17 @@ records: operation, what it carried (bucket index), iteration, bytes, time enter
 finished. The ring is preallocated numpy arrays written in place: no allocation per step.
 
 Each rank also publishes its progress, the sequence number of the last collective it
-entered, to a key-value store every :data:`PUBLISH_S` seconds from a daemon thread (the
-training thread never waits on the store). torchrun's agent store is used when the
+entered and a heartbeat count, to a key-value store every :data:`PUBLISH_S` seconds from a
+daemon thread (the training thread never waits on the store). torchrun's agent store is used when the
 solvers run under torchrun (it outlives any solver); otherwise rank 0 serves one.
 
-When a collective fails or times out (``RankFailure``), the rank reads every rank's progress:
-a rank behind this one never entered the collective this one waits in. It writes
+When a collective fails or times out (``RankFailure``), the rank reads every rank's progress
+twice, :data:`SILENT_AFTER_S` apart: a rank whose heartbeat did not move is stopped or dead
+(its last published collective may be stale), and a rank behind this one never entered the
+collective this one waits in. Ranks that are silent *and* behind are the ones named; live
+ranks behind this one are only waiting themselves (async buckets complete at different
+times on different ranks) and are reported as such. Heartbeats are counts, not clock
+times, so hosts with skewed clocks cannot fool it. It writes
 ``run_dir/flight.rank<r>.json`` and exits with one line naming the collective and, where the
 store could tell, the ranks that never arrived.
 """
@@ -36,6 +41,8 @@ RING_SIZE = 64
 """Collectives kept per rank: a few iterations' worth of buckets."""
 PUBLISH_S = 0.5
 """How often a rank's progress goes to the store."""
+SILENT_AFTER_S = 3 * PUBLISH_S
+"""A rank whose heartbeat did not move for this long at failure time is stopped or dead."""
 STORE_TIMEOUT_S = 5.0
 """A store read at failure time gives up after this long (the store's host may be the dead rank)."""
 OPS = ("allreduce", "allreduce_async", "allgather", "broadcast", "barrier", "broadcast_module")
@@ -60,7 +67,7 @@ class FlightRecorder:
         self._lock = threading.Lock()
         self._store: Any = None
         self._prefix = ""
-        self._published = -1
+        self._beat = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -110,17 +117,19 @@ class FlightRecorder:
             self.publish()
 
     def publish(self) -> None:
-        seq = self.seq
-        if seq == self._published or self._store is None:
+        """Post (last collective entered, iteration, heartbeat) for this rank; the heartbeat
+        moves on every call, so the others can tell a live rank from a stopped one."""
+        if self._store is None:
             return
+        self._beat += 1
         try:
-            self._store.set(f"{self._prefix}progress/{self.rank}", f"{seq} {self.iteration}")
-            self._published = seq
+            self._store.set(f"{self._prefix}progress/{self.rank}", f"{self.seq} {self.iteration} {self._beat}")
         except Exception as e:  # noqa: BLE001 - a store gone away must not stop training; the failure path says so
             log.debug("rank %d: publishing progress failed: %s", self.rank, e)
 
-    def progress(self) -> dict[int, tuple[int, int]] | None:
-        """Every rank's (last collective entered, iteration) from the store; None if it does not answer."""
+    def progress(self) -> dict[int, tuple[int, int, int]] | None:
+        """Every rank's (last collective entered, iteration, heartbeat) from the store; None if it
+        does not answer."""
         if self._store is None:
             return None
         self.publish()
@@ -129,8 +138,8 @@ class FlightRecorder:
             for r in range(self.world_size):
                 key = f"{self._prefix}progress/{r}"
                 if self._store.check([key]):
-                    seq, it = self._store.get(key).decode().split()
-                    out[r] = (int(seq), int(it))
+                    seq, it, beat = self._store.get(key).decode().split()
+                    out[r] = (int(seq), int(it), int(beat))
         except Exception as e:  # noqa: BLE001 - its host may be the rank that died
             log.debug("rank %d: reading progress failed: %s", self.rank, e)
             return None
@@ -148,14 +157,22 @@ class FlightRecorder:
         waits in and the ranks that never arrived (as far as the store can tell)."""
         waiting = self.waiting_in()
         self.publish()
-        time.sleep(2 * PUBLISH_S)  # every live rank's publisher has posted its latest collective by then
+        first = self.progress()
+        time.sleep(SILENT_AFTER_S)  # every live rank's publisher has posted at least once more by then
         progress = self.progress()
+        silent: list[int] = []
+        if first is not None and progress is not None:
+            silent = [r for r in range(self.world_size) if r != self.rank and r in first and r in progress
+                      and progress[r][2] == first[r][2]]
         behind: list[int] = []
         if progress is not None and waiting is not None:
-            behind = [r for r in range(self.world_size) if r != self.rank and progress.get(r, (0, 0))[0] < waiting["seq"]]
+            behind = [r for r in range(self.world_size)
+                      if r != self.rank and progress.get(r, (0, 0, 0))[0] < waiting["seq"]]
+        culprits = [r for r in behind if r in silent or r not in progress] if silent else behind
         record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
                   "waiting_in": waiting, "progress": {str(r): v for r, v in (progress or {}).items()},
-                  "store_answered": progress is not None, "never_arrived": behind, "collectives": self.records()}
+                  "store_answered": progress is not None, "silent": silent, "never_arrived": culprits,
+                  "collectives": self.records()}
         path = run_dir / f"flight.rank{self.rank}.json"
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -171,10 +188,15 @@ class FlightRecorder:
             bucket = f" of bucket {waiting['bucket']}" if waiting["bucket"] >= 0 else ""
             what = (f"{waiting['op']}{bucket} (#{waiting['seq']}, iteration {waiting['iteration']}, "
                     f"{waiting['bytes']} B, {time.time() - waiting['entered']:.0f} s ago)")
-        if behind:
-            last = "; ".join(f"rank {r} last entered #{progress[r][0]}" if r in progress else
-                             f"rank {r} never reported" for r in behind)
-            who = f"rank {', '.join(map(str, behind))} never arrived ({last})"
+        if culprits:
+            last = "; ".join(f"rank {r} last entered #{progress[r][0]}" + (" and is silent" if r in silent else "")
+                             if r in progress else f"rank {r} never reported" for r in culprits)
+            waiting_too = [r for r in behind if r not in culprits]
+            if waiting_too:
+                last += "; " + "; ".join(f"rank {r} is alive and waiting at #{progress[r][0]}" for r in waiting_too)
+            who = f"rank {', '.join(map(str, culprits))} never arrived ({last})"
+        elif silent:
+            who = f"rank {', '.join(map(str, silent))} stopped answering after entering it"
         elif progress is None:
             who = "the progress store did not answer (its host may be the rank that failed)"
         else:

@@ -53,6 +53,9 @@ class StepClock:
             if self._cuda else []
         self._slot = 0
         self._open = False
+        self.host_marks: list[tuple[float, float]] | None = None
+        """When a list (CPU only): each step appends its (backward end, wait end) host times, in
+        seconds, for :meth:`StragglerMonitor.line_up`."""
 
     def _mark(self, i: int, name: str) -> None:
         if self._cuda:
@@ -85,6 +88,8 @@ class StepClock:
         else:
             m = self._marks
             self._book((m["backward"] - m["start"]) * 1e3, (m["wait1"] - m["wait0"]) * 1e3)
+            if self.host_marks is not None:
+                self.host_marks.append((m["backward"], m["wait1"]))
 
     def _book(self, compute_ms: float, wait_ms: float) -> None:
         self._compute_ms += compute_ms
@@ -152,3 +157,24 @@ class StragglerMonitor:
                 f"(+{100 * gap / median:.0f}%); every other rank waits for it, which costs about {100 * cost:.0f}% of "
                 f"the global rate. Check that host's load, thermals or input pipeline "
                 f"(train.straggler_warn = {self.warn_fraction})")
+
+    def line_up(self, marks: list[tuple[float, float]]) -> dict[str, float | None]:
+        """Split rank 0's wait after backward into the slowest rank's lateness and the communication
+        left after it (a collective; every rank passes its :attr:`StepClock.host_marks` of the same steps).
+
+        The collectives end at about the same moment on every rank, so the rank that ended
+        backward last waits least, and its wait is the exposed cost of the communication itself:
+        per step, ``comm_after_slowest`` is the smallest wait over the ranks and ``backward_skew``
+        rank 0's wait beyond it (its wait for the slowest rank). Waits are per-rank durations, so
+        no clock is shared between hosts. Medians over the steps; None with no steps (CUDA keeps
+        no host marks).
+        """
+        w, n = self.comm.world_size, len(marks)
+        if n == 0:
+            return {"backward_skew_ms": None, "comm_after_slowest_ms": None}
+        waits = torch.zeros(w, n, dtype=torch.float64, device=self.comm.device)
+        waits[self.comm.rank] = torch.tensor([(end - backward) * 1e3 for backward, end in marks], dtype=torch.float64)
+        self.comm.allreduce_sum_(waits)
+        least = waits.min(dim=0).values
+        return {"backward_skew_ms": round(float((waits[0] - least).median()), 3),
+                "comm_after_slowest_ms": round(float(least.median()), 3)}

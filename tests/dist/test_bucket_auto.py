@@ -40,6 +40,7 @@ def _auto_rank(rank: int, world: int, out: str) -> None:
     report = auto.reducer.auto_report
     assert report["buckets"] == len(auto.reducer.plan.buckets) and report["measured_exposed_ms"] >= 0
     assert report["predicted_exposed_ms"] >= 0 and report["beta_ms_per_mb"] >= 0
+    assert 0 <= report["measured_after_slowest_ms"] <= report["measured_exposed_ms"]  # the least wait over the ranks
 
     fixed = _trainer(f"{out}/fixed")
     fixed.reducer.load_state_dict(state)  # the same boundaries from iteration 1, no probe

@@ -72,6 +72,34 @@ def test_the_slow_rank_is_named_and_a_balanced_run_names_nobody(tmp_path, slow_r
     assert "costs about" in straggler_lines[0]
 
 
+def _line_up_rank(rank: int, world: int, out: str) -> None:
+    cfg = load_config(None, [*BASE, f"train.run_dir={json.dumps(out)}"])
+    t = Trainer(cfg, Communicator.from_initialized(torch.device("cpu")))
+    real = t._forward
+    t._forward = lambda x: time.sleep(SLOW_S if rank == 1 else 0.0) or real(x)  # rank 1 ends backward late
+    t.train_step()
+    t.clock.host_marks = []
+    for _ in range(6):
+        t.train_step()
+    split = t.stragglers.line_up(t.clock.host_marks)
+    waits = [(end - backward) * 1e3 for backward, end in t.clock.host_marks]
+    t.close()
+    torch.save({"split": split, "waits": waits}, Path(out) / f"line_up{rank}.pt")
+
+
+def test_rank_0s_wait_splits_into_the_wait_for_the_slowest_and_the_communication_after_it(tmp_path):
+    """bench's backward_skew_ms and comm_after_slowest_ms: rank 1 is 60 ms late every step, so rank 0's
+    wait is mostly skew, and what is left is the least wait, rank 1's own."""
+    run_ranks(2, _line_up_rank, str(tmp_path))
+    got = [torch.load(tmp_path / f"line_up{r}.pt") for r in range(2)]
+    assert got[0]["split"] == got[1]["split"], "every rank computes the same split"
+    split = got[0]["split"]
+    assert split["backward_skew_ms"] > 0.5 * SLOW_S * 1e3, split
+    least = [min(a, b) for a, b in zip(got[0]["waits"], got[1]["waits"])]
+    assert split["comm_after_slowest_ms"] == round(torch.tensor(least, dtype=torch.float64).median().item(), 3)
+    assert split["comm_after_slowest_ms"] < split["backward_skew_ms"], split
+
+
 # --------------------------------------------------------------------------------------- flight record
 
 CONFIG = """[model]
