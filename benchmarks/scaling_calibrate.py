@@ -8,19 +8,23 @@ step time and exposed communication with ``scaling_model.simulate_step`` and
 ``dptrain.bucket_autotune``'s overlap model, from:
 
 - the solver's compute profile (forward, backward, update, gradient-ready curve) at that
-  world size, taken from the trace of the profile run (cap ``FIT_CAP_MB``), with the
-  contention its own overlap added taken back out of backward;
+  world size, taken from the trace of the profile run (cap ``KAPPA_CAP_MB``: the finest
+  buckets, so the most points on the gradient-ready curve), with the contention its own
+  overlap added taken back out of backward; each run's own bucket sizes (fixed by its cap)
+  cut that curve (``scaling_model.recut``);
 - alpha + beta * bytes of one allreduce, fitted on ``collective_bench`` at that world size
-  (ranks started together by a barrier);
-- ``jitter_cv``: per-rank step-time variation; the slowest rank sets the pace, and rank 0's
-  measured exposed communication holds its wait for the slowest (``cv * step * E[max of N]``);
+  (ranks started together by a barrier), its alpha and beta each times a factor: the same
+  allreduce inside a training step, where the solvers' other threads share the cores (with 3
+  solvers on 2 cores, its latency is several times the quiet one), fitted per world size;
+- ``overlap_rate``: the speed of an allreduce while backward runs, relative to after it;
+  these two on the fit runs' *comm after slowest* (bench's ``comm_after_slowest_ms``: the
+  least wait over the ranks, i.e. the communication left after the last rank's backward);
 - ``contention``: the fraction of overlapped communication time that backward loses (on a
   2-core host the gloo threads take cores from compute);
-- ``overlap_rate``: the speed of an allreduce while backward runs, relative to after it (the
-  other side of the same contention);
-  these three by grid search on the step times and exposed communication of the fit runs
-  (caps ``FIT_CAP_MB`` and ``KAPPA_CAP_MB``; the profile run alone cannot identify the
-  contention: its own is inside its measured backward).
+- ``jitter_cv``: per-rank step-time variation; the slowest rank sets the pace (bench's
+  ``backward_skew_ms``: rank 0's wait for it);
+  jitter on the fit runs' skew, then contention on their step times (the profile run alone
+  cannot identify the contention: its own is inside its measured backward).
 
 Check runs (caps 5 and 100 MB) use nothing of their own; their errors are the calibration's.
 
@@ -49,7 +53,8 @@ CAPS_MB = (1.0, 5.0, 25.0, 100.0)
 FIT_CAP_MB = 25.0
 """The profile runs use the default cap."""
 KAPPA_CAP_MB = 1.0
-"""With the profile runs, these fit contention, overlap rate and jitter (the most overlap: a bucket per ~1 MB)."""
+"""The profile run (a bucket per ~1 MB: the finest ready curve and the most overlap); with FIT_CAP_MB,
+the runs the terms are fitted on."""
 WORLD_SIZES = (1, 2, 3)
 GOAL = 0.15
 PHASE_STEPS = 16
@@ -114,10 +119,11 @@ def _median_runs(runs: list[dict[str, Any]]) -> dict[tuple[int, float], dict[str
                 "traces": [r["trace"] for r in v], "n": len(v)} for k, v in groups.items()}
 
 
-def predict(profile: sm.Profile, cap: float, cost: LinearCost, contention: float, world: int,
+def predict(profile: sm.Profile, sizes: list[int], cost: LinearCost, contention: float, world: int,
             rate: float = 1.0, jitter_cv: float = 0.0) -> sm.StepPrediction:
-    """Step and exposed comm of a ``cap`` run at ``world`` from the fit run's profile."""
-    p = sm.rebucket(profile, cap, min(cap, 1.0))
+    """Step and exposed comm of a run at ``world`` whose buckets hold ``sizes`` bytes (its plan, fixed by
+    its cap), from the profile run's gradient-ready curve."""
+    p = sm.recut(profile, sizes)
     t = sm.Terms(contention=contention, world_size=world, gpus_per_node=world, overlap_rate=rate, jitter_cv=jitter_cv)
     return sm.simulate_step(p, cost if world > 1 else (lambda _b: 0.0), t)
 
@@ -126,34 +132,54 @@ def report(d: Path) -> str:
     runs = [json.loads(x) for x in (d / "runs.jsonl").read_text().splitlines() if x.strip()]
     med = _median_runs(runs)
     profiles, costs = {}, {}
+    plans = {k: [b.nbytes for b in sm.profile_from_trace(json.loads((d / m["traces"][0]).read_text())).buckets]
+             for k, m in med.items()}  # each run's bucket sizes: a function of its cap, read off its trace
     bench = [json.loads(x) for x in (d / "collectives.jsonl").read_text().splitlines() if x.strip()]
     for world in WORLD_SIZES:
-        fit = med[(world, FIT_CAP_MB)]
-        traces = [json.loads((d / name).read_text()) for name in fit["traces"]]
-        traced = sm.profile_from_trace(traces[0], source=f"trace of the fit run, world {world}")
-        # the traced steps are phase-timed (a host timestamp per phase and per gradient): scale the profile's
-        # compute to the fit run's untraced step time less its exposed communication
-        profiles[world] = sm.scale_compute(traced, (fit["step_ms"] - fit["exposed_ms"] - traced.update_ms)
+        fit = med[(world, _profile_cap(world))]
+        traced = sm.profile_from_trace(json.loads((d / fit["traces"][0]).read_text()),
+                                       source=f"trace of the profile run, world {world}")
+        # the traced steps are phase-timed (a host timestamp per phase and per bucket): scale the profile's
+        # compute to the run's untraced step time less rank 0's wait (the communication and the skew)
+        profiles[world] = sm.scale_compute(traced, (fit["step_ms"] - fit["after_ms"] - fit["skew_ms"] - traced.update_ms)
                                            / (traced.forward_ms + traced.backward_ms))
         if world > 1:
-            # the allreduce alone, ranks started together by a barrier: a traced allreduce also holds the
-            # wait for the slowest rank, which the jitter term models
+            # the allreduce alone, ranks started together by a barrier
             pts = [(e["bytes"], e["ms"]) for e in bench if e["world_size"] == world]
             costs[world] = fit_linear_cost([b for b, _ in pts], [t for _, t in pts], relative=False)
-    # the compute profile of a fit run already contains its own contention: remove it for the fitted value
-    def fit_err(k: float, rate: float, cv: float) -> float:
-        err = 0.0
-        for world in (2, 3):
-            base = _without_contention(profiles[world], FIT_CAP_MB, costs[world], k, world)
-            for cap in (FIT_CAP_MB, KAPPA_CAP_MB):
-                pred, m = predict(base, cap, costs[world], k, world, rate, cv), med[(world, cap)]
-                err += ((pred.step_ms - m["step_ms"]) / m["step_ms"]) ** 2
-                err += ((pred.exposed_ms - m["after_ms"]) / max(m["after_ms"], 1.0)) ** 2
-                err += ((pred.jitter_ms - m["skew_ms"]) / max(m["skew_ms"], 1.0)) ** 2
-        return err
 
-    grid = [(k / 10, r / 10, cv / 200) for k in range(11) for r in range(1, 11) for cv in range(41)]
-    kappa, rate, cv = min(grid, key=lambda g: fit_err(*g))
+    def err(world: int, k: float, rate: float, cv: float, scale: tuple[float, float],
+            terms: tuple[str, ...]) -> float:
+        """Squared relative errors of the fit runs at ``world`` on the named terms."""
+        cost = _scaled(costs[world], *scale)
+        # the compute profile of a fit run already contains its own contention: take it out
+        base = _without_contention(profiles[world], cost, k, world, rate)
+        e = 0.0
+        for cap in (FIT_CAP_MB, KAPPA_CAP_MB):
+            pred, m = predict(base, plans[(world, cap)], cost, k, world, rate, cv), med[(world, cap)]
+            if "after" in terms:
+                e += ((pred.exposed_ms - m["after_ms"]) / max(m["after_ms"], 1.0)) ** 2
+            if "step" in terms:
+                e += ((pred.step_ms - m["step_ms"]) / m["step_ms"]) ** 2
+            if "skew" in terms:  # as a share of the step: it is often ~0 (rank 0 the slowest)
+                e += ((pred.jitter_ms - m["skew_ms"]) / m["step_ms"]) ** 2
+        return e
+
+    # small grids, alternated twice, each term on its own observable. Per world size, on comm after slowest:
+    # the overlap rate and the allreduce's cost in a training step relative to collective_bench's (the
+    # solvers' other threads share the cores, more of them at 3 solvers on 2 cores). Jitter on the skew;
+    # then contention on the step time.
+    kappa, cv = 0.0, 0.0
+    comm_grid = [(r / 100, (a / 4, b / 10)) for r in (*range(2, 20, 2), *range(20, 101, 10))
+                 for a in range(2, 41, 2) for b in range(5, 21)]
+    for _ in range(2):
+        comm_fit = {w: min(comm_grid, key=lambda g, w=w: err(w, kappa, g[0], cv, g[1], ("after",))) for w in (2, 3)}
+        rates, scales = {w: g[0] for w, g in comm_fit.items()}, {w: g[1] for w, g in comm_fit.items()}
+        cv = min((c / 400 for c in range(81)), key=lambda c: sum(
+            err(w, kappa, rates[w], c, scales[w], ("skew",)) for w in (2, 3)))
+        kappa = min((k / 20 for k in range(21)), key=lambda k: sum(
+            err(w, k, rates[w], cv, scales[w], ("step",)) for w in (2, 3)))
+    costs = {w: (_scaled(c, *scales[w]) if w in scales else c) for w, c in costs.items()}
     out = [f"# Scaling model on measured gloo runs ({datetime.date.today():%Y-%m-%d})", "",
            f"`python benchmarks/scaling_calibrate.py --run --dir {d} --repeats N` then `--report`. ResNet-18 CIFAR "
            f"width 32, batch 32 per solver, fp32, synthetic data, `dptrain bench` (10 timed steps, {PHASE_STEPS} "
@@ -163,13 +189,17 @@ def report(d: Path) -> str:
            "the communication left: the model's exposed communication), and **skew**, rank 0's wait beyond it (its "
            "wait for the slowest rank: the model's jitter term). The goal is on the first: waiting for a straggler "
            "is not communication.", "",
-           f"Fit runs: cap {FIT_CAP_MB:g} MB at each world size (their traces give the compute profile) and "
-           f"caps {FIT_CAP_MB:g} and {KAPPA_CAP_MB:g} MB together (their step times, comm after slowest and skew give "
-           "contention, overlap rate and jitter, by grid search); the allreduce cost comes from collective_bench. "
+           f"Fit runs: caps {FIT_CAP_MB:g} and {KAPPA_CAP_MB:g} MB (the {KAPPA_CAP_MB:g} MB run's trace gives the "
+           "compute profile and the gradient-ready curve, which each run's own bucket sizes cut). Together: their "
+           "comm after slowest gives, per world size, the overlap rate and the allreduce's cost in a training step "
+           "as multiples of collective_bench's alpha and beta (the solvers' other threads share the 2 cores); "
+           "their skew gives jitter, then their step times contention (grid searches, alternated twice). "
            "Fitted: " + "; ".join(
-               f"world {w}: allreduce {c.alpha_ms:.3f} ms + {c.beta_ms_per_mb:.3f} ms/MB" for w, c in costs.items())
-           + f"; contention {kappa:.2f} (backward loses that fraction of the overlapped allreduce time); overlap "
-           f"rate {rate:.2f} (an allreduce's speed while backward runs, relative to after it); jitter_cv {cv:.3f}.",
+               f"world {w}: allreduce {c.alpha_ms:.3f} ms + {c.beta_ms_per_mb:.3f} ms/MB in a training step "
+               f"(collective_bench's alpha x {scales[w][0]:.2f}, beta x {scales[w][1]:.1f}), overlap rate {rates[w]:.2f} (its speed while backward runs, "
+               f"relative to after it)" for w, c in costs.items())
+           + f"; contention {kappa:.2f} (backward loses that fraction of the overlapped allreduce time); "
+           f"jitter_cv {cv:.3f}.",
            "",
            "| world | cap MB | role | step ms measured | predicted | error | comm after slowest ms measured | "
            "predicted | error | skew ms measured | predicted | rank 0 wait ms measured | predicted | error |",
@@ -178,10 +208,10 @@ def report(d: Path) -> str:
     for (world, cap), m in sorted(med.items()):
         role = "fit" if cap in (FIT_CAP_MB, KAPPA_CAP_MB) else "check"
         if world == 1:
-            pred = predict(profiles[1], cap, LinearCost(0, 0), 0.0, 1)
+            pred = predict(profiles[1], plans[(world, cap)], LinearCost(0, 0), 0.0, 1)
         else:
-            base = _without_contention(profiles[world], FIT_CAP_MB, costs[world], kappa, world)
-            pred = predict(base, cap, costs[world], kappa, world, rate, cv)
+            base = _without_contention(profiles[world], costs[world], kappa, world, rates[world])
+            pred = predict(base, plans[(world, cap)], costs[world], kappa, world, rates[world], cv)
         e_step = _rel(pred.step_ms, m["step_ms"])
         e_after = _rel(pred.exposed_ms, m["after_ms"])
         e_wait = _rel(_exposed(pred), m["exposed_ms"])
@@ -200,9 +230,14 @@ def report(d: Path) -> str:
     met = worst["step"] <= GOAL and worst["after"] <= GOAL
     out += ["", f"Check runs: largest step-time error {worst['step']:.0%}, largest comm-after-slowest error "
             f"{worst['after']:.0%} (goal {GOAL:.0%} on both: {'met' if met else 'NOT met'}); largest error on rank "
-            f"0's whole wait, straggling included, {worst['wait']:.0%}. Relative errors of figures below 0.05 ms "
-            "are not defined (nan).", ""]
+            f"0's whole wait, straggling included, {worst['wait']:.0%}. Rank 0's wait is bench's `exposed_comm_ms`, a mean "
+            "over the phase-timed steps (outliers included); comm after slowest and skew are medians. Relative errors "
+            "of figures below 0.05 ms are not defined (nan).", ""]
     return "\n".join(out)
+
+
+def _scaled(c: LinearCost, alpha_x: float, beta_x: float) -> LinearCost:
+    return LinearCost(c.alpha_ms * alpha_x, c.beta_ms_per_mb * beta_x)
 
 
 def _rel(pred: float, measured: float) -> float:
@@ -218,10 +253,16 @@ def _spread(a: float, b: float) -> float:
     return abs(a - b) / ((a + b) / 2)
 
 
-def _without_contention(p: sm.Profile, cap: float, cost: LinearCost, kappa: float, world: int) -> sm.Profile:
-    """The fit run's profile with the contention its own overlap added taken out of backward."""
-    o = sm.simulate_step(sm.rebucket(p, cap, min(cap, 1.0)), cost,
-                         sm.Terms(contention=kappa, world_size=world, gpus_per_node=world))
+def _profile_cap(world: int) -> float:
+    """The run whose trace gives the compute profile: the finest buckets (the most points on the
+    gradient-ready curve) where there is communication."""
+    return KAPPA_CAP_MB if world > 1 else FIT_CAP_MB
+
+
+def _without_contention(p: sm.Profile, cost: LinearCost, kappa: float, world: int, rate: float) -> sm.Profile:
+    """The profile run's profile (cut as that run was) with the contention its own overlap added
+    taken out of backward."""
+    o = sm.simulate_step(p, cost, sm.Terms(contention=kappa, world_size=world, gpus_per_node=world, overlap_rate=rate))
     factor = max(0.5, (p.backward_ms - o.contention_ms) / p.backward_ms)
     return replace(p, backward_ms=p.backward_ms * factor,
                    buckets=tuple(replace(b, ready_ms=b.ready_ms * factor) for b in p.buckets))

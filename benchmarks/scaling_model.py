@@ -209,19 +209,31 @@ def rebucket(p: Profile, bucket_mb: float, first_bucket_mb: float | None = None)
         if cur_bytes:
             out.append(BucketTiming(cur_bytes, cur_ready))
         return replace(p, buckets=tuple(out), granularity="bucket")
+    total = sum(b.nbytes for b in p.buckets)
+    sizes, start = [], 0
+    while start < total:
+        sizes.append(min(total - start, int(caps[bool(sizes)])))
+        start += sizes[-1]
+    return recut(p, sizes)
+
+
+def recut(p: Profile, sizes_bytes: list[int]) -> Profile:
+    """The profile cut into buckets of exactly ``sizes_bytes`` (in ready order, e.g. a run's own plan
+    as its trace records it), bytes becoming ready linearly in time between the profile's knots."""
     cum, t_prev, pts = 0, 0.0, [(0, 0.0)]  # (cumulative bytes, time) knots of the ready curve
     for b in p.buckets:
         t_prev = max(t_prev, b.ready_ms)
         cum += b.nbytes
         pts.append((cum, t_prev))
+    out: list[BucketTiming] = []
     start = 0
-    while start < cum:
-        end = min(cum, start + int(caps[bool(out)]))
+    for size in sizes_bytes:
+        end = min(cum, start + int(size))
         k = next(i for i in range(1, len(pts)) if pts[i][0] >= end)
         (c0, t0), (c1, t1) = pts[k - 1], pts[k]
         out.append(BucketTiming(end - start, t0 + (end - c0) / (c1 - c0) * (t1 - t0)))
         start = end
-    return replace(p, buckets=tuple(out))
+    return replace(p, buckets=tuple(out), granularity="bucket")
 
 
 # ---------------------------------------------------------------------------------------- machines

@@ -68,6 +68,8 @@ class FlightRecorder:
         self._store: Any = None
         self._prefix = ""
         self._beat = 0
+        self._failing = 0
+        """1 once this rank is explaining a failure: it may exit soon, and its silence then means nothing."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -123,13 +125,13 @@ class FlightRecorder:
             return
         self._beat += 1
         try:
-            self._store.set(f"{self._prefix}progress/{self.rank}", f"{self.seq} {self.iteration} {self._beat}")
+            self._store.set(f"{self._prefix}progress/{self.rank}", f"{self.seq} {self.iteration} {self._beat} {self._failing}")
         except Exception as e:  # noqa: BLE001 - a store gone away must not stop training; the failure path says so
             log.debug("rank %d: publishing progress failed: %s", self.rank, e)
 
-    def progress(self) -> dict[int, tuple[int, int, int]] | None:
-        """Every rank's (last collective entered, iteration, heartbeat) from the store; None if it
-        does not answer."""
+    def progress(self) -> dict[int, tuple[int, int, int, int]] | None:
+        """Every rank's (last collective entered, iteration, heartbeat, failing) from the store; None
+        if it does not answer."""
         if self._store is None:
             return None
         self.publish()
@@ -138,8 +140,8 @@ class FlightRecorder:
             for r in range(self.world_size):
                 key = f"{self._prefix}progress/{r}"
                 if self._store.check([key]):
-                    seq, it, beat = self._store.get(key).decode().split()
-                    out[r] = (int(seq), int(it), int(beat))
+                    seq, it, beat, failing = self._store.get(key).decode().split()
+                    out[r] = (int(seq), int(it), int(beat), int(failing))
         except Exception as e:  # noqa: BLE001 - its host may be the rank that died
             log.debug("rank %d: reading progress failed: %s", self.rank, e)
             return None
@@ -156,6 +158,7 @@ class FlightRecorder:
         """Write ``flight.rank<r>.json`` and return the line that names the collective this rank
         waits in and the ranks that never arrived (as far as the store can tell)."""
         waiting = self.waiting_in()
+        self._failing = 1
         self.publish()
         first = self.progress()
         time.sleep(SILENT_AFTER_S)  # every live rank's publisher has posted at least once more by then
@@ -163,12 +166,14 @@ class FlightRecorder:
         silent: list[int] = []
         if first is not None and progress is not None:
             silent = [r for r in range(self.world_size) if r != self.rank and r in first and r in progress
-                      and progress[r][2] == first[r][2]]
+                      and progress[r][2] == first[r][2] and not progress[r][3]]  # a failing rank may have exited
         behind: list[int] = []
         if progress is not None and waiting is not None:
             behind = [r for r in range(self.world_size)
-                      if r != self.rank and progress.get(r, (0, 0, 0))[0] < waiting["seq"]]
-        culprits = [r for r in behind if r in silent or r not in progress] if silent else behind
+                      if r != self.rank and progress.get(r, (0, 0, 0, 0))[0] < waiting["seq"]]
+        # silent ranks are the culprits when there are any (behind or not: a stopped rank's last post may be
+        # stale); otherwise every rank behind this one
+        culprits = sorted(set(silent) | {r for r in behind if r not in progress}) if silent else behind
         record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
                   "waiting_in": waiting, "progress": {str(r): v for r, v in (progress or {}).items()},
                   "store_answered": progress is not None, "silent": silent, "never_arrived": culprits,
@@ -189,14 +194,17 @@ class FlightRecorder:
             what = (f"{waiting['op']}{bucket} (#{waiting['seq']}, iteration {waiting['iteration']}, "
                     f"{waiting['bytes']} B, {time.time() - waiting['entered']:.0f} s ago)")
         if culprits:
-            last = "; ".join(f"rank {r} last entered #{progress[r][0]}" + (" and is silent" if r in silent else "")
-                             if r in progress else f"rank {r} never reported" for r in culprits)
+            def state(r: int) -> str:
+                if r not in progress:
+                    return f"rank {r} never reported"
+                return f"rank {r} last entered #{progress[r][0]}" + (" and is silent" if r in silent else "")
+            last = "; ".join(state(r) for r in culprits)
             waiting_too = [r for r in behind if r not in culprits]
             if waiting_too:
                 last += "; " + "; ".join(f"rank {r} is alive and waiting at #{progress[r][0]}" for r in waiting_too)
-            who = f"rank {', '.join(map(str, culprits))} never arrived ({last})"
-        elif silent:
-            who = f"rank {', '.join(map(str, silent))} stopped answering after entering it"
+            # a silent rank that had entered this collective stopped inside it
+            verb = "never arrived" if all(r in behind for r in culprits) else "stopped answering"
+            who = f"rank {', '.join(map(str, culprits))} {verb} ({last})"
         elif progress is None:
             who = "the progress store did not answer (its host may be the rank that failed)"
         else:

@@ -47,7 +47,7 @@ from dptrain.data.base import DROPPED_LABEL, DeviceFeeder
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, eval_range
 from dptrain.errors import ConfigError, DivergenceError, RankFailure, SetupError, first_line
 from dptrain.flat import FlatParams
-from dptrain.layout import resolve_channels_last
+from dptrain.layout import cpu_nhwc_hazards, resolve_channels_last
 from dptrain.metrics import MetricsWriter, TensorBoardWriter
 from dptrain.models import build_model, check_input
 from dptrain.optimizer import MasterOptimizer, rule_for
@@ -102,6 +102,15 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def nhwc_hazards(cfg: TrainConfig, in_channels: int) -> list[str]:
+    """The model's convolutions torch's CPU NHWC backward breaks on (``layout.cpu_nhwc_hazards``),
+    from a copy built on the meta device (shapes only)."""
+    with torch.device("meta"):
+        probe = build_model(cfg.model.name, num_classes=cfg.model.num_classes, width=cfg.model.width,
+                            in_channels=in_channels)
+    return cpu_nhwc_hazards(probe)
+
+
 def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.device,
                            in_channels: int = 3, channels_last: bool = False) -> tuple[nn.Module, FlatParams]:
     """The model in its storage dtype with flat buffers, initialised identically on every rank.
@@ -145,7 +154,9 @@ class Trainer:
         self.run_dir.check_usable(writer=False)
         self.source = build_source(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed, device=self.device,
                                    rank=self.rank, cores=comm.topology.cores_per_process)
-        channels_last = resolve_channels_last(cfg.model.channels_last, cfg.precision.storage, self.device)
+        channels_last = resolve_channels_last(cfg.model.channels_last, cfg.precision.storage, self.device,
+                                              nhwc_hazards(cfg, self.source.sample_shape[2])
+                                              if self.device.type == "cpu" else None)
         self.model, self.flat = build_model_and_params(cfg, comm, self.device, in_channels=self.source.sample_shape[2],
                                                        channels_last=channels_last)
         self._input_ok = False

@@ -172,10 +172,12 @@ def test_a_hung_or_dead_rank_is_named_by_the_others_with_a_flight_record(tmp_pat
     assert took < TIMEOUT_S + 10, f"{took:.1f} s\n{text[-3000:]}"
     for r in (0, 1):
         line = next(ln for ln in text.splitlines() if ln.startswith(f"dptrain: error (rank {r})"))
-        assert f"rank {r}: waiting in " in line and "rank 2 never arrived" in line, line
+        assert f"rank {r}: waiting in " in line, line
+        assert "rank 2 never arrived" in line or "rank 2 stopped answering" in line, line
         flight = json.loads((tmp_path / "run" / f"flight.rank{r}.json").read_text())
         assert flight["never_arrived"] == [2] and flight["rank"] == r
         waiting = flight["waiting_in"]
         assert waiting is not None and f"#{waiting['seq']}, iteration {waiting['iteration']}" in line
         assert waiting["op"] in line and flight["collectives"][-1]["seq"] >= waiting["seq"]
-        assert int(flight["progress"]["2"][0]) < waiting["seq"]  # the culprit's last collective is behind
+        if "never arrived" in line:
+            assert int(flight["progress"]["2"][0]) < waiting["seq"]  # the culprit's last collective is behind

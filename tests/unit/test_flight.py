@@ -25,8 +25,8 @@ class FakeStore:
     def get(self, key: str) -> bytes:
         rank = int(key.rsplit("/", 1)[1])
         if rank in self.live:
-            seq, it, beat = self.data[key].decode().split()
-            self.data[key] = f"{seq} {it} {int(beat) + 1}".encode()
+            seq, it, beat, failing = self.data[key].decode().split()
+            self.data[key] = f"{seq} {it} {int(beat) + 1} {failing}".encode()
         return self.data[key]
 
 
@@ -50,8 +50,8 @@ def test_a_stopped_rank_is_named_and_a_live_rank_behind_is_only_waiting(tmp_path
     """The CI case: rank 2 stopped with a stale #67 published (it entered more before it stopped);
     rank 1 is alive but still completing #71 while rank 0 waits in #72."""
     store = FakeStore(live={1: 71})
-    store.set("p/progress/1", "71 17 5")
-    store.set("p/progress/2", "67 16 9")
+    store.set("p/progress/1", "71 17 5 0")
+    store.set("p/progress/2", "67 16 9 0")
     rec = _recorder(store, 72)
     line = rec.explain(tmp_path, "timed out")
     assert line.startswith("rank 0: waiting in allreduce_async of bucket 3 (#72, iteration 17, 1024 B")
@@ -64,16 +64,30 @@ def test_a_stopped_rank_is_named_and_a_live_rank_behind_is_only_waiting(tmp_path
 def test_without_a_silent_rank_every_rank_behind_is_named(tmp_path):
     """A rank hung inside Python still heartbeats from its thread: then being behind is all there is."""
     store = FakeStore(live={1: 70, 2: 72})
-    store.set("p/progress/1", "70 17 1")
-    store.set("p/progress/2", "72 17 1")
+    store.set("p/progress/1", "70 17 1 0")
+    store.set("p/progress/2", "72 17 1 0")
     line = _recorder(store, 72).explain(tmp_path, "timed out")
     assert "rank 1 never arrived (rank 1 last entered #70)" in line
 
 
+def test_a_rank_that_stopped_inside_the_collective_and_one_that_exited_after_its_own_failure(tmp_path):
+    """Rank 2 entered #72 and stopped there (silent, not behind); rank 1 saw the failure first, said
+    so and exited (its heartbeat stopped too, but it had posted that it was failing)."""
+    store = FakeStore()
+    store.set("p/progress/1", "71 17 3 1")
+    store.set("p/progress/2", "72 17 9 0")
+    line = _recorder(store, 72).explain(tmp_path, "timed out")
+    assert "rank 2 stopped answering (rank 2 last entered #72 and is silent; rank 1 is alive and waiting at #71)" \
+        in line, line
+    record = json.loads((tmp_path / "flight.rank0.json").read_text())
+    assert record["silent"] == [2] and record["never_arrived"] == [2]
+    assert store.data["p/progress/0"].decode().endswith(" 1")  # this rank posted that it is failing
+
+
 def test_every_rank_arrived_and_a_store_that_does_not_answer(tmp_path):
     store = FakeStore(live={1: 72, 2: 72})
-    store.set("p/progress/1", "72 17 1")
-    store.set("p/progress/2", "73 18 1")
+    store.set("p/progress/1", "72 17 1 0")
+    store.set("p/progress/2", "73 18 1 0")
     assert "every rank had entered it (the collective itself failed)" in _recorder(store, 72).explain(tmp_path, "x")
 
     class Gone(FakeStore):

@@ -18,3 +18,37 @@ def test_auto_rule_and_overrides():
         for device in (CPU, CUDA):
             assert layout.resolve_channels_last(True, storage, device) is True
             assert layout.resolve_channels_last(False, storage, device) is False
+
+
+def test_a_model_with_a_convolution_torch_breaks_on_in_nhwc_stays_nchw_on_the_cpu(caplog, tmp_path):
+    """torch 2.13's CPU NHWC backward of a 1x1 stride-2 convolution with < 8 input channels corrupts
+    the heap: ResNet-18 CIFAR at width 4 has one (its first projection shortcut), width 8 does not."""
+    from dptrain.config import load_config
+    from dptrain.train import Trainer, nhwc_hazards
+
+    narrow = nhwc_hazards(load_config(None, ["model.name=resnet18_cifar", "model.width=4"]), 3)
+    assert narrow == ["layer2.0.downsample.0"]
+    for name in ("lenet", "alexnet", "googlenet", "resnet50"):
+        assert nhwc_hazards(load_config(None, [f"model.name={name}"]), 3) == [], name
+    assert nhwc_hazards(load_config(None, ["model.name=resnet18_cifar", "model.width=8"]), 3) == []
+
+    caplog.set_level("INFO", logger="dptrain.layout")
+    assert layout.resolve_channels_last("auto", "fp32", CPU, narrow) is False
+    assert layout.resolve_channels_last("auto", "fp16", CUDA, narrow) is True  # CUDA: not this bug
+    assert "layer2.0.downsample.0" in caplog.text
+    caplog.clear()
+    assert layout.resolve_channels_last(True, "fp32", CPU, narrow) is True  # an explicit setting is kept, with a warning
+    assert "known to corrupt the heap" in caplog.text and "layer2.0.downsample.0" in caplog.text
+
+    from dptrain.comm import Communicator
+    from dptrain.topology import Topology
+
+    for width, nhwc in ((4, False), (8, layout.CPU_FP32_CHANNELS_LAST)):
+        cfg = load_config(None, ["model.name=resnet18_cifar", f"model.width={width}", "data.source=synthetic",
+                                 "data.image_size=16", "data.batch_size=2", f"train.run_dir=\"{tmp_path}/w{width}\""])
+        t = Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cpu")))  # one process
+        try:
+            assert t.plan.channels_last is nhwc, width
+            t.train_step()  # width 4 NHWC would crash here
+        finally:
+            t.close()
