@@ -13,10 +13,13 @@ solvers run under torchrun (it outlives any solver); otherwise rank 0 serves one
 When a collective fails or times out (``RankFailure``), the rank reads every rank's progress
 twice, :data:`SILENT_AFTER_S` apart: a rank whose heartbeat did not move is stopped or dead
 (its last published collective may be stale), and a rank behind this one never entered the
-collective this one waits in. Ranks that are silent *and* behind are the ones named; live
-ranks behind this one are only waiting themselves (async buckets complete at different
-times on different ranks) and are reported as such. Heartbeats are counts, not clock
-times, so hosts with skewed clocks cannot fool it. It writes
+collective this one waits in. When some rank is silent, the silent ranks are the ones
+named ("never arrived" when behind, "stopped answering" when their last post shows they had
+entered it); live ranks behind this one are only waiting themselves (async buckets complete
+at different times on different ranks) and are reported as such. With no silent rank, every
+rank behind this one is named. A rank explaining its own failure posts that it is failing,
+so its exit right after is not taken for silence. Heartbeats are counts, not clock times,
+so hosts with skewed clocks cannot fool it. It writes
 ``run_dir/flight.rank<r>.json`` and exits with one line naming the collective and, where the
 store could tell, the ranks that never arrived.
 """
@@ -41,7 +44,7 @@ RING_SIZE = 64
 """Collectives kept per rank: a few iterations' worth of buckets."""
 PUBLISH_S = 0.5
 """How often a rank's progress goes to the store."""
-SILENT_AFTER_S = 3 * PUBLISH_S
+SILENT_AFTER_S = 2 * PUBLISH_S
 """A rank whose heartbeat did not move for this long at failure time is stopped or dead."""
 STORE_TIMEOUT_S = 5.0
 """A store read at failure time gives up after this long (the store's host may be the dead rank)."""

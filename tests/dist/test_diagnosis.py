@@ -171,7 +171,9 @@ def test_a_hung_or_dead_rank_is_named_by_the_others_with_a_flight_record(tmp_pat
     text = "".join(lines)
     assert took < TIMEOUT_S + 10, f"{took:.1f} s\n{text[-3000:]}"
     for r in (0, 1):
-        line = next(ln for ln in text.splitlines() if ln.startswith(f"dptrain: error (rank {r})"))
+        found = [ln for ln in text.splitlines() if ln.startswith(f"dptrain: error (rank {r})")]
+        assert found, f"rank {r} printed no error line:\n{text[-3000:]}"
+        line = found[0]
         assert f"rank {r}: waiting in " in line, line
         assert "rank 2 never arrived" in line or "rank 2 stopped answering" in line, line
         flight = json.loads((tmp_path / "run" / f"flight.rank{r}.json").read_text())
