@@ -26,7 +26,8 @@ step time and exposed communication with ``scaling_model.simulate_step`` and
   jitter on the fit runs' skew, then contention on their step times (the profile run alone
   cannot identify the contention: its own is inside its measured backward).
 
-Check runs (caps 5 and 100 MB) use nothing of their own; their errors are the calibration's.
+Check runs (caps 5 and 100 MB) use nothing of their own but their bucket sizes (a function of the
+cap and the model, read off their traces); their errors are the calibration's.
 
     python benchmarks/scaling_calibrate.py --run --dir runs/calib --repeats 2
     python benchmarks/scaling_calibrate.py --report --dir runs/calib --out benchmarks/results
