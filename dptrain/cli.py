@@ -48,6 +48,22 @@ def error_line(e: UserError) -> str:
     return f"dptrain: error{f' (rank {rank})' if world > 1 else ''}: {e}"
 
 
+def say(line: str) -> None:
+    """Write one line to stderr in a single write: the solvers share the launcher's pipe and
+    often fail at the same moment, and ``print`` writes the text and its newline apart, so
+    two ranks' lines could run together (a write of up to PIPE_BUF bytes to a pipe is atomic)."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an in-memory stream (tests capture it so)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        return
+    data = (line + "\n").encode(errors="replace")
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def setup_logging() -> None:
     rank, world = _rank_and_world()
     fmt = f"%(asctime)s {'rank%d ' % rank if world > 1 else ''}%(levelname).1s %(name)s: %(message)s"
@@ -344,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(record), flush=True)  # the command's result: one JSON line on stdout
         return 0
     except UserError as e:  # the input's fault, or another rank's: one line, no traceback
-        print(error_line(e), file=sys.stderr)
+        say(error_line(e))
         return e.exit_code
     except RuntimeError as e:
         from torch.distributed import DistError
@@ -352,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, DistError):  # a bug: keep the traceback
             raise
         # a collective outside the wrapped ones failed: a peer went away
-        print(error_line(RankFailure(first_line(e))), file=sys.stderr)
+        say(error_line(RankFailure(first_line(e))))
         return EXIT_RANK_FAILURE
     except KeyboardInterrupt:
         return 130

@@ -254,3 +254,18 @@ def test_subprocess_internal_error_prints_a_traceback(tmp_path):
     (tmp_path / "c.toml").write_text("")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "flat buffer invariant broken" in proc.stderr
+
+
+def test_an_error_line_goes_out_in_one_write(monkeypatch, tmp_path):
+    """Solvers that fail together share the launcher's stderr pipe; `print` wrote the text and its
+    newline apart, so two ranks' lines ran together (seen in CI). `say` makes one write per line."""
+    from dptrain import cli
+
+    writes = []
+    with open(tmp_path / "err", "w") as f:
+        monkeypatch.setattr(cli.sys, "stderr", f)
+        real = cli.os.write
+        monkeypatch.setattr(cli.os, "write", lambda fd, data: writes.append(bytes(data)) or real(fd, data))
+        cli.say("dptrain: error (rank 1): another rank failed or hung first: x")
+    assert writes == [b"dptrain: error (rank 1): another rank failed or hung first: x\n"]
+    assert (tmp_path / "err").read_text() == writes[0].decode()
