@@ -9,7 +9,6 @@ emulated grid and is compared bit-for-bit with the reference.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmark_scripts import load_benchmark
 from dptrain import kernels
 from dptrain.errors import ConfigError, SetupError
 from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, reference
@@ -325,16 +325,8 @@ def test_cuda_source_exists_with_every_name_expression():
 # ----------------------------------------------------------------------------- bandwidth benchmark
 
 
-def _bench_module():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "update_bandwidth.py"
-    spec = importlib.util.spec_from_file_location("update_bandwidth", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bandwidth_peak_table_and_bytes():
-    bench = _bench_module()
+    bench = load_benchmark("update_bandwidth")
     assert bench.peak_bandwidth("NVIDIA H100 80GB HBM3")[0] == 3.35e12  # SXM
     assert bench.peak_bandwidth("NVIDIA H100 PCIe")[0] == 2.0e12
     assert bench.peak_bandwidth("NVIDIA H200")[0] == 4.8e12
@@ -349,7 +341,7 @@ def test_bandwidth_peak_table_and_bytes():
 
 
 def test_bandwidth_benchmark_on_cpu_reports_the_reference_only(capsys):
-    record = _bench_module().main(["--numel", "4096", "--iters", "1", "--repeats", "1", "--warmup", "0",
+    record = load_benchmark("update_bandwidth").main(["--numel", "4096", "--iters", "1", "--repeats", "1", "--warmup", "0",
                                    "--device", "cpu"])
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line == json.loads(json.dumps(record))

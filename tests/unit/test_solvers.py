@@ -1,13 +1,12 @@
 """solver.type and per-parameter multipliers: config, resolution, and the update against torch.optim."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from benchmark_scripts import load_benchmark
 from dptrain.config import LossScaleConfig, ParamGroup, PrecisionConfig, SolverConfig, dump_toml, load_config
 from dptrain.errors import ConfigError, SnapshotError
 from dptrain.flat import FlatParams
@@ -18,15 +17,6 @@ from dptrain.precision import LossScaler, apply_precision
 
 CPU = torch.device("cpu")
 TYPES = ["sgd", "nesterov", "adam", "adamw", "rmsprop", "lamb"]
-
-
-def _bench():
-    """benchmarks/solvers_digits.py: the torch.optim counterpart of each solver.type (and TorchLamb)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "solvers_digits.py"
-    spec = importlib.util.spec_from_file_location("solvers_digits", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _net() -> nn.Module:
@@ -145,7 +135,7 @@ def _dptrain_run(cfg: SolverConfig, *, reorder_at: int | None = None) -> dict[st
 
 
 def _torch_run(cfg: SolverConfig) -> dict[str, torch.Tensor]:
-    bench = _bench()
+    bench = load_benchmark("solvers_digits")
     net = _net()
     opt = bench.torch_optimizer(cfg, net, resolve_multipliers(net, cfg.param_groups, cfg.no_decay))
     for it, (x, y) in enumerate(_batches()):
