@@ -60,6 +60,9 @@ WORLD_SIZES = (1, 2, 3)
 GOAL = 0.15
 PHASE_STEPS = 16
 """Phase-timed steps per run: rank 0's wait and its split are medians over these."""
+TIMED_STEPS = 10
+"""Timed steps per run (no phase timestamps), whose median is the step time (``--steps`` raises it: the VM drifts over
+seconds, and a longer window with more repeats lets the medians ride it out)."""
 SETS = ["model.name=resnet18_cifar", "model.width=32", "model.num_classes=10", "data.image_size=32",
         "data.batch_size=32", "precision.storage=fp32", "solver.cpu_fused_update=true", "train.threads=1",
         "model.channels_last=false"]
@@ -67,16 +70,16 @@ SETS = ["model.name=resnet18_cifar", "model.width=32", "model.num_classes=10", "
 OpenMP barriers (measured: 8.2 s steps instead of ~0.5 s), which would time the host, not dptrain."""
 
 
-def _cmd(world: int, cap: float, trace: Path) -> list[str]:
+def _cmd(world: int, cap: float, trace: Path, steps: int = TIMED_STEPS, phase_steps: int = PHASE_STEPS) -> list[str]:
     launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "dptrain.torchrun", "--standalone",
                                                      f"--nproc-per-node={world}"]
     sets = [*SETS, f"reducer.bucket_mb={cap:g}", f"reducer.first_bucket_mb={min(cap, 1.0):g}"]
     return [*launcher, "-m", "dptrain", "bench", "--config", str(REPO / "launch/configs/resnet50_synthetic.toml"),
-            "--synthetic", "--steps=10", "--warmup=3", f"--phase-steps={PHASE_STEPS}", f"--trace={trace}",
+            "--synthetic", f"--steps={steps}", "--warmup=3", f"--phase-steps={phase_steps}", f"--trace={trace}",
             *[f"--set={s}" for s in sets]]
 
 
-def run(out: Path, repeats: int) -> None:
+def run(out: Path, repeats: int, steps: int = TIMED_STEPS, phase_steps: int = PHASE_STEPS) -> None:
     """Measure the matrix, round-robin over the repeats; append JSON lines to out/runs.jsonl (a
     later call adds repeats after the ones there)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -93,11 +96,11 @@ def run(out: Path, repeats: int) -> None:
         for world in WORLD_SIZES:
             for cap in (CAPS_MB if world > 1 else (FIT_CAP_MB,)):
                 trace = out / f"trace_w{world}_cap{cap:g}_r{rep}"
-                proc = subprocess.run(_cmd(world, cap, trace), capture_output=True, text=True, cwd=REPO, timeout=1800)
+                proc = subprocess.run(_cmd(world, cap, trace, steps, phase_steps), capture_output=True, text=True, cwd=REPO, timeout=1800)
                 lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
                 if proc.returncode or not lines:
                     raise RuntimeError(f"world {world} cap {cap}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
-                rec = {**json.loads(lines[-1]), "cap_mb": cap, "repeat": rep, "trace": f"{trace.name}.rank0.json"}
+                rec = {**json.loads(lines[-1]), "cap_mb": cap, "repeat": rep, "phase_steps": phase_steps, "trace": f"{trace.name}.rank0.json"}
                 _append(out / "runs.jsonl", rec)
                 print(json.dumps({k: rec[k] for k in ("world_size", "cap_mb", "repeat", "step_ms_median",
                                                       "exposed_comm_ms")}), flush=True)
@@ -182,9 +185,10 @@ def report(d: Path) -> str:
             err(w, k, rates[w], cv, scales[w], ("step",)) for w in (2, 3)))
     costs = {w: (_scaled(c, *scales[w]) if w in scales else c) for w, c in costs.items()}
     out = [f"# Scaling model on measured gloo runs ({datetime.date.today():%Y-%m-%d})", "",
-           f"`python benchmarks/scaling_calibrate.py --run --dir {d} --repeats N` then `--report`. ResNet-18 CIFAR "
-           f"width 32, batch 32 per solver, fp32, synthetic data, `dptrain bench` (10 timed steps, {PHASE_STEPS} "
-           f"phase-timed steps), median over {max(v['n'] for v in med.values())} round-robin repeats; 2-core VM.",
+           f"`python benchmarks/scaling_calibrate.py --run --dir {d} --repeats N --steps {_counts(runs, 'steps', 10)} "
+           f"--phase-steps {_counts(runs, 'phase_steps', PHASE_STEPS)}` then `--report`. ResNet-18 CIFAR "
+           f"width 32, batch 32 per solver, fp32, synthetic data, `dptrain bench` ({_counts(runs, 'steps', 10)} timed steps, "
+           f"{_counts(runs, 'phase_steps', PHASE_STEPS)} phase-timed steps), median over {max(v['n'] for v in med.values())} round-robin repeats; 2-core VM.",
            "", "Rank 0's wait after backward is split step by step (`straggler.StragglerMonitor.line_up`) into "
            "**comm after slowest**, the least wait over the ranks (the rank that ended backward last waits only for "
            "the communication left: the model's exposed communication), and **skew**, rank 0's wait beyond it (its "
@@ -237,6 +241,11 @@ def report(d: Path) -> str:
     return "\n".join(out)
 
 
+def _counts(runs: list[dict[str, Any]], key: str, default: int) -> str:
+    """The step counts the runs used (older records lack phase_steps: they ran the default)."""
+    return "/".join(str(n) for n in sorted({int(r.get(key, default)) for r in runs}))
+
+
 def _scaled(c: LinearCost, alpha_x: float, beta_x: float) -> LinearCost:
     return LinearCost(c.alpha_ms * alpha_x, c.beta_ms_per_mb * beta_x)
 
@@ -274,12 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="runs/calib")
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=TIMED_STEPS, help="timed steps per run (their median is the step time)")
+    ap.add_argument("--phase-steps", type=int, default=PHASE_STEPS, help="phase-timed steps per run")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--out", help="write OUT/scaling_calibration_cpu2_<yyyymmdd>.md")
     args = ap.parse_args(argv)
     d = Path(args.dir)
     if args.run:
-        run(d, args.repeats)
+        run(d, args.repeats, args.steps, args.phase_steps)
     if args.report:
         text = report(d)
         sm.emit_report(text, args.out, "scaling_calibration_cpu2")
