@@ -184,7 +184,8 @@ class AutoDecision:
     backward_ms: float
     predicted_exposed_ms: float
     probe_exposed_ms: float
-    """Measured exposed communication of the probe plan (a bucket per parameter)."""
+    """Measured exposed communication of the probe plan (a bucket per parameter); the Reducer gives the
+    least wait over the ranks, the communication left after the slowest rank's backward."""
     fit_note: str = ""
     """Why the fit fell back to the median allreduce time ("" when it did not)."""
     overlap_rate: float = 1.0
@@ -198,9 +199,11 @@ def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str
 
     ``order``: every parameter, ready ones first; ``ready_ms``: per parameter, its ready time
     (ms after backward starts) in each probe iteration (none: ready at the end of backward);
-    ``collectives``: (bytes, ms) of each measured allreduce; the fit takes the median time per
-    size (a collective also waits for the slowest rank to launch it, a long tail on a shared
-    host), and a time <= 0 is left out. If the fit fails (fewer
+    ``collectives``: (bytes, ms) of each measured allreduce (the Reducer gives the least service
+    time over the ranks: a rank that launched it early also waits for the last one); the fit takes
+    the median time per size (a long tail on a shared host), and a time <= 0 is left out;
+    ``probe_exposed_ms``: the probe plan's exposed communication per iteration, which the
+    overlap rate is fitted to reproduce. If the fit fails (fewer
     than two sizes, or times that do not grow with size), every bucket is priced at the median
     allreduce time, which merges buckets as far as the timeline allows.
     """

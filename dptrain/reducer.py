@@ -23,17 +23,11 @@ over ranks. The solver unscales by ``1 / (S * grad_divisor)`` in fp32:
 Every rank then holds the bit-identical reduced gradient, so the overflow decision taken
 on it is identical everywhere without another collective.
 
-``bucket_mb = "auto"``: after ``AUTO_WARMUP_ITERS`` synced iterations, ``AUTO_PROBE_ITERS``
-more run with one bucket per parameter while the Reducer records when each gradient is
-ready and how long each allreduce takes (those launched while no earlier one was still
-running: their duration is their cost alone). Rank 0 fits ``alpha + beta * bytes`` to the
-median time per size, plans the
-bucket boundaries that minimise exposed communication over the median ready times
-(:mod:`dptrain.bucket_autotune`, the scaling model's cost model) and broadcasts the
-gradient order and the cuts; every rank re-lays out its buffers at the same iteration,
-as ``replan`` does, and the plan digests are compared again. The next ``AUTO_PROBE_ITERS``
-iterations measure the exposed communication of the chosen plan, logged beside the
-prediction. A snapshot keeps the order and the cuts; a resumed run applies them at once.
+``bucket_mb = "auto"``: a probe with a bucket per parameter measures the gradient-ready
+times and the collectives' costs, rank 0 plans the boundaries that minimise exposed
+communication and every rank re-lays out its buffers at the same iteration, as ``replan``
+does (:mod:`dptrain.bucket_probe`). A snapshot keeps the order and the cuts; a resumed run
+applies them at once.
 
 Running statistics (BatchNorm's running mean and variance) are averaged over the ranks
 once per iteration, by one small allreduce launched right behind the first bucket and
@@ -55,11 +49,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from statistics import median
 
 import torch
 
-from dptrain.bucket_autotune import AutoDecision, decide_plan
+from dptrain.bucket_probe import AUTO_PROBE_ITERS, PROBE_CAP_MB, AutoProbe
 from dptrain.buckets import (
     Bucket,
     BucketPlan,
@@ -78,30 +71,8 @@ from dptrain.trace import Tracer, now_us
 
 log = logging.getLogger(__name__)
 
-AUTO_WARMUP_ITERS = 1
-"""Synced iterations the auto plan ignores: the first pays allocator and kernel-selection costs no later one pays."""
-AUTO_PROBE_ITERS = 3
-"""Synced iterations timed per phase of the auto plan (probe, then check); medians over them."""
 PROBE_SETTLE_S = 1.0
 """CUDA probe: how long to wait for the completion watcher to stamp collectives the device has finished."""
-PROBE_CAP_MB = 1e-9
-"""Caps below any parameter's size: one bucket per parameter while probing, so every gradient's
-ready time and a spread of message sizes (biases to the largest weight) are measured."""
-
-
-@dataclass
-class _AutoProbe:
-    """Measurements of the auto plan's probe and check phases (see the module docstring)."""
-
-    synced: int = 0
-    phase: str = "probe"  # -> "check" -> "done"
-    t0_us: float = 0.0
-    ready: dict[str, float] = field(default_factory=dict)  # this iteration: name -> ms after backward start
-    ready_ms: dict[str, list[float]] = field(default_factory=dict)
-    comm: list[tuple[int, float]] = field(default_factory=list)  # (bytes, service ms)
-    backward_ms: list[float] = field(default_factory=list)
-    exposed_ms: list[float] = field(default_factory=list)
-    decision: AutoDecision | None = None
 
 
 def group_specs(flat: FlatParams) -> list[GroupSpec]:
@@ -148,7 +119,7 @@ class Reducer:
         """gloo on CPU: a collective is complete when its wait() returns; CUDA: when its event fires."""
         self._collective = self._build_collective()
         self._cuts: list[int] | None = None
-        self._auto = _AutoProbe() if cfg.bucket_mb == "auto" and self.world_size > 1 else None
+        self._auto = AutoProbe() if cfg.bucket_mb == "auto" and self.world_size > 1 else None
         self.auto_report: dict[str, float | int | str | None] = {}
         """The auto plan's choice and its predicted and measured exposed communication (rank 0, once known)."""
         self._set_plan(build_bucket_plan(group_specs(flat), *self._caps()))
@@ -227,7 +198,7 @@ class Reducer:
                 self._seen: set[str] = set()
                 self.launch_log = []
                 if self._auto is not None and self._auto.phase != "done":
-                    self._auto.ready, self._auto.t0_us = {}, now_us()
+                    self._auto.start_backward()
 
     def _make_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
@@ -245,10 +216,10 @@ class Reducer:
                 )
             self._seen.add(name)
             self._ready.append(name)
-            if self._auto is not None and self._auto.phase == "probe":
+            if self._auto is not None and self._auto.probing:
                 if self.comm.device.type == "cuda":  # probe only: host time = device time, at one sync per hook
                     torch.cuda.current_stream(self.comm.device).synchronize()
-                self._auto.ready[name] = (now_us() - self._auto.t0_us) / 1e3
+                self._auto.gradient_ready(name)
             b = self._bucket_of[name]
             self._pending[b] -= 1
             if self._pending[b] == 0 and self.tracer.enabled:
@@ -272,7 +243,7 @@ class Reducer:
         if self._next_launch == 1 and (self.running_stats or self._control is not None):
             self._launch_stats()
         rec = _Launched(b, work, upcast, start_us)
-        if self.tracer.enabled or (self._auto is not None and self._auto.phase == "probe"):
+        if self.tracer.enabled or (self._auto is not None and self._auto.probing):
             work.on_complete(lambda end_us, rec=rec: self._completed(rec, end_us))
         self._launched.append(rec)
 
@@ -361,15 +332,16 @@ class Reducer:
             if self.tracer.enabled and self._host_completion:
                 self._trace(rec, rec.end_us[0] if rec.end_us else now_us())
         if self._auto is not None and self._auto.phase != "done":
-            if self._auto.phase == "probe" and not self._host_completion:
+            if self._auto.probing and not self._host_completion:
                 self._settle_probe()
-            self._auto_record(backward_end_us, now_us())
+            launched = [(r.bucket.index, r.start_us, r.end_us[0] if r.end_us else None) for r in self._launched]
+            if self._auto.record(launched, len(self.plan.buckets), backward_end_us, now_us()):
+                self._auto_finish()
         self._launched = []
         self._finish_stats()
         if self._replan_pending:
             self._replan()
-        if self._auto is not None and self._auto.phase == "probe" and \
-                self._auto.synced == AUTO_WARMUP_ITERS + AUTO_PROBE_ITERS:
+        if self._auto is not None and self._auto.decision_due:
             self._auto_decide()
 
     def _warn_unused(self) -> None:
@@ -409,27 +381,6 @@ class Reducer:
 
     # ------------------------------------------------------------------ auto plan
 
-    def _auto_record(self, backward_end_us: float, done_us: float) -> None:
-        """Keep this synced iteration's timeline (after the warm-up ones)."""
-        a = self._auto
-        a.synced += 1
-        if a.synced <= AUTO_WARMUP_ITERS:
-            return
-        a.exposed_ms.append((done_us - backward_end_us) / 1e3)
-        if a.phase != "probe":
-            if len(a.exposed_ms) == AUTO_PROBE_ITERS:
-                self._auto_finish()
-            return
-        a.backward_ms.append((backward_end_us - a.t0_us) / 1e3)
-        for name, t in a.ready.items():
-            a.ready_ms.setdefault(name, []).append(t)
-        prev_end = 0.0
-        for rec in self._launched:  # launch order
-            end = rec.end_us[0] if rec.end_us else done_us
-            if rec.start_us >= prev_end:  # launched on an idle channel: its duration is its cost alone
-                a.comm.append((rec.bucket.nbytes, (end - rec.start_us) / 1e3))
-            prev_end = max(prev_end, end)
-
     def _settle_probe(self) -> None:
         """CUDA probe iterations only: sync the device and let the completion watcher stamp every
         collective, so the probe's exposed communication and service times are device times."""
@@ -441,58 +392,36 @@ class Reducer:
     def _auto_decide(self) -> None:
         """Rank 0 plans from the probe's timeline; every rank applies it now (collective)."""
         a = self._auto
-        decision = self.comm.broadcast_object(self._auto_propose() if self.comm.rank == 0 else None, src=0)
+        collectives, after_slowest = a.gathered(self.comm, [b.nbytes for b in self.plan.buckets])
+        decision = None
+        if self.comm.rank == 0:
+            size_of = {s.name: s.padded_numel * g.elem_size for g in group_specs(self.flat) for s in g.segments}
+            decision = a.decide(order_from_ready(self.flat.layout_order, list(self._ready)), size_of, collectives,
+                                after_slowest)
+            if decision.fit_note:
+                log.warning("rank 0: reducer auto plan: %s; priced every bucket at the median allreduce time",
+                            decision.fit_note)
+        decision = self.comm.broadcast_object(decision, src=0)
         old = self.plan.describe()
         self._apply_ready_order(decision.order, decision.cuts)
-        a.phase, a.decision, a.exposed_ms = "check", decision, []
+        a.switch(decision)
         if self.comm.rank == 0:
             c = decision.cost
             log.info("reducer auto plan: %s (probe: %s); allreduce cost %.3f ms + %.3f ms/MB fitted on %d "
                      "collectives, overlap rate %.2f; backward %.2f ms; predicted exposed comm %.2f ms (probe plan "
-                     "measured %.2f ms)", self.plan.describe(), old, c.alpha_ms, c.beta_ms_per_mb,
-                     decision.collectives, decision.overlap_rate, decision.backward_ms,
+                     "measured %.2f ms after the slowest rank's backward)", self.plan.describe(), old, c.alpha_ms,
+                     c.beta_ms_per_mb, decision.collectives, decision.overlap_rate, decision.backward_ms,
                      decision.predicted_exposed_ms, decision.probe_exposed_ms)
 
-    def _auto_propose(self) -> AutoDecision:
-        """The plan from rank 0's probe measurements (``dptrain.bucket_autotune.decide_plan``)."""
-        a = self._auto
-        size_of = {s.name: s.padded_numel * g.elem_size for g in group_specs(self.flat) for s in g.segments}
-        d = decide_plan(order_from_ready(self.flat.layout_order, list(self._ready)), size_of, a.ready_ms,
-                        a.backward_ms, a.comm, a.exposed_ms)
-        if d.fit_note:
-            log.warning("rank %d: reducer auto plan: %s; priced every bucket at the median allreduce time",
-                        self.comm.rank, d.fit_note)
-        return d
-
     def _auto_finish(self) -> None:
-        a = self._auto
-        a.phase = "done"
-        d = a.decision
-        measured = least = None  # CUDA: wait() does not block the host, so it times nothing there
-        if self._host_completion:
-            measured = median(a.exposed_ms)
-            least = self._least_wait_ms(a.exposed_ms)
-        self.auto_report = {"plan": self.plan.describe(), "buckets": len(self.plan.buckets),
-                            "alpha_ms": round(d.cost.alpha_ms, 4), "beta_ms_per_mb": round(d.cost.beta_ms_per_mb, 4),
-                            "overlap_rate": d.overlap_rate,
-                            "predicted_exposed_ms": round(d.predicted_exposed_ms, 3),
-                            "measured_exposed_ms": None if measured is None else round(measured, 3),
-                            "measured_after_slowest_ms": None if least is None else round(least, 3),
-                            "probe_exposed_ms": round(d.probe_exposed_ms, 3)}
+        r = self._auto.report(self.comm, self.plan.describe(), len(self.plan.buckets), self._host_completion)
+        self.auto_report = r
         if self.comm.rank == 0:
             log.info("reducer auto plan: exposed comm measured %s ms on rank 0, %s ms after the slowest rank's "
                      "backward (medians of %d iterations) vs predicted %.2f ms",
-                     "-" if measured is None else f"{measured:.2f}", "-" if least is None else f"{least:.2f}",
-                     AUTO_PROBE_ITERS, d.predicted_exposed_ms)
-
-    def _least_wait_ms(self, waits: list[float]) -> float:
-        """Median over the iterations of the least wait over the ranks (collective): the rank that
-        ended backward last waits only for the communication left, which is what the plan predicts;
-        rank 0's own wait also holds its wait for that rank."""
-        t = torch.zeros(self.comm.world_size, len(waits), dtype=torch.float64, device=self.comm.device)
-        t[self.comm.rank] = torch.tensor(waits, dtype=torch.float64)
-        self.comm.allreduce_sum_(t)
-        return float(t.min(dim=0).values.median())
+                     "-" if r["measured_exposed_ms"] is None else f"{r['measured_exposed_ms']:.2f}",
+                     "-" if r["measured_after_slowest_ms"] is None else f"{r['measured_after_slowest_ms']:.2f}",
+                     AUTO_PROBE_ITERS, r["predicted_exposed_ms"])
 
     # ------------------------------------------------------------------ snapshot
 
@@ -509,7 +438,7 @@ class Reducer:
         (no new probe); a snapshot taken before the auto plan was chosen leaves probing on."""
         order = list(state.get("ready_order", []))
         cuts = list(state.get("bucket_cuts", []))
-        auto_ready = self._auto is not None and self._auto.phase == "probe" and bool(cuts)
+        auto_ready = self._auto is not None and self._auto.probing and bool(cuts)
         if not (order and (self._replan_pending or auto_ready)):
             return
         if set(order) - set(self.flat.layout_order):

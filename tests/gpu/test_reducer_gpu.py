@@ -154,7 +154,7 @@ def test_cupy_nccl_reducer_averages_and_overlaps_on_two_gpus():
 
 
 def _auto_rank(rank: int, world: int) -> None:
-    from dptrain.reducer import AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
+    from dptrain.bucket_probe import AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
 
     device = torch.device("cuda", rank)
     comm = Communicator.from_initialized(device)

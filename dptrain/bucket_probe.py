@@ -1,0 +1,129 @@
+"""The measuring side of ``reducer.bucket_mb = "auto"``: what the Reducer's probe records, and
+how the ranks' records become the planner's inputs (:mod:`dptrain.bucket_autotune` plans).
+
+After ``AUTO_WARMUP_ITERS`` synced iterations, ``AUTO_PROBE_ITERS`` more run with one bucket
+per parameter while the probe records when each gradient is ready and how long each
+allreduce is served (from its launch, or from the end of the one before it on the channel,
+to its end). On the rank that launched a collective last that is its cost alone; on the
+others it also holds their wait for that rank, so the ranks keep the least over them
+(:func:`least_over_ranks`). Likewise the least wait after backward over the ranks is the
+communication left after the slowest rank's backward, which is what the overlap model
+predicts. Rank 0 fits ``alpha + beta * bytes`` to the median service time per size, fits the
+overlap rate on that wait, plans the bucket boundaries over its median ready times and
+broadcasts the gradient order and the cuts; every rank re-lays out its buffers at the same
+iteration (as ``replan`` does) and the plan digests are compared again. The next
+``AUTO_PROBE_ITERS`` iterations measure the chosen plan's exposed communication, logged
+beside the prediction.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from statistics import median
+
+import torch
+
+from dptrain.bucket_autotune import AutoDecision, decide_plan
+from dptrain.comm import Communicator
+from dptrain.trace import now_us
+
+AUTO_WARMUP_ITERS = 1
+"""Synced iterations the auto plan ignores: the first pays allocator and kernel-selection costs no later one pays."""
+AUTO_PROBE_ITERS = 3
+"""Synced iterations timed per phase of the auto plan (probe, then check); medians over them."""
+PROBE_CAP_MB = 1e-9
+"""Caps below any parameter's size: one bucket per parameter while probing, so every gradient's
+ready time and a spread of message sizes (biases to the largest weight) are measured."""
+
+
+@dataclass
+class AutoProbe:
+    """Measurements of the auto plan's probe and check phases (see the module docstring)."""
+
+    synced: int = 0
+    phase: str = "probe"  # -> "check" -> "done"
+    t0_us: float = 0.0
+    ready: dict[str, float] = field(default_factory=dict)  # this iteration: name -> ms after backward start
+    ready_ms: dict[str, list[float]] = field(default_factory=dict)
+    service: list[list[float]] = field(default_factory=list)  # per probe iteration, per bucket: service ms
+    backward_ms: list[float] = field(default_factory=list)
+    exposed_ms: list[float] = field(default_factory=list)
+    decision: AutoDecision | None = None
+
+    @property
+    def probing(self) -> bool:
+        return self.phase == "probe"
+
+    @property
+    def decision_due(self) -> bool:
+        """The probe has all its iterations: the plan is decided now (collective)."""
+        return self.probing and self.synced == AUTO_WARMUP_ITERS + AUTO_PROBE_ITERS
+
+    def start_backward(self) -> None:
+        self.ready, self.t0_us = {}, now_us()
+
+    def gradient_ready(self, name: str) -> None:
+        self.ready[name] = (now_us() - self.t0_us) / 1e3
+
+    def record(self, launched: Sequence[tuple[int, float, float | None]], n_buckets: int, backward_end_us: float,
+               done_us: float) -> bool:
+        """Keep this synced iteration's timeline (after the warm-up ones); ``launched``: (bucket index,
+        launch us, end us or None) in launch order. True when the check phase has all its iterations."""
+        self.synced += 1
+        if self.synced <= AUTO_WARMUP_ITERS:
+            return False
+        self.exposed_ms.append((done_us - backward_end_us) / 1e3)
+        if not self.probing:
+            return len(self.exposed_ms) == AUTO_PROBE_ITERS
+        self.backward_ms.append((backward_end_us - self.t0_us) / 1e3)
+        for name, t in self.ready.items():
+            self.ready_ms.setdefault(name, []).append(t)
+        service, prev_end = [math.inf] * n_buckets, 0.0
+        for index, start, end in launched:  # one channel: a collective is served after the one before it
+            end = done_us if end is None else end
+            service[index] = (end - max(start, prev_end)) / 1e3
+            prev_end = max(prev_end, end)
+        self.service.append(service)
+        return False
+
+    def gathered(self, comm: Communicator, nbytes: Sequence[int]) -> tuple[list[tuple[int, float]], list[float]]:
+        """(bytes, service ms) of every probed collective and the probe's wait after backward per
+        iteration, each the least over the ranks (collective); ``nbytes`` per probe bucket."""
+        service = least_over_ranks(comm, self.service)
+        collectives = [(b, t) for row in service for b, t in zip(nbytes, row) if math.isfinite(t)]
+        return collectives, least_over_ranks(comm, [self.exposed_ms])[0]
+
+    def decide(self, order: Sequence[str], size_of: dict[str, int], collectives: list[tuple[int, float]],
+               after_slowest: list[float]) -> AutoDecision:
+        """Rank 0's plan: its own ready times and backward, the ranks' least costs and waits."""
+        return decide_plan(order, size_of, self.ready_ms, self.backward_ms, collectives, after_slowest)
+
+    def switch(self, decision: AutoDecision) -> None:
+        """The plan is applied: measure it next."""
+        self.phase, self.decision, self.exposed_ms = "check", decision, []
+
+    def report(self, comm: Communicator, plan_text: str, buckets: int, timed: bool) -> dict[str, float | int | str | None]:
+        """The check phase's outcome (collective when ``timed``: on CUDA wait() does not block the host,
+        so it times nothing there)."""
+        self.phase = "done"
+        d = self.decision
+        assert d is not None
+        measured = median(self.exposed_ms) if timed else None
+        least = median(least_over_ranks(comm, [self.exposed_ms])[0]) if timed else None
+        return {"plan": plan_text, "buckets": buckets,
+                "alpha_ms": round(d.cost.alpha_ms, 4), "beta_ms_per_mb": round(d.cost.beta_ms_per_mb, 4),
+                "overlap_rate": d.overlap_rate,
+                "predicted_exposed_ms": round(d.predicted_exposed_ms, 3),
+                "measured_exposed_ms": None if measured is None else round(measured, 3),
+                "measured_after_slowest_ms": None if least is None else round(least, 3),
+                "probe_exposed_ms": round(d.probe_exposed_ms, 3)}
+
+
+def least_over_ranks(comm: Communicator, rows: list[list[float]]) -> list[list[float]]:
+    """Element by element, the least value over the ranks of a table every rank holds in the same
+    shape (collective; ``inf`` marks a missing value)."""
+    t = torch.zeros(comm.world_size, len(rows), len(rows[0]) if rows else 0, dtype=torch.float64, device=comm.device)
+    t[comm.rank] = torch.tensor(rows, dtype=torch.float64).reshape(t.shape[1:])
+    comm.allreduce_sum_(t)  # each rank fills its own row, zeros elsewhere: an all-gather
+    return t.min(dim=0).values.cpu().tolist()
