@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dptrain.train import run_training
+    from dptrain.run import run_training
 
     run_training(load_config(args.config, args.set), resume=args.resume, trace=args.trace, weights=args.weights,
                  weights_skip=tuple(args.weights_skip))

@@ -44,13 +44,13 @@ def test_missing_config_file(capsys, tmp_path):
 
 
 def test_missing_snapshot_on_resume_is_reported_before_anything_is_built(cfg, capsys, tmp_path, monkeypatch):
-    import dptrain.train as train
+    import dptrain.run as run_module
 
     def never(*a, **k):
         raise AssertionError("built a model/process group before checking --resume PATH")
 
-    monkeypatch.setattr(train, "Trainer", never)
-    monkeypatch.setattr(train.Communicator, "from_env", never)
+    monkeypatch.setattr(run_module, "Trainer", never)
+    monkeypatch.setattr(run_module.Communicator, "from_env", never)
     run = tmp_path / "run"
     args = ["train", "--config", cfg(""), f"--set=train.run_dir=\"{run}\"", "--resume", str(tmp_path / "x.pt")]
     assert main(args) == 2

@@ -1,0 +1,117 @@
+"""One solver process's ``dptrain train``: the run directory and its lock, the stop handlers,
+the process group, the Trainer, and the rank-naming error line when a peer fails
+(:func:`run_training`); ``dptrain test`` shares the process setup."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dptrain.checkpoint import RunDir, resolve_resume
+from dptrain.comm import Communicator
+from dptrain.config import TrainConfig
+from dptrain.control import StopFlag
+from dptrain.errors import ConfigError, RankFailure, first_line
+from dptrain.topology import Topology
+from dptrain.trace import Tracer
+from dptrain.train import Trainer, pick_device
+from dptrain.weights import check_weights_path, load_weights
+
+log = logging.getLogger(__name__)
+
+
+def stop_with_the_launcher(topology: Topology) -> None:
+    """Under torchrun, ask Linux for a SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``).
+
+    torchrun stops its solvers when it is signalled, but a launcher killed with SIGKILL (an
+    OOM kill, a lost node agent) leaves them training as orphans. With this, each solver
+    snapshots at the next agreed iteration and exits, as on any SIGTERM.
+    """
+    if not sys.platform.startswith("linux") or not topology.under_launcher:
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
+        log.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+        return
+    if os.getppid() != launcher:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def open_communicator(cfg: TrainConfig, topology: Topology) -> Communicator:
+    """This solver's device (and CPU thread count), and the process group over every solver."""
+    device = pick_device(cfg.train.device, topology.local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
+    return Communicator.from_env(topology, cfg.reducer.timeout_s, device, cfg.train.process_group_timeout_s)
+
+
+def _train(cfg: TrainConfig, comm: Communicator, stop: StopFlag, *, resume: str | None, resume_path: Path | None,
+           trace: str | None, weights_path: Path | None, weights_skip: tuple[str, ...]) -> dict[str, Any]:
+    tracer = Tracer(comm.rank) if trace else None
+    trainer = Trainer(cfg, comm, tracer=tracer, stop=stop)
+    try:
+        if resume_path is not None:
+            trainer.resume(resume_path)
+        elif resume:
+            trainer.start_over()
+        elif weights_path is not None:
+            load_weights(trainer.model, trainer.flat, weights_path, model_name=cfg.model.name, skip=weights_skip)
+        return trainer.fit()
+    finally:
+        trainer.close()
+        if tracer is not None and trace:
+            log.info("trace written to %s", tracer.save(trace))
+
+
+def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | None = None,
+                 weights: str | None = None, weights_skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``dptrain train``: check and lock the run directory, build this solver, train, test.
+
+    Order matters for a user on a cluster: the run directory, the lock, ``--resume PATH`` and
+    ``--weights PATH`` are checked before anything slow is built; the stop handlers are
+    installed before the first build step, so a SIGTERM at startup ends in a snapshot at the
+    first iteration. ``--weights`` starts a fresh run (iteration 0, new optimizer state, the
+    config's seed) from a model's weights, as ``caffe train -weights`` does.
+    """
+    if weights and resume:
+        raise ConfigError("--weights starts a new run from a model's weights and --resume continues a run with its "
+                          "own: pass one of them (an interrupted fine-tune continues with --resume alone)")
+    if weights_skip and not weights:
+        raise ConfigError("--weights-skip names weights not to load, so it needs --weights PATH")
+    topology = Topology.from_env()
+    run_dir = RunDir(cfg.train.run_dir)
+    run_dir.check_usable(writer=topology.rank == 0)
+    if topology.rank == 0:  # rank 0 writes config.toml, metrics.jsonl and the snapshots
+        run_dir.lock()
+    try:
+        resume_path = resolve_resume(resume, run_dir.path) if resume else None
+        weights_path = check_weights_path(weights) if weights else None
+        if not resume:
+            run_dir.refuse_earlier_run()
+        stop = StopFlag()
+        with stop.installed():
+            stop_with_the_launcher(topology)
+            comm = open_communicator(cfg, topology)
+            peer_failed = False
+            try:
+                comm.attach_progress_store()
+                result = _train(cfg, comm, stop, resume=resume, resume_path=resume_path, trace=trace,
+                                weights_path=weights_path, weights_skip=weights_skip)
+            except RankFailure as e:  # say which collective, and who never arrived, from the flight record
+                peer_failed = True
+                raise RankFailure(comm.flight.explain(run_dir.path, first_line(e))) from e
+            finally:
+                comm.close(peer_failed=peer_failed)
+    finally:
+        run_dir.unlock()
+    if "test_top1" in result and not result.get("stopped_by_signal"):
+        log.info("final test top-1 %.4f top-5 %.4f", result["test_top1"], result["test_top5"])
+    return result
