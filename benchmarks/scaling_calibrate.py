@@ -59,7 +59,7 @@ the runs the terms are fitted on."""
 WORLD_SIZES = (1, 2, 3)
 GOAL = 0.15
 PHASE_STEPS = 16
-"""Phase-timed steps per run: rank 0's wait and its split are medians over these."""
+"""Phase-timed steps per run (``--phase-steps``): rank 0's wait and its split are medians over these."""
 TIMED_STEPS = 10
 """Timed steps per run (no phase timestamps), whose median is the step time (``--steps`` raises it: the VM drifts over
 seconds, and a longer window with more repeats lets the medians ride it out)."""
@@ -85,13 +85,17 @@ def run(out: Path, repeats: int, steps: int = TIMED_STEPS, phase_steps: int = PH
     out.mkdir(parents=True, exist_ok=True)
     from collective_bench import measure_allreduce
 
+    earlier = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines() if x.strip()] \
+        if (out / "runs.jsonl").exists() else []
+    windows = {(r.get("steps", TIMED_STEPS), r.get("phase_steps", PHASE_STEPS)) for r in earlier}
+    if windows - {(steps, phase_steps)}:
+        raise SystemExit(f"{out}/runs.jsonl holds runs of (steps, phase steps) {sorted(windows)}: add repeats with "
+                         "the same --steps and --phase-steps, or use another --dir")
+    first = max((r["repeat"] for r in earlier), default=-1) + 1  # a later call adds repeats
     sizes = [4096, 65536, 1048576, 4194304, 16777216]
     for world in (2, 3):
         for nbytes, t in measure_allreduce(sizes, world_size=world, iters=20):
             _append(out / "collectives.jsonl", {"world_size": world, "bytes": nbytes, "ms": t * 1e3})
-    done = [json.loads(x)["repeat"] for x in (out / "runs.jsonl").read_text().splitlines()] \
-        if (out / "runs.jsonl").exists() else []
-    first = max(done, default=-1) + 1  # a later call adds repeats
     for rep in range(first, first + repeats):
         for world in WORLD_SIZES:
             for cap in (CAPS_MB if world > 1 else (FIT_CAP_MB,)):
@@ -185,9 +189,9 @@ def report(d: Path) -> str:
             err(w, k, rates[w], cv, scales[w], ("step",)) for w in (2, 3)))
     costs = {w: (_scaled(c, *scales[w]) if w in scales else c) for w, c in costs.items()}
     out = [f"# Scaling model on measured gloo runs ({datetime.date.today():%Y-%m-%d})", "",
-           f"`python benchmarks/scaling_calibrate.py --run --dir {d} --repeats N --steps {_counts(runs, 'steps', 10)} "
+           f"`python benchmarks/scaling_calibrate.py --run --dir {d} --repeats N --steps {_counts(runs, 'steps', TIMED_STEPS)} "
            f"--phase-steps {_counts(runs, 'phase_steps', PHASE_STEPS)}` then `--report`. ResNet-18 CIFAR "
-           f"width 32, batch 32 per solver, fp32, synthetic data, `dptrain bench` ({_counts(runs, 'steps', 10)} timed steps, "
+           f"width 32, batch 32 per solver, fp32, synthetic data, `dptrain bench` ({_counts(runs, 'steps', TIMED_STEPS)} timed steps, "
            f"{_counts(runs, 'phase_steps', PHASE_STEPS)} phase-timed steps), median over {max(v['n'] for v in med.values())} round-robin repeats; 2-core VM.",
            "", "Rank 0's wait after backward is split step by step (`straggler.StragglerMonitor.line_up`) into "
            "**comm after slowest**, the least wait over the ranks (the rank that ended backward last waits only for "

@@ -139,7 +139,8 @@ def run_json(cmd: list[str]) -> dict:
 def render(rows: list[dict], machine: str, date: str, raw: list[dict]) -> str:
     out = [f"# dptrain vs peers: throughput ({date})", "", f"Machine: {machine}", "",
            "Median images/s over the repeats; both sides measured alternately in the same run, same model, "
-           "batch, data (synthetic, on the device) and process count.", "",
+           "batch, data (synthetic, on the device) and process count; the cases run round-robin, every other "
+           "round in reverse order (and the peer first), so no run always follows the same one.", "",
            "| case | world | dptrain img/s | peer | peer img/s | ratio | dptrain exposed comm ms |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -188,14 +189,13 @@ def main() -> int:
         return 0
     raw = []
     for rep in range(args.repeats):  # round-robin: a slow spell on a shared host lands on every case alike
-        for c in cases:
-            last = run_json(dptrain_cmd(c, args.steps, args.warmup))
-            raw.append({"case": c.name, "side": "dptrain", "repeat": rep, **last})
-            print(json.dumps({"case": c.name, "dptrain": last["images_per_s"]}), flush=True)
-            if c.peer:
-                p = run_json(peer_cmd(c, args.steps, args.warmup))
-                raw.append({"case": c.name, "side": "peer", "repeat": rep, **p})
-                print(json.dumps({"case": c.name, "peer": p["images_per_s"]}), flush=True)
+        # and every other round in reverse order (ABBA), so that no run always follows the same one
+        for c in (cases if rep % 2 == 0 else cases[::-1]):
+            sides = [("dptrain", dptrain_cmd), *([("peer", peer_cmd)] if c.peer else [])]
+            for side, cmd in (sides if rep % 2 == 0 else sides[::-1]):
+                rec = run_json(cmd(c, args.steps, args.warmup))
+                raw.append({"case": c.name, "side": side, "repeat": rep, **rec})
+                print(json.dumps({"case": c.name, side: rec["images_per_s"]}), flush=True)
     rows = []
     for c in cases:
         ours = [r for r in raw if r["case"] == c.name and r["side"] == "dptrain"]

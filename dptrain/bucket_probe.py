@@ -66,10 +66,19 @@ class AutoProbe:
     def gradient_ready(self, name: str) -> None:
         self.ready[name] = (now_us() - self.t0_us) / 1e3
 
-    def record(self, launched: Sequence[tuple[int, float, float | None]], n_buckets: int, backward_end_us: float,
-               done_us: float) -> bool:
-        """Keep this synced iteration's timeline (after the warm-up ones); ``launched``: (bucket index,
-        launch us, end us or None) in launch order. True when the check phase has all its iterations."""
+    def record(self, launched: Sequence[tuple[int | None, float, float | None]], n_buckets: int,
+               backward_end_us: float, done_us: float, queued: bool = True) -> bool:
+        """Keep this synced iteration's timeline (after the warm-up ones); True when the check phase
+        has all its iterations.
+
+        ``launched``: (bucket index, launch us, end us) of each collective in launch order; index None
+        for one that is not a bucket (the running statistics), which occupies the channel but is not
+        priced; end None when it was not stamped. A bucket's service time runs from its launch, or
+        the end of the one before it, to its end; ``queued=False`` keeps only those launched on an
+        idle channel (CUDA: the completion watcher's stamps are a poll apart, too coarse for the
+        gap between two queued ones). A bucket without a positive service time gets ``inf``: no
+        measurement, so another rank's value is the least (gloo's worker threads may end two
+        collectives out of order)."""
         self.synced += 1
         if self.synced <= AUTO_WARMUP_ITERS:
             return False
@@ -81,8 +90,11 @@ class AutoProbe:
             self.ready_ms.setdefault(name, []).append(t)
         service, prev_end = [math.inf] * n_buckets, 0.0
         for index, start, end in launched:  # one channel: a collective is served after the one before it
-            end = done_us if end is None else end
-            service[index] = (end - max(start, prev_end)) / 1e3
+            if end is None:
+                continue
+            ms = (end - max(start, prev_end)) / 1e3
+            if index is not None and ms > 0 and (queued or start >= prev_end):
+                service[index] = ms
             prev_end = max(prev_end, end)
         self.service.append(service)
         return False

@@ -346,8 +346,8 @@ class ReducerConfig:
     bucket_mb: float | Literal["auto"] = 25.0
     """Bucket capacity in MiB. Bigger: fewer launches; smaller: the first allreduce starts earlier.
     "auto": probe a few iterations with a bucket per parameter, fit the allreduce's cost and choose
-    the bucket boundaries that minimise exposed communication (``dptrain.bucket_autotune``;
-    rank 0 decides, every rank switches at the same iteration; implies ``replan``)."""
+    the bucket boundaries that minimise exposed communication (``dptrain.bucket_probe`` measures,
+    ``dptrain.bucket_autotune`` plans; rank 0 decides, every rank switches at the same iteration; implies ``replan``)."""
     first_bucket_mb: float = 1.0
     """Capacity of the first bucket (the last layers), so communication starts early in backward."""
     reduce_dtype: Literal["storage", "fp32"] = "storage"

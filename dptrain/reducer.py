@@ -104,6 +104,7 @@ class Reducer:
         """Buffers averaged over ranks every synced iteration (BatchNorm's running mean/var)."""
         self._stats_numels = [t.numel() for t in self.running_stats]
         self._stats_flight: tuple[Work, torch.Tensor] | None = None
+        self._stats_times: tuple[float, list[float]] | None = None  # auto probe: its launch and end (us)
         self._control: torch.Tensor | None = None
         self.world_size = comm.world_size
         self.fp32_reduce = cfg.reduce_dtype == "fp32"
@@ -261,10 +262,14 @@ class Reducer:
         if self._control is not None:
             parts.append(self._control)
         stats = torch.cat(parts)
+        start_us = now_us()
         try:
             self._stats_flight = (self._collective.allreduce_async(stats), stats)
         except Exception as e:
             raise self._stats_failure(e) from e
+        if self._auto is not None and self._auto.probing:  # it shares the channel with the probed buckets
+            self._stats_times = (start_us, [])
+            self._stats_flight[0].on_complete(self._stats_times[1].append)
 
     def _finish_stats(self) -> None:
         """Wait for the running-statistics sum and write the rank average back into the buffers."""
@@ -334,8 +339,14 @@ class Reducer:
         if self._auto is not None and self._auto.phase != "done":
             if self._auto.probing and not self._host_completion:
                 self._settle_probe()
-            launched = [(r.bucket.index, r.start_us, r.end_us[0] if r.end_us else None) for r in self._launched]
-            if self._auto.record(launched, len(self.plan.buckets), backward_end_us, now_us()):
+            launched: list[tuple[int | None, float, float | None]] = [
+                (r.bucket.index, r.start_us, r.end_us[0] if r.end_us else None) for r in self._launched]
+            if self._stats_times is not None:  # launched right behind the first bucket
+                start, ends = self._stats_times
+                launched.insert(1, (None, start, ends[0] if ends else None))
+                self._stats_times = None
+            if self._auto.record(launched, len(self.plan.buckets), backward_end_us, now_us(),
+                                 queued=self._host_completion):
                 self._auto_finish()
         self._launched = []
         self._finish_stats()

@@ -6,29 +6,59 @@ import math
 
 import pytest
 
-from dptrain.bucket_probe import AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS, AutoProbe
+import torch
+
+from dptrain.bucket_probe import AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS, AutoProbe, least_over_ranks
 
 
-def _probe_iteration(p: AutoProbe, launched, done_us: float) -> bool:
+def _probe_iteration(p: AutoProbe, launched, done_us: float, queued: bool = True) -> bool:
     p.start_backward()
     p.t0_us = 0.0  # backward starts at 0 us in these timelines
     p.ready = {"w": 3.0, "b": 1.0}
-    return p.record(launched, 3, backward_end_us=20_000.0, done_us=done_us)
+    return p.record(launched, 3, backward_end_us=20_000.0, done_us=done_us, queued=queued)
 
 
-def test_service_time_starts_when_the_channel_is_free_and_missing_buckets_are_inf():
+class _TwoRanks:
+    """Rank 0 of 2; the other rank's tables are given. allreduce_sum_ adds them in its row."""
+
+    rank, world_size, device = 0, 2, torch.device("cpu")
+
+    def __init__(self, *other: list[list[float]]) -> None:
+        self.other, self.calls = list(other), 0
+
+    def allreduce_sum_(self, t: torch.Tensor) -> None:
+        t[1] += torch.tensor(self.other[self.calls], dtype=t.dtype)
+        self.calls += 1
+
+
+def test_service_time_starts_when_the_channel_is_free_and_unmeasured_buckets_are_inf():
     p = AutoProbe()
-    # bucket 0 launched at 0 ends at 10 ms; bucket 1 launched at 2 ms waits for it, ends at 15 ms;
-    # bucket 2 launched at 20 ms on an idle channel, its end not stamped: the iteration's end (26 ms)
-    launched = [(0, 0.0, 10_000.0), (1, 2_000.0, 15_000.0), (2, 20_000.0, None)]
+    # bucket 0 launched at 0 ends at 10 ms; the running statistics (no bucket) launched behind it end at
+    # 12 ms; bucket 1 launched at 2 ms waits for both, ends at 15 ms; bucket 2 launched at 20 ms on an
+    # idle channel ends at 26 ms
+    launched = [(0, 0.0, 10_000.0), (None, 1_000.0, 12_000.0), (1, 2_000.0, 15_000.0), (2, 20_000.0, 26_000.0)]
     for _ in range(AUTO_WARMUP_ITERS):
-        assert not _probe_iteration(p, launched, 26_000.0)
+        assert not _probe_iteration(p, launched, 26_500.0)
     assert p.service == [] and p.exposed_ms == []  # warm-up iterations are not kept
-    assert not _probe_iteration(p, launched, 26_000.0)
-    assert p.service == [[10.0, 5.0, 6.0]]
-    assert p.exposed_ms == [6.0] and p.backward_ms == [20.0] and p.ready_ms == {"w": [3.0], "b": [1.0]}
-    assert not _probe_iteration(p, [(1, 0.0, 4_000.0)], 26_000.0)  # buckets 0 and 2 not launched
-    assert p.service[-1][1] == 4.0 and math.isinf(p.service[-1][0]) and math.isinf(p.service[-1][2])
+    assert not _probe_iteration(p, launched, 26_500.0)
+    assert p.service == [[10.0, 3.0, 6.0]]
+    assert p.exposed_ms == [6.5] and p.backward_ms == [20.0] and p.ready_ms == {"w": [3.0], "b": [1.0]}
+    # bucket 0 not stamped, bucket 2 stamped before bucket 1 (gloo's worker threads), bucket 1 never launched
+    assert not _probe_iteration(p, [(0, 0.0, None), (2, 1_000.0, 4_000.0), (1, 2_000.0, 3_000.0)], 26_000.0)
+    assert p.service[-1] == [math.inf, math.inf, 3.0]  # 1: no positive service time, so no measurement
+    # CUDA (queued=False): only collectives launched on an idle channel are priced
+    assert not _probe_iteration(p, launched, 26_500.0, queued=False)
+    assert p.service[-1] == [10.0, math.inf, 6.0]
+
+
+def test_the_least_over_the_ranks_drops_a_rank_s_wait_for_the_other_and_ignores_inf():
+    rank1 = [[4.0, math.inf, 6.0]]
+    assert least_over_ranks(_TwoRanks(rank1), [[60.0, 5.0, math.inf]]) == [[4.0, 5.0, 6.0]]
+    p = AutoProbe(service=[[60.0, 2.0], [61.0, math.inf]], exposed_ms=[70.0, 71.0])
+    comm = _TwoRanks([[1.5, math.inf], [1.6, math.inf]], [[9.0, 10.0]])
+    collectives, after_slowest = p.gathered(comm, [4_000_000, 1_000])
+    assert collectives == [(4_000_000, 1.5), (1_000, 2.0), (4_000_000, 1.6)] and after_slowest == [9.0, 10.0]
+    assert comm.calls == 2  # the same two collectives on every rank
 
 
 def test_the_decision_is_due_after_the_probe_and_the_check_ends_after_as_many_iterations():
@@ -47,3 +77,19 @@ def test_the_decision_is_due_after_the_probe_and_the_check_ends_after_as_many_it
     assert not p.probing and not p.decision_due and p.exposed_ms == []
     ends = [p.record([], 3, 20_000.0, 22_000.0) for _ in range(AUTO_PROBE_ITERS)]
     assert ends == [False] * (AUTO_PROBE_ITERS - 1) + [True] and p.exposed_ms == [2.0] * AUTO_PROBE_ITERS
+
+
+def test_the_report_gathers_only_where_the_host_timed_the_check():
+    p = AutoProbe()
+    for _ in range(AUTO_WARMUP_ITERS + AUTO_PROBE_ITERS):
+        _probe_iteration(p, [(0, 0.0, 1_000.0)], 21_000.0)
+    p.switch(p.decide(["w", "b"], {"w": 4_000_000, "b": 1_000}, [(4_000_000, 4.0), (1_000, 0.1)],
+                      [1.0] * AUTO_PROBE_ITERS))
+    for _ in range(AUTO_PROBE_ITERS):
+        p.record([], 3, 20_000.0, 23_000.0)
+    comm = _TwoRanks([[1.0] * AUTO_PROBE_ITERS])
+    r = p.report(comm, "1 bucket", 1, timed=True)
+    assert r["measured_exposed_ms"] == 3.0 and r["measured_after_slowest_ms"] == 1.0 and p.phase == "done"
+    untimed = _TwoRanks()
+    r = p.report(untimed, "1 bucket", 1, timed=False)
+    assert untimed.calls == 0 and r["measured_exposed_ms"] is None and r["measured_after_slowest_ms"] is None

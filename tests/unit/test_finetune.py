@@ -120,12 +120,12 @@ def test_mismatched_names_are_listed_and_counted(pretrained, tmp_path):
 
 
 def test_a_missing_weights_file_is_reported_before_anything_is_built(cfg, tmp_path, capsys, monkeypatch):
-    import dptrain.train as train
+    import dptrain.run as run_module
 
     def never(*a, **k):
         raise AssertionError("built a process group before checking --weights PATH")
 
-    monkeypatch.setattr(train.Communicator, "from_env", never)
+    monkeypatch.setattr(run_module.Communicator, "from_env", never)
     assert main(["train", "--config", cfg, "--weights", str(tmp_path / "w.pt"), *_sets(tmp_path / "run")]) == 2
     assert "w.pt': no such file; pass a dptrain snapshot_iter_<N>.pt or a file saved with" in _one_error_line(capsys)
     assert main(["test", "--config", cfg, "--weights", str(tmp_path / "w.pt"), *_sets(tmp_path / "run")]) == 2

@@ -38,8 +38,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dptrain",),
 )
 """Components from the top layer down (STYLE.md section 1: ``train -> {reducer, solver, data,
-models} -> {comm, precision, kernels, buckets} -> config``; nothing imports ``train``, and only
-the entry points above it import ``cli`` and ``bench``). A component is a top-level module or
+models} -> {comm, precision, kernels, buckets} -> config``; only ``run`` and the tools above it
+import ``train``, and only the entry points above them import ``cli`` and ``bench``). A component is a top-level module or
 subpackage of dptrain. It may import components of lower layers only: not its own layer's
 others (so ``data`` never reaches ``reducer`` or ``optimizer``) and not a higher one. Modules
 inside one component (``dptrain.data.*``) may import each other; the cycle test covers them.
