@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dptrain.build import pick_device
 from dptrain.comm import Communicator
 from dptrain.config import TrainConfig, config_hash
 from dptrain.errors import ConfigError
@@ -30,7 +31,7 @@ from dptrain.precision import cpu_native_support
 from dptrain.provenance import git_commit
 from dptrain.topology import Topology
 from dptrain.trace import NullTracer, Tracer
-from dptrain.train import Trainer, pick_device
+from dptrain.train import Trainer
 
 PHASES = ("data_wait", "forward", "backward", "exposed_comm", "update")
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dptrain.build import pick_device
 from dptrain.checkpoint import RunDir, resolve_resume
 from dptrain.comm import Communicator
 from dptrain.config import TrainConfig
@@ -18,7 +19,7 @@ from dptrain.control import StopFlag
 from dptrain.errors import ConfigError, RankFailure, first_line
 from dptrain.topology import Topology
 from dptrain.trace import Tracer
-from dptrain.train import Trainer, pick_device
+from dptrain.train import Trainer
 from dptrain.weights import check_weights_path, load_weights
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dptrain.bench", "dptrain.plot", "dptrain.score"),
     ("dptrain.run",),
     ("dptrain.train",),
-    ("dptrain.weights",),
+    ("dptrain.weights", "dptrain.build"),
     ("dptrain.reducer", "dptrain.optimizer", "dptrain.checkpoint", "dptrain.control", "dptrain.data",
      "dptrain.layout"),
     ("dptrain.nccl_cupy", "dptrain.precision", "dptrain.straggler", "dptrain.overflow",

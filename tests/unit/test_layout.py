@@ -23,8 +23,9 @@ def test_auto_rule_and_overrides():
 def test_a_model_with_a_convolution_torch_breaks_on_in_nhwc_stays_nchw_on_the_cpu(caplog, tmp_path):
     """torch 2.13's CPU NHWC backward of a 1x1 stride-2 convolution with < 8 input channels corrupts
     the heap: ResNet-18 CIFAR at width 4 has one (its first projection shortcut), width 8 does not."""
+    from dptrain.build import nhwc_hazards
     from dptrain.config import load_config
-    from dptrain.train import Trainer, nhwc_hazards
+    from dptrain.train import Trainer
 
     narrow = nhwc_hazards(load_config(None, ["model.name=resnet18_cifar", "model.width=4"]), 3)
     assert narrow == ["layer2.0.downsample.0"]
