@@ -85,9 +85,8 @@ def run(out: Path, repeats: int, steps: int = TIMED_STEPS, phase_steps: int = PH
     out.mkdir(parents=True, exist_ok=True)
     from collective_bench import measure_allreduce
 
-    earlier = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines() if x.strip()] \
-        if (out / "runs.jsonl").exists() else []
-    windows = {(r.get("steps", TIMED_STEPS), r.get("phase_steps", PHASE_STEPS)) for r in earlier}
+    earlier = _read_jsonl(out / "runs.jsonl")
+    windows = {_window(r) for r in earlier}
     if windows - {(steps, phase_steps)}:
         raise SystemExit(f"{out}/runs.jsonl holds runs of (steps, phase steps) {sorted(windows)}: add repeats with "
                          "the same --steps and --phase-steps, or use another --dir")
@@ -137,12 +136,14 @@ def predict(profile: sm.Profile, sizes: list[int], cost: LinearCost, contention:
 
 
 def report(d: Path) -> str:
-    runs = [json.loads(x) for x in (d / "runs.jsonl").read_text().splitlines() if x.strip()]
+    runs = _read_jsonl(d / "runs.jsonl")
+    windows = sorted({_window(r) for r in runs})  # one, unless the dir predates run()'s check
+    steps, phase_steps = ("/".join(str(w[i]) for w in windows) for i in (0, 1))
     med = _median_runs(runs)
     profiles, costs = {}, {}
     plans = {k: [b.nbytes for b in sm.profile_from_trace(json.loads((d / m["traces"][0]).read_text())).buckets]
              for k, m in med.items()}  # each run's bucket sizes: a function of its cap, read off its trace
-    bench = [json.loads(x) for x in (d / "collectives.jsonl").read_text().splitlines() if x.strip()]
+    bench = _read_jsonl(d / "collectives.jsonl")
     for world in WORLD_SIZES:
         fit = med[(world, _profile_cap(world))]
         traced = sm.profile_from_trace(json.loads((d / fit["traces"][0]).read_text()),
@@ -189,10 +190,10 @@ def report(d: Path) -> str:
             err(w, k, rates[w], cv, scales[w], ("step",)) for w in (2, 3)))
     costs = {w: (_scaled(c, *scales[w]) if w in scales else c) for w, c in costs.items()}
     out = [f"# Scaling model on measured gloo runs ({datetime.date.today():%Y-%m-%d})", "",
-           f"`python benchmarks/scaling_calibrate.py --run --dir {d} --repeats N --steps {_counts(runs, 'steps', TIMED_STEPS)} "
-           f"--phase-steps {_counts(runs, 'phase_steps', PHASE_STEPS)}` then `--report`. ResNet-18 CIFAR "
-           f"width 32, batch 32 per solver, fp32, synthetic data, `dptrain bench` ({_counts(runs, 'steps', TIMED_STEPS)} timed steps, "
-           f"{_counts(runs, 'phase_steps', PHASE_STEPS)} phase-timed steps), median over {max(v['n'] for v in med.values())} round-robin repeats; 2-core VM.",
+           f"`python benchmarks/scaling_calibrate.py --run --dir {d} --repeats N --steps {steps} "
+           f"--phase-steps {phase_steps}` then `--report`. ResNet-18 CIFAR "
+           f"width 32, batch 32 per solver, fp32, synthetic data, `dptrain bench` ({steps} timed steps, "
+           f"{phase_steps} phase-timed steps), median over {max(v['n'] for v in med.values())} round-robin repeats; 2-core VM.",
            "", "Rank 0's wait after backward is split step by step (`straggler.StragglerMonitor.line_up`) into "
            "**comm after slowest**, the least wait over the ranks (the rank that ended backward last waits only for "
            "the communication left: the model's exposed communication), and **skew**, rank 0's wait beyond it (its "
@@ -245,9 +246,13 @@ def report(d: Path) -> str:
     return "\n".join(out)
 
 
-def _counts(runs: list[dict[str, Any]], key: str, default: int) -> str:
-    """The step counts the runs used (older records lack phase_steps: they ran the default)."""
-    return "/".join(str(n) for n in sorted({int(r.get(key, default)) for r in runs}))
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def _window(run: dict[str, Any]) -> tuple[int, int]:
+    """(timed steps, phase-timed steps) of a run record (older records lack phase_steps: they ran the default)."""
+    return int(run.get("steps", TIMED_STEPS)), int(run.get("phase_steps", PHASE_STEPS))
 
 
 def _scaled(c: LinearCost, alpha_x: float, beta_x: float) -> LinearCost:

@@ -313,13 +313,13 @@ def torchrun_main(argv: list[str] | None = None) -> int:
         run(argv)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in sorted(e.failures.items())}
-        print(failure_summary(codes), file=sys.stderr)
+        say(failure_summary(codes))
         if EXIT_USER_ERROR in codes.values():
             return EXIT_USER_ERROR
         first = next(iter(codes.values()))
         return first if 0 < first < 256 else 1
     except SignalException as e:
-        print(f"dptrain: launcher got {e.sigval.name}; the solvers were told to snapshot and stop", file=sys.stderr)
+        say(f"dptrain: launcher got {e.sigval.name}; the solvers were told to snapshot and stop")
         return 128 + int(e.sigval)
     return 0
 

@@ -58,15 +58,18 @@ def resolve_channels_last(setting: bool | Literal["auto"], storage: str, device:
     hazards = hazards if device.type == "cpu" else None
     if setting != "auto":
         if setting and hazards:
-            log.warning("model.channels_last = true on the CPU: torch's NHWC backward of %s (a 1x1 convolution "
-                        "with stride > 1 and fewer than %d input channels) is known to corrupt the heap; set "
-                        "model.channels_last = \"auto\" or false if the run crashes", hazards[0], HAZARD_MIN_IN_CHANNELS)
+            log.warning("model.channels_last = true on the CPU: %s is known to corrupt the heap; set "
+                        "model.channels_last = \"auto\" or false if the run crashes", _hazard(hazards))
         return bool(setting)
     if device.type == "cuda":
         return storage in ("fp16", "bf16")
     nhwc = CPU_FP32_CHANNELS_LAST if storage == "fp32" else cpu_native_support(storage)
     if nhwc and hazards:
-        log.info("model.channels_last = auto: NCHW, because torch's CPU NHWC backward of %s (a 1x1 convolution "
-                 "with stride > 1 and fewer than %d input channels) corrupts the heap", hazards[0], HAZARD_MIN_IN_CHANNELS)
+        log.info("model.channels_last = auto: NCHW, because %s corrupts the heap", _hazard(hazards))
         return False
     return nhwc
+
+
+def _hazard(hazards: list[str]) -> str:
+    return (f"torch's CPU NHWC backward of {hazards[0]} (a 1x1 convolution with stride > 1 and fewer than "
+            f"{HAZARD_MIN_IN_CHANNELS} input channels)")
