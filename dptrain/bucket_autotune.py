@@ -24,6 +24,14 @@ for n gradients (then one O(n^2) level per bucket of the answer, for the fewest 
 latest ready time among the first j gradients and S_j their bytes. It is exact for this
 model: a bucket's end is non-decreasing in the previous bucket's end, so the earliest end
 of each prefix is all a later choice needs.
+
+Contention: an allreduce that overlaps backward also takes from it (NCCL's kernels take SMs
+and HBM bandwidth; gloo's threads take the cores of a CPU host). With ``contention`` kappa > 0
+the planner minimises what the communication adds to the step, as the scaling model adds it:
+``exposed + kappa * overlapped`` (:func:`comm_cost_ms`). Where kappa reaches the overlap rate
+an overlapped millisecond costs backward as much as it moves the allreduce, and the plan with
+the least total allreduce time (fewest buckets) is best; the Reducer's probe measures kappa
+as the backward time its overlap adds.
 """
 from __future__ import annotations
 
@@ -115,12 +123,14 @@ def simulate_overlap(ready_ms: Sequence[float], nbytes: Sequence[float], backwar
 
 
 def plan_cuts(ready_ms: Sequence[float], nbytes: Sequence[float], cost: CostFn, backward_ms: float = math.inf,
-              overlap_rate: float = 1.0) -> tuple[int, ...]:
+              overlap_rate: float = 1.0, contention: float = 0.0) -> tuple[int, ...]:
     """Indices where buckets start (the first is 0) over gradients in ready order; see the module docstring.
 
-    Two passes over the cost matrix ``C[i, j] = cost(bytes of gradients i..j-1)``: the earliest
-    end E over any bucket count, then levels ``f_k`` (earliest end of each prefix with exactly k
-    buckets, exact by the same argument) until ``f_k(n)`` reaches E: the fewest buckets that do.
+    Without contention: two passes over the cost matrix ``C[i, j] = cost(bytes of gradients
+    i..j-1)``: the earliest end E over any bucket count, then levels ``f_k`` (earliest end of
+    each prefix with exactly k buckets, exact by the same argument) until ``f_k(n)`` reaches E:
+    the fewest buckets that do. With ``contention`` > 0 (and a finite backward) the objective
+    is the step time the communication costs, :func:`comm_cost_ms` (:func:`_plan_with_contention`).
     """
     n = len(ready_ms)
     if n == 0 or len(nbytes) != n:
@@ -130,6 +140,9 @@ def plan_cuts(ready_ms: Sequence[float], nbytes: Sequence[float], cost: CostFn, 
     c = np.full((n + 1, n + 1), np.inf)  # c[i, j]: one bucket of gradients i..j-1
     for i in range(n):
         c[i, i + 1:] = [cost(prefix[j] - prefix[i]) for j in range(i + 1, n + 1)]
+    if contention > 0 and math.isfinite(backward_ms):
+        return _plan_with_contention(np.minimum(ready, backward_ms), c, backward_ms, overlap_rate,
+                                     min(contention, overlap_rate))
     best = np.zeros(n + 1)  # earliest end of each prefix, any bucket count
     for j in range(1, n + 1):
         best[j] = np.min(finish_ms(np.maximum(ready[j - 1], best[:j]), c[:j, j], backward_ms, overlap_rate))
@@ -146,6 +159,65 @@ def plan_cuts(ready_ms: Sequence[float], nbytes: Sequence[float], cost: CostFn, 
         j = int(starts[k][j - 1])
         cuts.append(j)
     return tuple(reversed(cuts))
+
+
+def comm_cost_ms(o: Overlap, backward_ms: float, contention: float) -> float:
+    """What the communication adds to a step: the exposed part plus the backward time the
+    overlapped part takes (``contention`` ms per ms of overlap), as ``scaling_model.simulate_step``
+    adds them."""
+    return max(0.0, o.comm_end_ms - backward_ms) + contention * o.overlapped_ms
+
+
+def _plan_with_contention(ready: np.ndarray, c: np.ndarray, backward_ms: float, rate: float,
+                          kappa: float) -> tuple[int, ...]:
+    """Cuts that minimise :func:`comm_cost_ms`; on a tie the fewest buckets among the plans the
+    pruning kept, then the earliest end.
+
+    With the channel free at ``e`` after a prefix, the rest's least cost is non-decreasing in
+    ``e`` when ``kappa <= rate`` (the caller caps it there: above it an overlapped ms costs
+    backward more than it moves, and a plan can only cut, not hold a launch back, so the best it
+    can do is the least total allreduce time, which the cap gives). Proof sketch: once every
+    gradient is ready the channel runs without a gap, so for a fixed rest with end ``E >= B``,
+    ``exposed = W - rate * O`` (W: its allreduce time at full speed, O: its overlapped wall time)
+    and its cost is ``(kappa / rate) * W + (1 - kappa / rate) * (E - B)``, with E non-decreasing
+    in e; it is ``kappa * W / rate`` when it ends inside backward. So a prefix state that
+    another ends no earlier than and overlaps no less than can be dropped, and the dynamic
+    programme over each prefix's non-dominated (end, overlapped ms) states is exact in cost
+    (``tests/unit/test_bucket_autotune.py`` checks it against brute force). Keeping the bucket
+    count as a third dimension would make it exact in the tie-break as well, at about ten times
+    the states; with a latency per allreduce a plan with more buckets costs more, so the ties it
+    would break hardly arise.
+    """
+    n = len(ready)
+    # every kept state of every prefix so far: end, overlapped ms, buckets, prefix length, parent state
+    end, over = np.zeros(1), np.zeros(1)
+    buckets, length, parent = np.zeros(1, dtype=int), np.zeros(1, dtype=int), np.full(1, -1)
+    for j in range(1, n + 1):  # the states of prefix j: one more bucket after any state of a shorter prefix
+        start = np.maximum(ready[j - 1], end)
+        e = np.asarray(finish_ms(start, c[length, j], backward_ms, rate), dtype=float).reshape(-1)
+        o = over + np.maximum(0.0, np.minimum(e, backward_ms) - start)
+        keep = _non_dominated(e, o, buckets + 1)
+        end, over = np.r_[end, e[keep]], np.r_[over, o[keep]]
+        buckets, length = np.r_[buckets, buckets[keep] + 1], np.r_[length, np.full(len(keep), j)]
+        parent = np.r_[parent, keep]
+    last = np.flatnonzero(length == n)
+    objective = np.maximum(0.0, end[last] - backward_ms) + kappa * over[last]
+    near = objective <= np.min(objective) + 1e-9 * max(1.0, float(np.min(objective)))
+    s = int(last[np.lexsort((end[last], buckets[last], ~near))[0]])
+    cuts = []
+    while parent[s] >= 0:
+        s = int(parent[s])
+        cuts.append(int(length[s]))
+    return tuple(reversed(cuts))
+
+
+def _non_dominated(end: np.ndarray, overlapped: np.ndarray, buckets: np.ndarray) -> np.ndarray:
+    """Indices of the states that no other state beats or equals in both end and overlapped time
+    (of equal ones, the one with the fewest buckets)."""
+    order = np.lexsort((buckets, overlapped, end))
+    o = overlapped[order]
+    run = np.minimum.accumulate(o)
+    return order[np.r_[True, o[1:] < run[:-1]]]
 
 
 def buckets_of(ready_ms: Sequence[float], nbytes: Sequence[float],
@@ -191,11 +263,16 @@ class AutoDecision:
     """Why the fit fell back to the median allreduce time ("" when it did not)."""
     overlap_rate: float = 1.0
     """Fitted so the model reproduces the probe's measured exposed communication (see the module docstring)."""
+    contention: float = 0.0
+    """Backward ms lost per ms of overlapped allreduce: the probe's backward stretch over the overlap the
+    model gives the probe plan (0 without a measured stretch); the planner weighs it up to ``overlap_rate``."""
+    predicted_contention_ms: float = 0.0
+    """``contention`` times the chosen plan's overlapped allreduce time."""
 
 
 def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str, list[float]],
                 backward_ms: Sequence[float], collectives: Sequence[tuple[int, float]],
-                probe_exposed_ms: Sequence[float]) -> AutoDecision:
+                probe_exposed_ms: Sequence[float], stretch_ms: float | None = None) -> AutoDecision:
     """The auto plan from probe measurements: medians over the probe iterations, a cost fit, the cuts.
 
     ``order``: every parameter, ready ones first; ``ready_ms``: per parameter, its ready time
@@ -204,9 +281,11 @@ def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str
     time over the ranks: a rank that launched it early also waits for the last one); the fit takes
     the median time per size (a long tail on a shared host), and a time <= 0 is left out;
     ``probe_exposed_ms``: the probe plan's exposed communication per iteration, which the
-    overlap rate is fitted to reproduce. If the fit fails (fewer
-    than two sizes, or times that do not grow with size), every bucket is priced at the median
-    allreduce time, which merges buckets as far as the timeline allows.
+    overlap rate is fitted to reproduce; ``stretch_ms``: how much longer backward took with the
+    probe's allreduces overlapped than with them held until it ended, which the contention is
+    fitted to (None: not measured, contention 0). If the cost fit fails (fewer than two sizes,
+    or times that do not grow with size), every bucket is priced at the median allreduce time,
+    which merges buckets as far as the timeline allows.
     """
     bwd = median(backward_ms)
     ready = [median(ready_ms[n]) if ready_ms.get(n) else bwd for n in order]
@@ -221,6 +300,9 @@ def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str
     measured = median(probe_exposed_ms)
     probe = ready, [float(b) for b in sizes]  # the probe plan: a bucket per parameter
     rate = min(OVERLAP_RATES, key=lambda r: abs(simulate_overlap(*probe, bwd, cost, r).exposed_ms - measured))
-    cuts = plan_cuts(ready, sizes, cost, bwd, rate)
+    overlapped = simulate_overlap(*probe, bwd, cost, rate).overlapped_ms
+    kappa = min(1.0, max(0.0, stretch_ms / overlapped)) if stretch_ms is not None and overlapped > 0 else 0.0
+    cuts = plan_cuts(ready, sizes, cost, bwd, rate, kappa)
     pred = simulate_overlap(*buckets_of(ready, sizes, cuts), bwd, cost, rate)
-    return AutoDecision(list(order), list(cuts), cost, len(timed), bwd, pred.exposed_ms, measured, note, rate)
+    return AutoDecision(list(order), list(cuts), cost, len(timed), bwd, pred.exposed_ms, measured, note, rate,
+                        kappa, kappa * pred.overlapped_ms)

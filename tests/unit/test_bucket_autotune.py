@@ -12,6 +12,7 @@ import pytest
 from dptrain.bucket_autotune import (
     LinearCost,
     buckets_of,
+    comm_cost_ms,
     decide_plan,
     expected_max_normal,
     finish_ms,
@@ -63,6 +64,47 @@ def test_plan_cuts_by_hand():
     assert plan_cuts([0.0, 0.0], [1e6, 1e6], LinearCost(0.0, 1.0)) == (0,)
     with pytest.raises(ValueError, match="one ready time per gradient"):
         plan_cuts([1.0], [], cost)
+
+
+def test_contention_weighs_the_overlap_against_the_exposed_communication():
+    # test_plan_cuts_by_hand's timeline, backward ends at 10 ms. [0..2] 3 -> 8, [3] 10 -> 13: exposed 3,
+    # overlapped 5, so 3 + 5 kappa. One bucket 10 -> 16: exposed 6, nothing overlapped. A bucket per gradient:
+    # exposed 3, overlapped 9. Two buckets win while 3 + 5 kappa < 6, i.e. kappa < 0.6.
+    ready, mb, cost = [1.0, 2.0, 3.0, 10.0], [1e6] * 4, LinearCost(2.0, 1.0)
+    assert plan_cuts(ready, mb, cost, 10.0, 1.0, 0.0) == plan_cuts(ready, mb, cost, 10.0, 1.0, 0.5) == (0, 3)
+    assert plan_cuts(ready, mb, cost, 10.0, 1.0, 0.8) == (0,)
+    o = simulate_overlap(*buckets_of(ready, mb, (0, 3)), 10.0, cost)
+    assert comm_cost_ms(o, 10.0, 0.5) == pytest.approx(5.5)
+    # contention at the overlap rate: an overlapped ms costs what it saves, so the least total allreduce
+    # time wins (one bucket, 6 ms); above the rate the planner caps it there (a plan cannot hold launches)
+    assert plan_cuts(ready, mb, cost, 10.0, 1.0, 1.0) == plan_cuts(ready, mb, cost, 10.0, 1.0, 3.0) == (0,)
+    # no finite backward: nothing is exposed, so contention is not weighed
+    assert plan_cuts(ready, mb, cost, math.inf, 1.0, 0.8) == plan_cuts(ready, mb, cost)
+
+
+def _brute_force_cost(ready: list[float], nbytes: list[float], cost: LinearCost, backward: float, rate: float,
+                      kappa: float) -> float:
+    n, best = len(ready), math.inf
+    for mask in itertools.product([False, True], repeat=n - 1):
+        cuts = [0, *(i + 1 for i, cut in enumerate(mask) if cut)]
+        o = simulate_overlap(*buckets_of(ready, nbytes, cuts), backward, cost, rate)
+        best = min(best, comm_cost_ms(o, backward, min(kappa, rate)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_cuts_with_contention_matches_brute_force_on_random_timelines(seed):
+    rng = random.Random(100 + seed)
+    n = rng.randint(2, 9)
+    ready = sorted(rng.uniform(0, 20) for _ in range(n))
+    backward = max(ready) + rng.choice([0.0, 5.0])
+    nbytes = [rng.choice([4e2, 4e4, 1e6, 4e6, 1.6e7]) for _ in range(n)]
+    cost = LinearCost(rng.choice([0.0, 0.05, 0.5, 3.0]), rng.choice([0.1, 0.5, 2.0]))
+    rate, kappa = rng.choice([1.0, 0.5, 0.1]), rng.choice([0.05, 0.15, 0.4, 0.9])
+    cuts = plan_cuts(ready, nbytes, cost, backward, rate, kappa)
+    o = simulate_overlap(*buckets_of(ready, nbytes, cuts), backward, cost, rate)
+    assert comm_cost_ms(o, backward, min(kappa, rate)) == pytest.approx(
+        _brute_force_cost(ready, nbytes, cost, backward, rate, kappa), abs=1e-9)
 
 
 def test_finish_at_a_lower_rate_while_backward_runs():
@@ -121,6 +163,26 @@ def test_decide_plan_from_a_synthetic_probe():
     # model says 6) fits a low overlap rate, and the plan then merges what would only wait anyway
     slow = decide_plan(order, nbytes, ready, [10.0], comm, [14.5])
     assert slow.overlap_rate < 0.2 and len(slow.cuts) <= 2
+    assert slow.contention == 0.0 and slow.predicted_contention_ms == 0.0  # no backward stretch measured
+
+
+def test_decide_plan_fits_the_contention_on_the_backward_stretch():
+    # test_decide_plan_from_a_synthetic_probe's probe: rate 1 (a bucket per parameter at 3 ms each: 1 -> 4,
+    # 4 -> 7, 7 -> 10, then 10 -> 16 after backward; exposed 6 is the closest to the measured 5), so the
+    # probe overlapped 9 ms. A backward stretch of 4.5 ms: contention 0.5, and [a b c] [d unused] still wins
+    # (exposed 4 + 0.5 * 5 overlapped = 6.5 ms; one bucket 10 -> 17: 7 ms), predicting 2.5 ms of stretch
+    order = ["a", "b", "c", "d", "unused"]
+    nbytes = {n: 1_000_000 for n in order}
+    ready = {"a": [1.0], "b": [2.0], "c": [3.0], "d": [10.0]}
+    comm = [(b, 2.0 + b / 1e6) for b in (40, 4_000, 1_000_000, 2_000_000)]
+    d = decide_plan(order, nbytes, ready, [10.0], comm, [5.0], stretch_ms=4.5)
+    assert d.overlap_rate == 1.0 and d.contention == pytest.approx(0.5) and d.cuts == [0, 3]
+    assert (d.predicted_exposed_ms, d.predicted_contention_ms) == pytest.approx((4.0, 2.5))
+    # a stretch of 9 ms: every overlapped ms cost a backward ms, so one bucket after backward
+    d = decide_plan(order, nbytes, ready, [10.0], comm, [5.0], stretch_ms=9.0)
+    assert d.contention == pytest.approx(1.0) and d.cuts == [0] and d.predicted_contention_ms == 0.0
+    # backward ran faster with the overlap (noise): no contention
+    assert decide_plan(order, nbytes, ready, [10.0], comm, [5.0], stretch_ms=-2.0).contention == 0.0
 
 
 def test_expected_max_of_normals():
