@@ -1,6 +1,8 @@
 """``dptrain bench``: training throughput with a per-phase breakdown, as one JSON line.
 
-Three stages: ``warmup`` untimed steps; ``steps`` timed steps (a device sync closes each
+Three stages: ``warmup`` untimed steps (with ``reducer.bucket_mb = "auto"``, as many more as
+its probe and check take, so the chosen plan is what is timed; ``warmup`` in the record counts
+them); ``steps`` timed steps (a device sync closes each
 step, so step times are real); then ``phase_steps`` steps timed phase by phase
 (``trace.PhaseTimer``: host times on the CPU, CUDA events on the compute stream on a GPU,
 which do not disturb the overlap), giving data_wait, forward, backward, exposed_comm (the
@@ -14,6 +16,7 @@ Throughput figures come from the untimed-phase steps only.
 """
 from __future__ import annotations
 
+import logging
 import math
 import platform
 import resource
@@ -32,6 +35,8 @@ from dptrain.provenance import git_commit
 from dptrain.topology import Topology
 from dptrain.trace import NullTracer, Tracer
 from dptrain.train import Trainer
+
+log = logging.getLogger(__name__)
 
 PHASES = ("data_wait", "forward", "backward", "exposed_comm", "update")
 
@@ -94,6 +99,13 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         trainer.time_phases(False)
         for _ in range(warmup):
             trainer.train_step()
+        extra = 0
+        while trainer.reducer.auto_pending:  # time the chosen plan, not the probe (every rank alike)
+            trainer.train_step()
+            extra += 1
+        if extra and comm.rank == 0:
+            log.info("bench: %d more warm-up step(s) until the auto bucket plan was chosen and checked", extra)
+        warmup += extra
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

@@ -1,19 +1,23 @@
 """The measuring side of ``reducer.bucket_mb = "auto"``: what the Reducer's probe records, and
 how the ranks' records become the planner's inputs (:mod:`dptrain.bucket_autotune` plans).
 
-After ``AUTO_WARMUP_ITERS`` synced iterations, ``AUTO_PROBE_ITERS`` more run with one bucket
-per parameter while the probe records when each gradient is ready and how long each
-allreduce is served (from its launch, or from the end of the one before it on the channel,
-to its end). On the rank that launched a collective last that is its cost alone; on the
+After ``AUTO_WARMUP_ITERS`` synced iterations, ``2 * AUTO_PROBE_ITERS`` more run with one
+bucket per parameter. In every other one (the odd ones) the probe records when each gradient
+is ready and how long each allreduce is served (from its launch, or from the end of the one
+before it on the channel, to its end). The even ones *hold* their allreduces until backward
+has ended: the backward time the overlap adds (the overlapped iterations' median backward less
+the held ones') is the contention, which the planner weighs against the communication the
+overlap hides (alternated, so a drift of the host's speed falls on both alike). On the rank that launched a collective last that is its cost alone; on the
 others it also holds their wait for that rank, so the ranks keep the least over them
 (:func:`least_over_ranks`). Likewise the least wait after backward over the ranks is the
 communication left after the slowest rank's backward, which is what the overlap model
 predicts. Rank 0 fits ``alpha + beta * bytes`` to the median service time per size, fits the
-overlap rate on that wait, plans the bucket boundaries over its median ready times and
+overlap rate on that wait, the contention on the ranks' median backward stretch, plans the
+bucket boundaries over its median ready times and
 broadcasts the gradient order and the cuts; every rank re-lays out its buffers at the same
 iteration (as ``replan`` does) and the plan digests are compared again. The next
-``AUTO_PROBE_ITERS`` iterations measure the chosen plan's exposed communication, logged
-beside the prediction.
+``AUTO_PROBE_ITERS`` iterations measure the chosen plan's exposed communication and backward
+stretch, logged beside the predictions.
 """
 from __future__ import annotations
 
@@ -31,7 +35,10 @@ from dptrain.trace import now_us
 AUTO_WARMUP_ITERS = 1
 """Synced iterations the auto plan ignores: the first pays allocator and kernel-selection costs no later one pays."""
 AUTO_PROBE_ITERS = 3
-"""Synced iterations timed per phase of the auto plan (probe, then check); medians over them."""
+"""Synced iterations timed per kind of the auto plan's iterations (probe overlapped, probe held,
+check); medians over them."""
+AUTO_DECISION_ITER = AUTO_WARMUP_ITERS + 2 * AUTO_PROBE_ITERS
+"""The synced iteration at whose end the plan is decided and applied."""
 PROBE_CAP_MB = 1e-9
 """Caps below any parameter's size: one bucket per parameter while probing, so every gradient's
 ready time and a spread of message sizes (biases to the largest weight) are measured."""
@@ -48,6 +55,7 @@ class AutoProbe:
     ready_ms: dict[str, list[float]] = field(default_factory=dict)
     service: list[list[float]] = field(default_factory=list)  # per probe iteration, per bucket: service ms
     backward_ms: list[float] = field(default_factory=list)
+    held_backward_ms: list[float] = field(default_factory=list)  # probe iterations that held their allreduces
     exposed_ms: list[float] = field(default_factory=list)
     decision: AutoDecision | None = None
 
@@ -58,7 +66,13 @@ class AutoProbe:
     @property
     def decision_due(self) -> bool:
         """The probe has all its iterations: the plan is decided now (collective)."""
-        return self.probing and self.synced == AUTO_WARMUP_ITERS + AUTO_PROBE_ITERS
+        return self.probing and self.synced == AUTO_DECISION_ITER
+
+    @property
+    def holding(self) -> bool:
+        """The coming synced iteration launches no allreduce before its backward ends."""
+        t = self.synced + 1 - AUTO_WARMUP_ITERS  # the coming iteration's number in the probe phase
+        return self.probing and t >= 1 and t % 2 == 0
 
     def start_backward(self) -> None:
         self.ready, self.t0_us = {}, now_us()
@@ -78,14 +92,19 @@ class AutoProbe:
         idle channel (CUDA: the completion watcher's stamps are a poll apart, too coarse for the
         gap between two queued ones). A bucket without a positive service time gets ``inf``: no
         measurement, so another rank's value is the least (gloo's worker threads may end two
-        collectives out of order)."""
+        collectives out of order). A held iteration keeps only its backward time."""
+        held = self.holding
         self.synced += 1
         if self.synced <= AUTO_WARMUP_ITERS:
             return False
+        backward_ms = (backward_end_us - self.t0_us) / 1e3
+        if held:
+            self.held_backward_ms.append(backward_ms)
+            return False
         self.exposed_ms.append((done_us - backward_end_us) / 1e3)
+        self.backward_ms.append(backward_ms)
         if not self.probing:
             return len(self.exposed_ms) == AUTO_PROBE_ITERS
-        self.backward_ms.append((backward_end_us - self.t0_us) / 1e3)
         for name, t in self.ready.items():
             self.ready_ms.setdefault(name, []).append(t)
         service, prev_end = [math.inf] * n_buckets, 0.0
@@ -99,21 +118,28 @@ class AutoProbe:
         self.service.append(service)
         return False
 
-    def gathered(self, comm: Communicator, nbytes: Sequence[int]) -> tuple[list[tuple[int, float]], list[float]]:
+    def stretch_ms(self) -> float:
+        """The backward time this rank's overlap added: median overlapped less median held backward."""
+        return median(self.backward_ms) - median(self.held_backward_ms)
+
+    def gathered(self, comm: Communicator, nbytes: Sequence[int]) -> tuple[list[tuple[int, float]], list[float], float]:
         """(bytes, service ms) of every probed collective and the probe's wait after backward per
-        iteration, each the least over the ranks (collective); ``nbytes`` per probe bucket."""
+        iteration, each the least over the ranks, and the median over the ranks of their backward
+        stretch (collective); ``nbytes`` per probe bucket."""
         service = least_over_ranks(comm, self.service)
         collectives = [(b, t) for row in service for b, t in zip(nbytes, row) if math.isfinite(t)]
-        return collectives, least_over_ranks(comm, [self.exposed_ms])[0]
+        waits = gather_over_ranks(comm, [[*self.exposed_ms, self.stretch_ms()]])[:, 0]
+        return collectives, waits[:, :-1].min(dim=0).values.tolist(), median(waits[:, -1].tolist())
 
     def decide(self, order: Sequence[str], size_of: dict[str, int], collectives: list[tuple[int, float]],
-               after_slowest: list[float]) -> AutoDecision:
-        """Rank 0's plan: its own ready times and backward, the ranks' least costs and waits."""
-        return decide_plan(order, size_of, self.ready_ms, self.backward_ms, collectives, after_slowest)
+               after_slowest: list[float], stretch_ms: float) -> AutoDecision:
+        """Rank 0's plan: its own ready times and backward, the ranks' least costs and waits, their
+        median backward stretch."""
+        return decide_plan(order, size_of, self.ready_ms, self.backward_ms, collectives, after_slowest, stretch_ms)
 
     def switch(self, decision: AutoDecision) -> None:
         """The plan is applied: measure it next."""
-        self.phase, self.decision, self.exposed_ms = "check", decision, []
+        self.phase, self.decision, self.exposed_ms, self.backward_ms = "check", decision, [], []
 
     def report(self, comm: Communicator, plan_text: str, buckets: int, timed: bool) -> dict[str, float | int | str | None]:
         """The check phase's outcome (collective when ``timed``: on CUDA wait() does not block the host,
@@ -123,19 +149,27 @@ class AutoProbe:
         assert d is not None
         measured = median(self.exposed_ms) if timed else None
         least = median(least_over_ranks(comm, [self.exposed_ms])[0]) if timed else None
+        stretch = self.stretch_ms() if timed else None
         return {"plan": plan_text, "buckets": buckets,
                 "alpha_ms": round(d.cost.alpha_ms, 4), "beta_ms_per_mb": round(d.cost.beta_ms_per_mb, 4),
-                "overlap_rate": d.overlap_rate,
+                "overlap_rate": d.overlap_rate, "contention": round(d.contention, 3),
                 "predicted_exposed_ms": round(d.predicted_exposed_ms, 3),
+                "predicted_contention_ms": round(d.predicted_contention_ms, 3),
+                "measured_contention_ms": None if stretch is None else round(stretch, 3),
                 "measured_exposed_ms": None if measured is None else round(measured, 3),
                 "measured_after_slowest_ms": None if least is None else round(least, 3),
                 "probe_exposed_ms": round(d.probe_exposed_ms, 3)}
 
 
-def least_over_ranks(comm: Communicator, rows: list[list[float]]) -> list[list[float]]:
-    """Element by element, the least value over the ranks of a table every rank holds in the same
-    shape (collective; ``inf`` marks a missing value)."""
+def gather_over_ranks(comm: Communicator, rows: list[list[float]]) -> torch.Tensor:
+    """[world size, rows, columns]: every rank's table of the same shape (collective; on the host)."""
     t = torch.zeros(comm.world_size, len(rows), len(rows[0]) if rows else 0, dtype=torch.float64, device=comm.device)
     t[comm.rank] = torch.tensor(rows, dtype=torch.float64).reshape(t.shape[1:])
     comm.allreduce_sum_(t)  # each rank fills its own row, zeros elsewhere: an all-gather
-    return t.min(dim=0).values.cpu().tolist()
+    return t.cpu()
+
+
+def least_over_ranks(comm: Communicator, rows: list[list[float]]) -> list[list[float]]:
+    """Element by element, the least value over the ranks of a table every rank holds in the same
+    shape (collective; ``inf`` marks a missing value)."""
+    return gather_over_ranks(comm, rows).min(dim=0).values.tolist()

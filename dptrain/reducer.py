@@ -114,6 +114,7 @@ class Reducer:
         """(bucket index, time.perf_counter()) of each launch in the last synced backward."""
         self._lock = threading.Lock()  # hooks may run on autograd device threads
         self._active = False
+        self._holding = False  # auto probe: this backward launches nothing; wait() launches all
         self._warned_unused = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._host_completion = flat.groups[0].grads.device.type == "cpu"
@@ -177,6 +178,11 @@ class Reducer:
             "check that every rank builds the same model and [reducer] config"
         )
 
+    @property
+    def auto_pending(self) -> bool:
+        """``bucket_mb = "auto"`` has not yet chosen its plan and measured it (``auto_report`` is empty)."""
+        return self._auto is not None and self._auto.phase != "done"
+
     # ------------------------------------------------------------------ per micro-batch
 
     def begin(self, sync: bool, control: torch.Tensor | None = None) -> None:
@@ -200,6 +206,7 @@ class Reducer:
                 self.launch_log = []
                 if self._auto is not None and self._auto.phase != "done":
                     self._auto.start_backward()
+                    self._holding = self._auto.holding
 
     def _make_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
@@ -225,7 +232,7 @@ class Reducer:
             self._pending[b] -= 1
             if self._pending[b] == 0 and self.tracer.enabled:
                 self.tracer.instant("bucket_ready", bucket=b, bytes=self.plan.buckets[b].nbytes)
-            if self.world_size == 1:
+            if self.world_size == 1 or self._holding:
                 return
             while self._next_launch < len(self._pending) and self._pending[self._next_launch] == 0:
                 self._launch(self.plan.buckets[self._next_launch])
@@ -321,8 +328,9 @@ class Reducer:
                                    "last backward; gradients would not be reduced")
             self._active = False
             backward_end_us = now_us()
-            if self._next_launch < len(self.plan.buckets):
+            if self._next_launch < len(self.plan.buckets) and not self._holding:
                 self._warn_unused()
+            self._holding = False
             while self._next_launch < len(self.plan.buckets):
                 self._launch(self.plan.buckets[self._next_launch])
         for rec in self._launched:
@@ -403,12 +411,12 @@ class Reducer:
     def _auto_decide(self) -> None:
         """Rank 0 plans from the probe's timeline; every rank applies it now (collective)."""
         a = self._auto
-        collectives, after_slowest = a.gathered(self.comm, [b.nbytes for b in self.plan.buckets])
+        collectives, after_slowest, stretch = a.gathered(self.comm, [b.nbytes for b in self.plan.buckets])
         decision = None
         if self.comm.rank == 0:
             size_of = {s.name: s.padded_numel * g.elem_size for g in group_specs(self.flat) for s in g.segments}
             decision = a.decide(order_from_ready(self.flat.layout_order, list(self._ready)), size_of, collectives,
-                                after_slowest)
+                                after_slowest, stretch)
             if decision.fit_note:
                 log.warning("rank 0: reducer auto plan: %s; priced every bucket at the median allreduce time",
                             decision.fit_note)
@@ -419,20 +427,24 @@ class Reducer:
         if self.comm.rank == 0:
             c = decision.cost
             log.info("reducer auto plan: %s (probe: %s); allreduce cost %.3f ms + %.3f ms/MB fitted on %d "
-                     "collectives, overlap rate %.2f; backward %.2f ms; predicted exposed comm %.2f ms (probe plan "
-                     "measured %.2f ms after the slowest rank's backward)", self.plan.describe(), old, c.alpha_ms,
-                     c.beta_ms_per_mb, decision.collectives, decision.overlap_rate, decision.backward_ms,
-                     decision.predicted_exposed_ms, decision.probe_exposed_ms)
+                     "collectives, overlap rate %.2f, contention %.2f; backward %.2f ms; predicted exposed comm "
+                     "%.2f ms (probe plan measured %.2f ms after the slowest rank's backward) and contention %.2f ms",
+                     self.plan.describe(), old, c.alpha_ms, c.beta_ms_per_mb, decision.collectives,
+                     decision.overlap_rate, decision.contention, decision.backward_ms, decision.predicted_exposed_ms,
+                     decision.probe_exposed_ms, decision.predicted_contention_ms)
 
     def _auto_finish(self) -> None:
         r = self._auto.report(self.comm, self.plan.describe(), len(self.plan.buckets), self._host_completion)
         self.auto_report = r
         if self.comm.rank == 0:
+            def ms(key: str) -> str:
+                return "-" if r[key] is None else f"{r[key]:.2f}"
+
             log.info("reducer auto plan: exposed comm measured %s ms on rank 0, %s ms after the slowest rank's "
-                     "backward (medians of %d iterations) vs predicted %.2f ms",
-                     "-" if r["measured_exposed_ms"] is None else f"{r['measured_exposed_ms']:.2f}",
-                     "-" if r["measured_after_slowest_ms"] is None else f"{r['measured_after_slowest_ms']:.2f}",
-                     AUTO_PROBE_ITERS, r["predicted_exposed_ms"])
+                     "backward vs predicted %.2f ms; backward stretch measured %s ms vs predicted %.2f ms (medians "
+                     "of %d iterations)", ms("measured_exposed_ms"), ms("measured_after_slowest_ms"),
+                     r["predicted_exposed_ms"], ms("measured_contention_ms"), r["predicted_contention_ms"],
+                     AUTO_PROBE_ITERS)
 
     # ------------------------------------------------------------------ snapshot
 

@@ -11,7 +11,7 @@ from statistics import median
 import torch
 
 from dist_harness import run_ranks
-from dptrain.bucket_probe import AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
+from dptrain.bucket_probe import AUTO_DECISION_ITER, AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
 from dptrain.comm import Communicator
 from dptrain.config import load_config
 from dptrain.train import Trainer
@@ -19,7 +19,7 @@ from dptrain.train import Trainer
 BASE = ["model.name=resnet18_cifar", "model.width=4", "data.source=synthetic", "data.image_size=16",
         "data.batch_size=4", "solver.base_lr=0.01", "solver.lr_policy=fixed", "solver.display=0",
         "solver.momentum=0.9", "reducer.bucket_mb=auto"]
-STEPS = AUTO_WARMUP_ITERS + 2 * AUTO_PROBE_ITERS + 1
+STEPS = AUTO_DECISION_ITER + AUTO_PROBE_ITERS + 1
 LATE_S = 0.06
 """Rank 1's extra forward time in the straggler test: rank 0 waits that long in each iteration's first collective."""
 
@@ -36,7 +36,7 @@ def _auto_rank(rank: int, world: int, out: str) -> None:
     for _ in range(STEPS):
         auto.train_step()
         digests.append(auto.reducer.plan.digest())
-    switched = AUTO_WARMUP_ITERS + AUTO_PROBE_ITERS  # the plan changes at the end of this iteration
+    switched = AUTO_DECISION_ITER  # the plan changes at the end of this iteration
     assert len(set(digests[:switched - 1])) == 1 and digests[switched - 1] == digests[-1] != digests[0]
     state = auto.reducer.state_dict()
     assert state["bucket_cuts"] and state["bucket_cuts"][0] == 0
@@ -45,6 +45,8 @@ def _auto_rank(rank: int, world: int, out: str) -> None:
     assert report["buckets"] == len(auto.reducer.plan.buckets) and report["measured_exposed_ms"] >= 0
     assert report["predicted_exposed_ms"] >= 0 and report["beta_ms_per_mb"] >= 0
     assert 0 <= report["measured_after_slowest_ms"] <= report["measured_exposed_ms"]  # the least wait over the ranks
+    assert 0 <= report["contention"] <= 1 and report["predicted_contention_ms"] >= 0
+    assert report["measured_contention_ms"] is not None
 
     fixed = _trainer(f"{out}/fixed")
     fixed.reducer.load_state_dict(state)  # the same boundaries from iteration 1, no probe
@@ -78,10 +80,11 @@ def _late_rank(rank: int, world: int, out: str) -> None:
     record, gathered, seen = probe.record, probe.gathered, {}
     probe.record = lambda *a, **k: waits.append((a[3] - a[2]) / 1e3) or record(*a, **k)  # done - backward end
     probe.gathered = lambda *a: seen.setdefault("gathered", gathered(*a))
-    for _ in range(AUTO_WARMUP_ITERS + AUTO_PROBE_ITERS):
+    for _ in range(AUTO_DECISION_ITER):
         t.train_step()
     d = probe.decision
-    torch.save({"waits": waits[AUTO_WARMUP_ITERS:], "probe_ms": d.probe_exposed_ms,
+    overlapped = waits[AUTO_WARMUP_ITERS::2]  # every other probe iteration holds its allreduces
+    torch.save({"waits": overlapped, "probe_ms": d.probe_exposed_ms,
                 "own_service_ms": max(x for row in probe.service for x in row if x != float("inf")),
                 "collective_ms": max(ms for _, ms in seen["gathered"][0]),
                 "largest_ms": d.cost(max(b.nbytes for b in t.reducer.plan.buckets))}, Path(out) / f"late{rank}.pt")
@@ -100,3 +103,26 @@ def test_the_auto_plan_prices_collectives_and_the_exposed_comm_without_the_wait_
     assert r0["probe_ms"] <= median(r0["waits"]) - late_ms / 2, r0  # rank 1's wait: the communication alone
     assert r0["own_service_ms"] >= late_ms * 0.8, r0  # rank 0's first collective held the wait for rank 1 ...
     assert r0["collective_ms"] < late_ms / 2 and r0["largest_ms"] < late_ms / 2, r0  # ... the least over ranks not
+
+
+def _bench_rank(rank: int, world: int, out: str) -> None:
+    import dptrain.bench as bench
+
+    class Joined:  # the harness has initialised the process group: bench joins it instead of torchrun's
+        @staticmethod
+        def from_env(*_args, **_kwargs) -> Communicator:
+            return Communicator.from_initialized(torch.device("cpu"))
+
+    bench.Communicator = Joined
+    cfg = load_config(None, [*BASE, f"train.run_dir={json.dumps(out)}"])
+    rec = bench.run_bench(cfg, steps=2, warmup=1, phase_steps=0, trace=None)
+    if rank == 0:
+        Path(out, "bench.json").write_text(json.dumps(rec))
+
+
+def test_bench_times_the_auto_plan_after_its_probe_and_check(tmp_path):
+    run_ranks(2, _bench_rank, str(tmp_path))
+    rec = json.loads((tmp_path / "bench.json").read_text())
+    assert rec["warmup"] == AUTO_DECISION_ITER + AUTO_PROBE_ITERS  # 1 asked for, the rest until the check ended
+    auto = rec["auto_buckets"]
+    assert auto["buckets"] >= 1 and auto["measured_after_slowest_ms"] is not None and 0 <= auto["contention"] <= 1

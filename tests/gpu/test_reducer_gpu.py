@@ -154,7 +154,7 @@ def test_cupy_nccl_reducer_averages_and_overlaps_on_two_gpus():
 
 
 def _auto_rank(rank: int, world: int) -> None:
-    from dptrain.bucket_probe import AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
+    from dptrain.bucket_probe import AUTO_DECISION_ITER, AUTO_PROBE_ITERS
 
     device = torch.device("cuda", rank)
     comm = Communicator.from_initialized(device)
@@ -165,7 +165,7 @@ def _auto_rank(rank: int, world: int) -> None:
     for p in model.parameters():
         p.register_hook(lambda g, v=rank + 1: torch.full_like(g, v))
     x = torch.randn(64, 256, device=device, dtype=torch.float16)
-    for _ in range(AUTO_WARMUP_ITERS + 2 * AUTO_PROBE_ITERS):
+    for _ in range(AUTO_DECISION_ITER + AUTO_PROBE_ITERS):
         for g in flat.groups:
             g.grads.zero_()
         reducer.begin(sync=True)

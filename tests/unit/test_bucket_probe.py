@@ -8,14 +8,27 @@ import pytest
 
 import torch
 
-from dptrain.bucket_probe import AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS, AutoProbe, least_over_ranks
+from dptrain.bucket_probe import (
+    AUTO_DECISION_ITER,
+    AUTO_PROBE_ITERS,
+    AUTO_WARMUP_ITERS,
+    AutoProbe,
+    least_over_ranks,
+)
 
 
-def _probe_iteration(p: AutoProbe, launched, done_us: float, queued: bool = True) -> bool:
+def _probe_iteration(p: AutoProbe, launched, done_us: float, queued: bool = True,
+                     backward_end_us: float = 20_000.0) -> bool:
     p.start_backward()
     p.t0_us = 0.0  # backward starts at 0 us in these timelines
     p.ready = {"w": 3.0, "b": 1.0}
-    return p.record(launched, 3, backward_end_us=20_000.0, done_us=done_us, queued=queued)
+    return p.record(launched, 3, backward_end_us=backward_end_us, done_us=done_us, queued=queued)
+
+
+def _held_iteration(p: AutoProbe, backward_end_us: float = 16_000.0) -> None:
+    assert p.holding
+    assert not _probe_iteration(p, [(0, backward_end_us, backward_end_us + 5_000.0)], backward_end_us + 6_000.0,
+                                backward_end_us=backward_end_us)
 
 
 class _TwoRanks:
@@ -40,56 +53,72 @@ def test_service_time_starts_when_the_channel_is_free_and_unmeasured_buckets_are
     for _ in range(AUTO_WARMUP_ITERS):
         assert not _probe_iteration(p, launched, 26_500.0)
     assert p.service == [] and p.exposed_ms == []  # warm-up iterations are not kept
-    assert not _probe_iteration(p, launched, 26_500.0)
+    assert not p.holding and not _probe_iteration(p, launched, 26_500.0)
     assert p.service == [[10.0, 3.0, 6.0]]
     assert p.exposed_ms == [6.5] and p.backward_ms == [20.0] and p.ready_ms == {"w": [3.0], "b": [1.0]}
+    _held_iteration(p)  # every other probe iteration holds its allreduces: only its backward is kept
+    assert p.held_backward_ms == [16.0] and len(p.service) == 1 and p.exposed_ms == [6.5]
     # bucket 0 not stamped, bucket 2 stamped before bucket 1 (gloo's worker threads), bucket 1 never launched
     assert not _probe_iteration(p, [(0, 0.0, None), (2, 1_000.0, 4_000.0), (1, 2_000.0, 3_000.0)], 26_000.0)
     assert p.service[-1] == [math.inf, math.inf, 3.0]  # 1: no positive service time, so no measurement
+    _held_iteration(p, 17_000.0)
     # CUDA (queued=False): only collectives launched on an idle channel are priced
     assert not _probe_iteration(p, launched, 26_500.0, queued=False)
     assert p.service[-1] == [10.0, math.inf, 6.0]
+    _held_iteration(p, 18_000.0)
+    # overlapped backward 20 ms (median of 3), held 17 ms: the overlap stretched it by 3 ms
+    assert p.decision_due and p.stretch_ms() == pytest.approx(3.0)
 
 
 def test_the_least_over_the_ranks_drops_a_rank_s_wait_for_the_other_and_ignores_inf():
     rank1 = [[4.0, math.inf, 6.0]]
     assert least_over_ranks(_TwoRanks(rank1), [[60.0, 5.0, math.inf]]) == [[4.0, 5.0, 6.0]]
-    p = AutoProbe(service=[[60.0, 2.0], [61.0, math.inf]], exposed_ms=[70.0, 71.0])
-    comm = _TwoRanks([[1.5, math.inf], [1.6, math.inf]], [[9.0, 10.0]])
-    collectives, after_slowest = p.gathered(comm, [4_000_000, 1_000])
+    p = AutoProbe(service=[[60.0, 2.0], [61.0, math.inf]], exposed_ms=[70.0, 71.0], backward_ms=[30.0, 31.0],
+                  held_backward_ms=[28.0, 29.0])
+    comm = _TwoRanks([[1.5, math.inf], [1.6, math.inf]], [[9.0, 10.0, 4.0]])  # rank 1: waits, then its stretch
+    collectives, after_slowest, stretch = p.gathered(comm, [4_000_000, 1_000])
     assert collectives == [(4_000_000, 1.5), (1_000, 2.0), (4_000_000, 1.6)] and after_slowest == [9.0, 10.0]
+    assert stretch == pytest.approx(3.0)  # the median over the ranks of 2 ms (rank 0) and 4 ms (rank 1)
     assert comm.calls == 2  # the same two collectives on every rank
 
 
 def test_the_decision_is_due_after_the_probe_and_the_check_ends_after_as_many_iterations():
     p = AutoProbe()
     launched = [(0, 0.0, 1_000.0)]
-    for _ in range(AUTO_WARMUP_ITERS + AUTO_PROBE_ITERS - 1):
+    held = []
+    for _ in range(AUTO_DECISION_ITER - 1):
+        held.append(p.holding)
         _probe_iteration(p, launched, 21_000.0)
         assert not p.decision_due
+    held.append(p.holding)
     _probe_iteration(p, launched, 21_000.0)
-    assert p.decision_due
+    assert p.decision_due and not p.holding
+    assert held == [False] * AUTO_WARMUP_ITERS + [False, True] * AUTO_PROBE_ITERS  # overlapped, held, ...
+    assert len(p.backward_ms) == len(p.held_backward_ms) == len(p.exposed_ms) == AUTO_PROBE_ITERS
     d = p.decide(["w", "b"], {"w": 4_000_000, "b": 1_000}, [(4_000_000, 4.0), (1_000, 0.1), (4_000_000, 4.2)],
-                 [1.0] * AUTO_PROBE_ITERS)
+                 [1.0] * AUTO_PROBE_ITERS, p.stretch_ms())
     assert d.order == ["w", "b"] and d.cuts[0] == 0 and d.collectives == 3
     assert d.cost.beta_ms_per_mb == pytest.approx(1.0, rel=0.1)  # 4 MB in ~4 ms
     p.switch(d)
-    assert not p.probing and not p.decision_due and p.exposed_ms == []
+    assert not p.probing and not p.decision_due and not p.holding and p.exposed_ms == p.backward_ms == []
     ends = [p.record([], 3, 20_000.0, 22_000.0) for _ in range(AUTO_PROBE_ITERS)]
     assert ends == [False] * (AUTO_PROBE_ITERS - 1) + [True] and p.exposed_ms == [2.0] * AUTO_PROBE_ITERS
 
 
 def test_the_report_gathers_only_where_the_host_timed_the_check():
     p = AutoProbe()
-    for _ in range(AUTO_WARMUP_ITERS + AUTO_PROBE_ITERS):
-        _probe_iteration(p, [(0, 0.0, 1_000.0)], 21_000.0)
+    for _ in range(AUTO_DECISION_ITER):
+        _probe_iteration(p, [(0, 0.0, 1_000.0)], 21_000.0, backward_end_us=18_000.0 if p.holding else 20_000.0)
     p.switch(p.decide(["w", "b"], {"w": 4_000_000, "b": 1_000}, [(4_000_000, 4.0), (1_000, 0.1)],
-                      [1.0] * AUTO_PROBE_ITERS))
+                      [1.0] * AUTO_PROBE_ITERS, p.stretch_ms()))
     for _ in range(AUTO_PROBE_ITERS):
-        p.record([], 3, 20_000.0, 23_000.0)
+        p.start_backward()
+        p.t0_us = 0.0
+        p.record([], 3, 19_000.0, 22_000.0)
     comm = _TwoRanks([[1.0] * AUTO_PROBE_ITERS])
     r = p.report(comm, "1 bucket", 1, timed=True)
     assert r["measured_exposed_ms"] == 3.0 and r["measured_after_slowest_ms"] == 1.0 and p.phase == "done"
+    assert r["measured_contention_ms"] == pytest.approx(1.0)  # the plan's backward 19 ms, held 18 ms
     untimed = _TwoRanks()
     r = p.report(untimed, "1 bucket", 1, timed=False)
     assert untimed.calls == 0 and r["measured_exposed_ms"] is None and r["measured_after_slowest_ms"] is None
