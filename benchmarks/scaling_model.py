@@ -413,21 +413,29 @@ def strong_efficiency(p_full: Profile, pred: StepPrediction, world_size: int) ->
     return p_full.compute_ms / (world_size * pred.step_ms)
 
 
-def auto_plan(p: Profile, comm: Callable[[float], float]) -> Profile:
-    """``p`` cut where ``reducer.bucket_mb = "auto"`` would cut it (``dptrain.bucket_autotune.plan_cuts``)."""
+def auto_plan(p: Profile, comm: Callable[[float], float], t: Terms = Terms()) -> Profile:
+    """``p`` cut where ``reducer.bucket_mb = "auto"`` would cut it (``dptrain.bucket_autotune.plan_cuts``),
+    weighing ``t``'s contention and overlap rate as the Reducer weighs its measured ones."""
     ready, nbytes = [b.ready_ms for b in p.buckets], [b.nbytes for b in p.buckets]
-    r, s = buckets_of(ready, nbytes, plan_cuts(ready, nbytes, comm, p.backward_ms))
+    r, s = buckets_of(ready, nbytes, plan_cuts(ready, nbytes, comm, p.backward_ms, t.overlap_rate, t.contention))
     return replace(p, buckets=tuple(BucketTiming(int(b), t) for t, b in zip(r, s)), granularity="bucket")
 
 
+def comm_step_ms(pred: StepPrediction) -> float:
+    """What the communication adds to the step: exposed plus contention (the auto plan's objective)."""
+    return pred.exposed_ms + pred.contention_ms
+
+
 def sweep_bucket_sizes(p: Profile, comm: Callable[[int], float], caps_mb: list[float],
-                       first_bucket_mb: float | None = None) -> list[tuple[float, int, StepPrediction]]:
-    """(cap MiB, bucket count, prediction) for each cap, best first: least exposed, then earliest end."""
+                       first_bucket_mb: float | None = None,
+                       t: Terms = Terms()) -> list[tuple[float, int, StepPrediction]]:
+    """(cap MiB, bucket count, prediction) for each cap, best first: least :func:`comm_step_ms`, then
+    earliest end."""
     rows = []
     for cap in caps_mb:
         q = rebucket(p, cap, min(first_bucket_mb, cap) if first_bucket_mb else None)
-        rows.append((cap, len(q.buckets), simulate_step(q, comm)))
-    return sorted(rows, key=lambda r: (round(r[2].exposed_ms, 6), r[2].comm_end_ms))
+        rows.append((cap, len(q.buckets), simulate_step(q, comm, t)))
+    return sorted(rows, key=lambda r: (round(comm_step_ms(r[2]), 6), r[2].comm_end_ms))
 
 
 # ---------------------------------------------------------------------------------------- calibration
@@ -625,19 +633,20 @@ def report_predictions(raw: Profile, key: str, nodes_list: list[int], *, bucket_
         ceiling = f"{real[r['nodes']]['eff']:.3f}" if r["nodes"] in real else "-"
         out.append(f"| {r['nodes']} | {r['gpus']} | {r['big']} | {pr.comm_busy_ms:.3f} | {pr.exposed_ms:.3f} | "
                    f"{pr.contention_ms:.3f} | {pr.jitter_ms:.2f} | {pr.step_ms:.2f} | {r['eff']:.3f} | {ceiling} | {ips} |")
-    out += ["", f"Exposed comm (ms) by bucket cap (MiB; first bucket min(cap, {first_bucket_mb:g} MiB)) and with "
-            "the auto plan (`reducer.bucket_mb = \"auto\"`, planned on this timeline), best cap in bold:",
+    out += ["", "What the communication adds to a step, exposed + contention (ms), by bucket cap (MiB; first bucket "
+            f"min(cap, {first_bucket_mb:g} MiB)) and with the auto plan (`reducer.bucket_mb = \"auto\"`, planned on "
+            "this timeline with the machine's contention), best cap in bold:",
             "", "| case | " + " | ".join(f"{c:g}" for c in sweep_mb) + " | auto |", "|---|" + "---:|" * (len(sweep_mb) + 1)]
     cases = [(nodes_list[0], raw), (nodes_list[-1], raw)]
     if raw.batch_size >= 8:
         cases.append((nodes_list[-1], scale_compute(raw, 1 / 8)))
     for nodes, q in cases:
-        comm = comm_fn(m, nodes, algorithm)
-        sw = {cap: pred for cap, _, pred in sweep_bucket_sizes(q, comm, sweep_mb, first_bucket_mb)}
-        best = min(sw, key=lambda c: (round(sw[c].exposed_ms, 6), sw[c].comm_end_ms))
-        cells = [f"**{sw[c].exposed_ms:.3f}**" if c == best else f"{sw[c].exposed_ms:.3f}" for c in sweep_mb]
-        auto = auto_plan(q, comm) if q.granularity == "parameter" else None
-        cells.append(f"{simulate_step(auto, comm).exposed_ms:.3f} ({len(auto.buckets)} buckets)" if auto else "-")
+        comm, t = comm_fn(m, nodes, algorithm), terms(nodes)
+        sw = {cap: pred for cap, _, pred in sweep_bucket_sizes(q, comm, sweep_mb, first_bucket_mb, t)}
+        best = min(sw, key=lambda c: (round(comm_step_ms(sw[c]), 6), sw[c].comm_end_ms))
+        cells = [f"**{comm_step_ms(sw[c]):.3f}**" if c == best else f"{comm_step_ms(sw[c]):.3f}" for c in sweep_mb]
+        auto = auto_plan(q, comm, t) if q.granularity == "parameter" else None
+        cells.append(f"{comm_step_ms(simulate_step(auto, comm, t)):.3f} ({len(auto.buckets)} buckets)" if auto else "-")
         out.append(f"| {nodes} node(s), batch {q.batch_size or '?'}/GPU | " + " | ".join(cells) + " |")
     out += ["", *breakdown_lines(p, m, global_batch, algorithm, terms)]
     return "\n".join(out) + "\n"

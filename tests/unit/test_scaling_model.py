@@ -112,6 +112,11 @@ def test_bucket_sweep_ranks_least_exposed_first():
     sweep = sm.sweep_bucket_sizes(p, lambda nbytes: 2.0 + nbytes / MIB, [1, 5, 10, 20])
     assert [(cap, count) for cap, count, _ in sweep] == [(5, 4), (10, 2), (20, 1), (1, 20)]
     assert [pred.exposed_ms for _, _, pred in sweep] == pytest.approx([13, 14, 22, 41])
+    # contention 1 at overlap rate 1: each overlapped ms costs backward a ms, so the order is the total
+    # allreduce time's: 20 (22 ms), 10 (24), 5 (28: exposed 13 + overlapped 7 + 7 + 1), 1 (60)
+    sweep = sm.sweep_bucket_sizes(p, lambda nbytes: 2.0 + nbytes / MIB, [1, 5, 10, 20], t=sm.Terms(contention=1.0))
+    assert [cap for cap, _, _ in sweep] == [20, 10, 5, 1]
+    assert [sm.comm_step_ms(pred) for _, _, pred in sweep] == pytest.approx([22, 24, 28, 60])
 
 
 def test_profile_from_the_fixture_trace():
@@ -228,6 +233,10 @@ def test_auto_plan_is_never_worse_than_a_fixed_cap():
         auto = sm.simulate_step(sm.auto_plan(p, comm), comm)
         best_cap = sm.sweep_bucket_sizes(p, comm, [1, 2, 5, 10, 25, 50, 100], 1.0)[0][2]
         assert auto.comm_end_ms <= best_cap.comm_end_ms + 1e-9
+        t = sm.Terms(contention=sm.MACHINES["dgx-a100"].contention)  # with contention: on the same objective
+        auto = sm.simulate_step(sm.auto_plan(p, comm, t), comm, t)
+        best_cap = sm.sweep_bucket_sizes(p, comm, [1, 2, 5, 10, 25, 50, 100], 1.0, t)[0][2]
+        assert sm.comm_step_ms(auto) <= sm.comm_step_ms(best_cap) + 1e-9
 
 
 def test_validation_against_the_published_rows_meets_the_goal(capsys):
