@@ -2,22 +2,32 @@
 how the ranks' records become the planner's inputs (:mod:`dptrain.bucket_autotune` plans).
 
 After ``AUTO_WARMUP_ITERS`` synced iterations, ``2 * AUTO_PROBE_ITERS`` more run with one
-bucket per parameter. In every other one (the odd ones) the probe records when each gradient
-is ready and how long each allreduce is served (from its launch, or from the end of the one
-before it on the channel, to its end). The even ones *hold* their allreduces until backward
-has ended: the backward time the overlap adds (the overlapped iterations' median backward less
-the held ones') is the contention, which the planner weighs against the communication the
-overlap hides (alternated, so a drift of the host's speed falls on both alike). On the rank that launched a collective last that is its cost alone; on the
-others it also holds their wait for that rank, so the ranks keep the least over them
-(:func:`least_over_ranks`). Likewise the least wait after backward over the ranks is the
-communication left after the slowest rank's backward, which is what the overlap model
-predicts. Rank 0 fits ``alpha + beta * bytes`` to the median service time per size, fits the
-overlap rate on that wait, the contention on the ranks' median backward stretch, plans the
-bucket boundaries over its median ready times and
+bucket per parameter, alternately overlapped and held (the 1st, 3rd, ... probe iteration
+overlaps; with one warm-up iteration these are the run's iterations 2, 4 and 6).
+
+An overlapped iteration launches each allreduce as its gradient is ready, and the probe
+records when each gradient is ready and how long each allreduce is served (from its launch,
+or from the end of the one before it on the channel, to its end). On the rank that launched
+a collective last that is its cost alone; on the others it also holds their wait for that
+rank, so the ranks keep the least over them (:func:`least_over_ranks`). Likewise the least
+wait after backward over the ranks is the communication left after the slowest rank's
+backward, which is what the overlap model predicts.
+
+A held iteration launches nothing until backward has ended, and only its backward time is
+kept: the overlapped iterations' median backward less the held ones' is the backward time
+the overlap adds (its stretch), from which the planner's contention is fitted. Alternating
+the two lets a drift of the host's speed fall on both alike. The stretch also holds the
+host's cost of each launch (the probe launches the most allreduces any plan can), so it
+leans high.
+
+Rank 0 fits ``alpha + beta * bytes`` to the median service time per size, the overlap rate
+on the least wait, and the contention on the ranks' median stretch (0 when that is within
+the backward times' spread), plans the bucket boundaries over its median ready times and
 broadcasts the gradient order and the cuts; every rank re-lays out its buffers at the same
 iteration (as ``replan`` does) and the plan digests are compared again. The next
-``AUTO_PROBE_ITERS`` iterations measure the chosen plan's exposed communication and backward
-stretch, logged beside the predictions.
+``2 * AUTO_PROBE_ITERS`` iterations check the chosen plan, again alternately overlapped and
+held: its exposed communication and (where the host times it: on the CPU) its stretch are
+logged beside the predictions.
 """
 from __future__ import annotations
 
@@ -35,10 +45,12 @@ from dptrain.trace import now_us
 AUTO_WARMUP_ITERS = 1
 """Synced iterations the auto plan ignores: the first pays allocator and kernel-selection costs no later one pays."""
 AUTO_PROBE_ITERS = 3
-"""Synced iterations timed per kind of the auto plan's iterations (probe overlapped, probe held,
-check); medians over them."""
+"""Synced iterations timed per kind of the auto plan's iterations (probe and check, each overlapped
+and held); medians over them."""
 AUTO_DECISION_ITER = AUTO_WARMUP_ITERS + 2 * AUTO_PROBE_ITERS
 """The synced iteration at whose end the plan is decided and applied."""
+AUTO_DONE_ITER = AUTO_DECISION_ITER + 2 * AUTO_PROBE_ITERS
+"""The synced iteration at whose end the chosen plan has been checked (``Reducer.auto_report``)."""
 PROBE_CAP_MB = 1e-9
 """Caps below any parameter's size: one bucket per parameter while probing, so every gradient's
 ready time and a spread of message sizes (biases to the largest weight) are measured."""
@@ -70,9 +82,12 @@ class AutoProbe:
 
     @property
     def holding(self) -> bool:
-        """The coming synced iteration launches no allreduce before its backward ends."""
-        t = self.synced + 1 - AUTO_WARMUP_ITERS  # the coming iteration's number in the probe phase
-        return self.probing and t >= 1 and t % 2 == 0
+        """The coming synced iteration launches no allreduce before its backward ends (every other
+        iteration of the probe and of the check)."""
+        if self.phase == "done":
+            return False
+        t = self.synced + 1 - (AUTO_WARMUP_ITERS if self.probing else AUTO_DECISION_ITER)  # its number in the phase
+        return t >= 1 and t % 2 == 0
 
     def start_backward(self) -> None:
         self.ready, self.t0_us = {}, now_us()
@@ -100,11 +115,11 @@ class AutoProbe:
         backward_ms = (backward_end_us - self.t0_us) / 1e3
         if held:
             self.held_backward_ms.append(backward_ms)
-            return False
+            return not self.probing and len(self.held_backward_ms) == AUTO_PROBE_ITERS  # the check's last
         self.exposed_ms.append((done_us - backward_end_us) / 1e3)
         self.backward_ms.append(backward_ms)
         if not self.probing:
-            return len(self.exposed_ms) == AUTO_PROBE_ITERS
+            return False
         for name, t in self.ready.items():
             self.ready_ms.setdefault(name, []).append(t)
         service, prev_end = [math.inf] * n_buckets, 0.0
@@ -122,24 +137,37 @@ class AutoProbe:
         """The backward time this rank's overlap added: median overlapped less median held backward."""
         return median(self.backward_ms) - median(self.held_backward_ms)
 
-    def gathered(self, comm: Communicator, nbytes: Sequence[int]) -> tuple[list[tuple[int, float]], list[float], float]:
+    def stretch_noise_ms(self) -> float:
+        """The wider spread (max - min) of this rank's overlapped and held backward times."""
+        return max(max(t) - min(t) for t in (self.backward_ms, self.held_backward_ms))
+
+    def _waits(self, comm: Communicator, noise: bool) -> tuple[list[float], float, float]:
+        """The least wait after backward over the ranks per iteration, and the ranks' median stretch
+        and (``noise``) its spread (collective)."""
+        t = gather_over_ranks(comm, [[*self.exposed_ms, self.stretch_ms(),
+                                      self.stretch_noise_ms() if noise else 0.0]])[:, 0]
+        return t[:, :-2].min(dim=0).values.tolist(), median(t[:, -2].tolist()), median(t[:, -1].tolist())
+
+    def gathered(self, comm: Communicator,
+                 nbytes: Sequence[int]) -> tuple[list[tuple[int, float]], list[float], float, float]:
         """(bytes, service ms) of every probed collective and the probe's wait after backward per
-        iteration, each the least over the ranks, and the median over the ranks of their backward
-        stretch (collective); ``nbytes`` per probe bucket."""
+        iteration, each the least over the ranks, and the medians over the ranks of their backward
+        stretch and its spread (collective); ``nbytes`` per probe bucket."""
         service = least_over_ranks(comm, self.service)
         collectives = [(b, t) for row in service for b, t in zip(nbytes, row) if math.isfinite(t)]
-        waits = gather_over_ranks(comm, [[*self.exposed_ms, self.stretch_ms()]])[:, 0]
-        return collectives, waits[:, :-1].min(dim=0).values.tolist(), median(waits[:, -1].tolist())
+        return collectives, *self._waits(comm, noise=True)
 
     def decide(self, order: Sequence[str], size_of: dict[str, int], collectives: list[tuple[int, float]],
-               after_slowest: list[float], stretch_ms: float) -> AutoDecision:
+               after_slowest: list[float], stretch_ms: float, stretch_noise_ms: float = 0.0) -> AutoDecision:
         """Rank 0's plan: its own ready times and backward, the ranks' least costs and waits, their
         median backward stretch."""
-        return decide_plan(order, size_of, self.ready_ms, self.backward_ms, collectives, after_slowest, stretch_ms)
+        return decide_plan(order, size_of, self.ready_ms, self.backward_ms, collectives, after_slowest, stretch_ms,
+                           stretch_noise_ms)
 
     def switch(self, decision: AutoDecision) -> None:
         """The plan is applied: measure it next."""
-        self.phase, self.decision, self.exposed_ms, self.backward_ms = "check", decision, [], []
+        self.phase, self.decision = "check", decision
+        self.exposed_ms, self.backward_ms, self.held_backward_ms = [], [], []
 
     def report(self, comm: Communicator, plan_text: str, buckets: int, timed: bool) -> dict[str, float | int | str | None]:
         """The check phase's outcome (collective when ``timed``: on CUDA wait() does not block the host,
@@ -147,9 +175,10 @@ class AutoProbe:
         self.phase = "done"
         d = self.decision
         assert d is not None
-        measured = median(self.exposed_ms) if timed else None
-        least = median(least_over_ranks(comm, [self.exposed_ms])[0]) if timed else None
-        stretch = self.stretch_ms() if timed else None
+        measured = least = stretch = None
+        if timed:
+            waits, stretch, _ = self._waits(comm, noise=False)
+            measured, least = median(self.exposed_ms), median(waits)
         return {"plan": plan_text, "buckets": buckets,
                 "alpha_ms": round(d.cost.alpha_ms, 4), "beta_ms_per_mb": round(d.cost.beta_ms_per_mb, 4),
                 "overlap_rate": d.overlap_rate, "contention": round(d.contention, 3),

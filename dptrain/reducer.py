@@ -24,9 +24,10 @@ Every rank then holds the bit-identical reduced gradient, so the overflow decisi
 on it is identical everywhere without another collective.
 
 ``bucket_mb = "auto"``: a probe with a bucket per parameter measures the gradient-ready
-times and the collectives' costs, rank 0 plans the boundaries that minimise exposed
-communication and every rank re-lays out its buffers at the same iteration, as ``replan``
-does (:mod:`dptrain.bucket_probe`). A snapshot keeps the order and the cuts; a resumed run
+times, the collectives' costs and the backward time their overlap takes (every other probe
+iteration holds its launches until backward ends), rank 0 plans the boundaries that minimise
+what the communication adds to the step (exposed + contention) and every rank re-lays out its
+buffers at the same iteration, as ``replan`` does (:mod:`dptrain.bucket_probe`). A snapshot keeps the order and the cuts; a resumed run
 applies them at once.
 
 Running statistics (BatchNorm's running mean and variance) are averaged over the ranks
@@ -123,7 +124,8 @@ class Reducer:
         self._cuts: list[int] | None = None
         self._auto = AutoProbe() if cfg.bucket_mb == "auto" and self.world_size > 1 else None
         self.auto_report: dict[str, float | int | str | None] = {}
-        """The auto plan's choice and its predicted and measured exposed communication (rank 0, once known)."""
+        """The auto plan's choice, its fitted cost, overlap rate and contention, and its predicted and measured
+        exposed communication and backward stretch (once known)."""
         self._set_plan(build_bucket_plan(group_specs(flat), *self._caps()))
         self._check_plan_agreement()
         self._replan_pending = cfg.replan and self.world_size > 1 and self._auto is None
@@ -411,15 +413,17 @@ class Reducer:
     def _auto_decide(self) -> None:
         """Rank 0 plans from the probe's timeline; every rank applies it now (collective)."""
         a = self._auto
-        collectives, after_slowest, stretch = a.gathered(self.comm, [b.nbytes for b in self.plan.buckets])
+        collectives, after_slowest, stretch, noise = a.gathered(self.comm, [b.nbytes for b in self.plan.buckets])
         decision = None
         if self.comm.rank == 0:
             size_of = {s.name: s.padded_numel * g.elem_size for g in group_specs(self.flat) for s in g.segments}
             decision = a.decide(order_from_ready(self.flat.layout_order, list(self._ready)), size_of, collectives,
-                                after_slowest, stretch)
+                                after_slowest, stretch, noise)
             if decision.fit_note:
                 log.warning("rank 0: reducer auto plan: %s; priced every bucket at the median allreduce time",
                             decision.fit_note)
+            if decision.contention_note:
+                log.info("reducer auto plan: %s; contention taken as 0", decision.contention_note)
         decision = self.comm.broadcast_object(decision, src=0)
         old = self.plan.describe()
         self._apply_ready_order(decision.order, decision.cuts)

@@ -11,7 +11,7 @@ from statistics import median
 import torch
 
 from dist_harness import run_ranks
-from dptrain.bucket_probe import AUTO_DECISION_ITER, AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
+from dptrain.bucket_probe import AUTO_DECISION_ITER, AUTO_DONE_ITER, AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
 from dptrain.comm import Communicator
 from dptrain.config import load_config
 from dptrain.train import Trainer
@@ -19,7 +19,7 @@ from dptrain.train import Trainer
 BASE = ["model.name=resnet18_cifar", "model.width=4", "data.source=synthetic", "data.image_size=16",
         "data.batch_size=4", "solver.base_lr=0.01", "solver.lr_policy=fixed", "solver.display=0",
         "solver.momentum=0.9", "reducer.bucket_mb=auto"]
-STEPS = AUTO_DECISION_ITER + AUTO_PROBE_ITERS + 1
+STEPS = AUTO_DONE_ITER + 1
 LATE_S = 0.06
 """Rank 1's extra forward time in the straggler test: rank 0 waits that long in each iteration's first collective."""
 
@@ -32,10 +32,21 @@ def _trainer(out: str) -> Trainer:
 def _auto_rank(rank: int, world: int, out: str) -> None:
     auto = _trainer(f"{out}/auto")
     probe_buckets = len(auto.reducer.plan.buckets)
-    digests = []
+    digests, held = [], []
+    probe = auto.reducer._auto
+    record = probe.record
+
+    def spy(launched, n_buckets, backward_end_us, done_us, **kw):
+        if probe.holding:  # every launch of a held iteration comes after its backward
+            held.append(all(start >= backward_end_us for _, start, _ in launched)
+                        and sorted(i for i, _, _ in launched if i is not None) == list(range(n_buckets)))
+        return record(launched, n_buckets, backward_end_us, done_us, **kw)
+
+    probe.record = spy
     for _ in range(STEPS):
         auto.train_step()
         digests.append(auto.reducer.plan.digest())
+    assert held == [True] * 2 * AUTO_PROBE_ITERS, held  # buckets and running statistics, all after backward
     switched = AUTO_DECISION_ITER  # the plan changes at the end of this iteration
     assert len(set(digests[:switched - 1])) == 1 and digests[switched - 1] == digests[-1] != digests[0]
     state = auto.reducer.state_dict()
@@ -114,7 +125,7 @@ def _bench_rank(rank: int, world: int, out: str) -> None:
             return Communicator.from_initialized(torch.device("cpu"))
 
     bench.Communicator = Joined
-    cfg = load_config(None, [*BASE, f"train.run_dir={json.dumps(out)}"])
+    cfg = load_config(None, [*BASE, "train.threads=1", f"train.run_dir={json.dumps(out)}"])
     rec = bench.run_bench(cfg, steps=2, warmup=1, phase_steps=0, trace=None)
     if rank == 0:
         Path(out, "bench.json").write_text(json.dumps(rec))
@@ -123,6 +134,6 @@ def _bench_rank(rank: int, world: int, out: str) -> None:
 def test_bench_times_the_auto_plan_after_its_probe_and_check(tmp_path):
     run_ranks(2, _bench_rank, str(tmp_path))
     rec = json.loads((tmp_path / "bench.json").read_text())
-    assert rec["warmup"] == AUTO_DECISION_ITER + AUTO_PROBE_ITERS  # 1 asked for, the rest until the check ended
+    assert rec["warmup"] == AUTO_DONE_ITER  # 1 asked for, the rest until the check ended
     auto = rec["auto_buckets"]
     assert auto["buckets"] >= 1 and auto["measured_after_slowest_ms"] is not None and 0 <= auto["contention"] <= 1

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from dptrain import bucket_autotune
 from dptrain.bucket_autotune import (
     LinearCost,
     buckets_of,
@@ -83,28 +84,55 @@ def test_contention_weighs_the_overlap_against_the_exposed_communication():
 
 
 def _brute_force_cost(ready: list[float], nbytes: list[float], cost: LinearCost, backward: float, rate: float,
-                      kappa: float) -> float:
-    n, best = len(ready), math.inf
+                      kappa: float) -> tuple[float, int]:
+    """The least cost over every plan, and the fewest buckets of a plan within 1e-9 ms of it."""
+    n, plans = len(ready), []
     for mask in itertools.product([False, True], repeat=n - 1):
         cuts = [0, *(i + 1 for i, cut in enumerate(mask) if cut)]
         o = simulate_overlap(*buckets_of(ready, nbytes, cuts), backward, cost, rate)
-        best = min(best, comm_cost_ms(o, backward, min(kappa, rate)))
-    return best
+        plans.append((comm_cost_ms(o, backward, min(kappa, rate)), len(cuts)))
+    least = min(c for c, _ in plans)
+    return least, min(k for c, k in plans if c <= least + 1e-9)
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_plan_cuts_with_contention_matches_brute_force_on_random_timelines(seed):
+    # also: one gradient, empty tensors, ready times out of order or past the end of backward
     rng = random.Random(100 + seed)
-    n = rng.randint(2, 9)
-    ready = sorted(rng.uniform(0, 20) for _ in range(n))
-    backward = max(ready) + rng.choice([0.0, 5.0])
-    nbytes = [rng.choice([4e2, 4e4, 1e6, 4e6, 1.6e7]) for _ in range(n)]
+    n = rng.randint(1, 9)
+    ready = [rng.uniform(0, 20) for _ in range(n)]
+    if seed % 2:
+        ready.sort()
+    backward = max(ready) + rng.choice([-3.0, 0.0, 5.0])
+    nbytes = [rng.choice([0.0, 4e2, 4e4, 1e6, 4e6, 1.6e7]) for _ in range(n)]
     cost = LinearCost(rng.choice([0.0, 0.05, 0.5, 3.0]), rng.choice([0.1, 0.5, 2.0]))
     rate, kappa = rng.choice([1.0, 0.5, 0.1]), rng.choice([0.05, 0.15, 0.4, 0.9])
     cuts = plan_cuts(ready, nbytes, cost, backward, rate, kappa)
     o = simulate_overlap(*buckets_of(ready, nbytes, cuts), backward, cost, rate)
-    assert comm_cost_ms(o, backward, min(kappa, rate)) == pytest.approx(
-        _brute_force_cost(ready, nbytes, cost, backward, rate, kappa), abs=1e-9)
+    least, fewest = _brute_force_cost(ready, nbytes, cost, backward, rate, kappa)
+    assert comm_cost_ms(o, backward, min(kappa, rate)) == pytest.approx(least, abs=1e-9)
+    assert len(cuts) == fewest  # of the plans that cost the least, one with the fewest buckets
+
+
+def test_a_thinned_front_still_gives_a_valid_plan(monkeypatch):
+    monkeypatch.setattr(bucket_autotune, "FRONT_CAP", 3)  # thinned at every prefix
+    rng = random.Random(7)
+    for _ in range(20):
+        n = rng.randint(4, 9)
+        ready = sorted(rng.uniform(0, 20) for _ in range(n))
+        nbytes = [rng.choice([4e4, 1e6, 4e6, 1.6e7]) for _ in range(n)]
+        cost, rate, kappa = LinearCost(0.5, 0.5), rng.choice([1.0, 0.5, 0.1]), 0.05
+        cuts = plan_cuts(ready, nbytes, cost, max(ready), rate, kappa)
+        assert cuts[0] == 0 and list(cuts) == sorted(set(cuts)) and cuts[-1] < n
+        o = simulate_overlap(*buckets_of(ready, nbytes, cuts), max(ready), cost, rate)
+        assert comm_cost_ms(o, max(ready), kappa) >= _brute_force_cost(ready, nbytes, cost, max(ready), rate,
+                                                                       kappa)[0] - 1e-9
+
+
+def test_a_latency_free_cost_still_merges_when_splitting_gains_nothing():
+    # 6 gradients of 1 MB ready at 1..6 ms, 1 ms per MB and no latency, backward ends at 20 ms: every plan
+    # ends inside backward and costs 0.1 * 6 ms of overlap alike; the fewest buckets win the tie
+    assert plan_cuts([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [1e6] * 6, LinearCost(0.0, 1.0), 20.0, 1.0, 0.1) == (0,)
 
 
 def test_finish_at_a_lower_rate_while_backward_runs():
@@ -183,6 +211,9 @@ def test_decide_plan_fits_the_contention_on_the_backward_stretch():
     assert d.contention == pytest.approx(1.0) and d.cuts == [0] and d.predicted_contention_ms == 0.0
     # backward ran faster with the overlap (noise): no contention
     assert decide_plan(order, nbytes, ready, [10.0], comm, [5.0], stretch_ms=-2.0).contention == 0.0
+    # a stretch within the spread of the backward times it comes from is taken as noise
+    d = decide_plan(order, nbytes, ready, [10.0], comm, [5.0], stretch_ms=9.0, stretch_noise_ms=9.5)
+    assert d.contention == 0.0 and d.cuts == [0, 3] and "within the backward times' spread" in d.contention_note
 
 
 def test_expected_max_of_normals():

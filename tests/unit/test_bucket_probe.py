@@ -10,6 +10,7 @@ import torch
 
 from dptrain.bucket_probe import (
     AUTO_DECISION_ITER,
+    AUTO_DONE_ITER,
     AUTO_PROBE_ITERS,
     AUTO_WARMUP_ITERS,
     AutoProbe,
@@ -75,10 +76,12 @@ def test_the_least_over_the_ranks_drops_a_rank_s_wait_for_the_other_and_ignores_
     assert least_over_ranks(_TwoRanks(rank1), [[60.0, 5.0, math.inf]]) == [[4.0, 5.0, 6.0]]
     p = AutoProbe(service=[[60.0, 2.0], [61.0, math.inf]], exposed_ms=[70.0, 71.0], backward_ms=[30.0, 31.0],
                   held_backward_ms=[28.0, 29.0])
-    comm = _TwoRanks([[1.5, math.inf], [1.6, math.inf]], [[9.0, 10.0, 4.0]])  # rank 1: waits, then its stretch
-    collectives, after_slowest, stretch = p.gathered(comm, [4_000_000, 1_000])
+    # rank 1: its waits, its stretch, its backward times' spread
+    comm = _TwoRanks([[1.5, math.inf], [1.6, math.inf]], [[9.0, 10.0, 4.0, 3.0]])
+    collectives, after_slowest, stretch, noise = p.gathered(comm, [4_000_000, 1_000])
     assert collectives == [(4_000_000, 1.5), (1_000, 2.0), (4_000_000, 1.6)] and after_slowest == [9.0, 10.0]
     assert stretch == pytest.approx(3.0)  # the median over the ranks of 2 ms (rank 0) and 4 ms (rank 1)
+    assert noise == pytest.approx(2.0)  # rank 0's spread is 1 ms (30-31, 28-29): the median of 1 and 3
     assert comm.calls == 2  # the same two collectives on every rank
 
 
@@ -100,9 +103,14 @@ def test_the_decision_is_due_after_the_probe_and_the_check_ends_after_as_many_it
     assert d.order == ["w", "b"] and d.cuts[0] == 0 and d.collectives == 3
     assert d.cost.beta_ms_per_mb == pytest.approx(1.0, rel=0.1)  # 4 MB in ~4 ms
     p.switch(d)
-    assert not p.probing and not p.decision_due and not p.holding and p.exposed_ms == p.backward_ms == []
-    ends = [p.record([], 3, 20_000.0, 22_000.0) for _ in range(AUTO_PROBE_ITERS)]
-    assert ends == [False] * (AUTO_PROBE_ITERS - 1) + [True] and p.exposed_ms == [2.0] * AUTO_PROBE_ITERS
+    assert not p.probing and not p.decision_due and not p.holding
+    assert p.exposed_ms == p.backward_ms == p.held_backward_ms == []
+    held, ends = [], []
+    for _ in range(2 * AUTO_PROBE_ITERS):  # the check: overlapped and held again, ending with a held one
+        held.append(p.holding)
+        ends.append(p.record([], 3, 20_000.0, 22_000.0))
+    assert held == [False, True] * AUTO_PROBE_ITERS and ends == [False] * (2 * AUTO_PROBE_ITERS - 1) + [True]
+    assert p.exposed_ms == [2.0] * AUTO_PROBE_ITERS and p.synced == AUTO_DONE_ITER
 
 
 def test_the_report_gathers_only_where_the_host_timed_the_check():
@@ -111,14 +119,15 @@ def test_the_report_gathers_only_where_the_host_timed_the_check():
         _probe_iteration(p, [(0, 0.0, 1_000.0)], 21_000.0, backward_end_us=18_000.0 if p.holding else 20_000.0)
     p.switch(p.decide(["w", "b"], {"w": 4_000_000, "b": 1_000}, [(4_000_000, 4.0), (1_000, 0.1)],
                       [1.0] * AUTO_PROBE_ITERS, p.stretch_ms()))
-    for _ in range(AUTO_PROBE_ITERS):
+    for _ in range(2 * AUTO_PROBE_ITERS):  # the plan's backward: 19 ms overlapped, 18 ms held
         p.start_backward()
         p.t0_us = 0.0
-        p.record([], 3, 19_000.0, 22_000.0)
-    comm = _TwoRanks([[1.0] * AUTO_PROBE_ITERS])
+        p.record([], 3, 18_000.0 if p.holding else 19_000.0, 22_000.0)
+    comm = _TwoRanks([[1.0] * AUTO_PROBE_ITERS + [3.0, 0.0]])  # rank 1 waited 1 ms, stretched 3 ms
     r = p.report(comm, "1 bucket", 1, timed=True)
     assert r["measured_exposed_ms"] == 3.0 and r["measured_after_slowest_ms"] == 1.0 and p.phase == "done"
-    assert r["measured_contention_ms"] == pytest.approx(1.0)  # the plan's backward 19 ms, held 18 ms
+    # the plan's stretch, 1 ms on rank 0; the median with rank 1's 3 ms
+    assert r["measured_contention_ms"] == pytest.approx(2.0)
     untimed = _TwoRanks()
     r = p.report(untimed, "1 bucket", 1, timed=False)
     assert untimed.calls == 0 and r["measured_exposed_ms"] is None and r["measured_after_slowest_ms"] is None
