@@ -169,6 +169,13 @@ def main() -> int:
     cases = {"cpu": lambda: cpu_cases(args.quick), "layout": layout_cases, "buckets": bucket_cases,
              "gpu": gpu_cases}[args.suite]()
     cases = [c for c in cases if args.only in c.name]
+    if args.suite == "buckets":
+        from dptrain.bucket_probe import AUTO_DONE_ITER
+
+        if args.warmup < AUTO_DONE_ITER:  # bench times auto's plan only after its probe and check
+            print(f"--warmup {args.warmup} -> {AUTO_DONE_ITER}: every case warms up as long as the auto plan's "
+                  "probe and check", file=sys.stderr)
+            args.warmup = AUTO_DONE_ITER
     if args.suite != "gpu" and not args.allow_slow_dtypes:
         from dptrain.precision import cpu_native_support
 

@@ -73,6 +73,11 @@ def test_throughput_dry_run_lists_every_case_and_its_peer():
     sweep = subprocess.run([sys.executable, str(script), "--dry-run", "--allow-slow-dtypes", "--only", "bucket sweep"],
                            capture_output=True, text=True, check=True).stdout.splitlines()
     assert [ln.split("reducer.bucket_mb=")[1].split()[0] for ln in sweep] == ["1", "5", "25", "100"]
+    buckets = subprocess.run([sys.executable, str(script), "--dry-run", "--suite", "buckets", "--warmup", "2"],
+                             capture_output=True, text=True, check=True).stdout.splitlines()
+    from dptrain.bucket_probe import AUTO_DONE_ITER  # every case warms up as long as auto's probe and check
+
+    assert len(buckets) == 6 and all(f"--warmup={AUTO_DONE_ITER} " in ln for ln in buckets)
 
 
 def test_no_phase_steps_means_no_phase_times_rather_than_zeros(tmp_path, capsys):
@@ -93,3 +98,17 @@ def test_p90_is_the_nearest_rank_percentile():
     for n in range(1, 40):  # round() half-to-even gave 5 of 1..6 (and 23 of 1..26)
         xs = [float(i) for i in range(1, n + 1)]
         assert _percentile(xs, 0.9) == np.percentile(xs, 90, method="inverted_cdf"), n
+
+
+def test_op_profile_profiles_both_sides_doing_the_same_convolutions(capsys):
+    from benchmark_scripts import load_benchmark
+
+    op_profile = load_benchmark("op_profile")
+    assert op_profile.main(["--model", "lenet", "--width", "8", "--rounds", "2", "--steps", "1", "--warmup", "1",
+                            "--top", "60"]) == 0
+    out = capsys.readouterr().out
+    rows = {ln.split("|")[1].strip(" `"): [c.strip() for c in ln.split("|")[2:6]]
+            for ln in out.splitlines() if ln.startswith("| `")}
+    assert rows["aten::convolution_backward"][0] == rows["aten::convolution_backward"][2] == "2"  # LeNet's 2 convs
+    assert "Median dptrain / peer step time" in out and out.count("\n| 1 |") == 1  # rounds 0 and 1
+    assert op_profile.main(["--rounds", "0"]) == 2

@@ -1,0 +1,144 @@
+"""Where a training step's CPU time goes: dptrain's ``Trainer.train_step`` against the peer's plain
+PyTorch loop (``benchmarks/peer.py``: the same model, data and SGD), one process, per operator.
+
+Both run in this process, alternately (every other round the peer first), so a drift of the
+host's speed falls on both alike; each round profiles ``--steps`` steps of each after a short
+warm-up (``torch.profiler``, CPU self time per operator). The report gives the step total and the
+convolutions per round, then the operators by their largest median self time, with call counts
+(deterministic: a count that differs is work one side does and the other does not).
+
+    python benchmarks/op_profile.py                       # ResNet-18 CIFAR width 32, batch 32, fp32 NHWC
+    python benchmarks/op_profile.py --layout nchw --rounds 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+REPO = Path(__file__).resolve().parents[1]
+CONV_OPS = ("aten::convolution_backward", "aten::mkldnn_convolution")
+
+
+def op_times(step: Callable[[], None], steps: int, warmup: int) -> dict[str, tuple[float, float]]:
+    """operator -> (calls per step, self CPU ms per step) over ``steps`` profiled steps."""
+    for _ in range(warmup):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        for _ in range(steps):
+            step()
+    return {e.key: (e.count / steps, e.self_cpu_time_total / steps / 1e3) for e in p.key_averages()}
+
+
+def dptrain_step(args: argparse.Namespace, run_dir: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    from dptrain.comm import Communicator
+    from dptrain.config import load_config
+    from dptrain.topology import Topology
+    from dptrain.train import Trainer
+
+    cfg = load_config(str(REPO / "launch" / "configs" / "resnet50_synthetic.toml"), [
+        f"model.name={args.model}", f"model.width={args.width}", "model.num_classes=10",
+        f"model.channels_last={str(args.layout == 'nhwc').lower()}", f"data.image_size={args.image_size}",
+        f"data.batch_size={args.batch_size}", "precision.storage=fp32", "data.source=synthetic",
+        "solver.display=0", f"train.run_dir={json.dumps(run_dir)}"])
+    t = Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cpu")))
+    return t.train_step, t.close
+
+
+def peer_step(args: argparse.Namespace) -> Callable[[], None]:
+    from dptrain.data.base import DeviceFeeder
+    from dptrain.data.builtin import synthetic_source
+    from dptrain.data.sampling import ShardPlan
+    from dptrain.models import build_model
+
+    cpu, nhwc = torch.device("cpu"), args.layout == "nhwc"
+    torch.manual_seed(1)
+    model = build_model(args.model, num_classes=10, width=args.width, channels_last=nhwc)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
+    src = synthetic_source(10, args.image_size, 1_000_000, 1, cpu)
+    feeder = DeviceFeeder(src.train_batches(ShardPlan(0, 1, args.batch_size, 1), 0), device=cpu,
+                          dtype=torch.float32, mean=src.mean, scale=src.scale, channels_last=nhwc)
+
+    def step() -> None:
+        x, y = next(feeder)
+        F.cross_entropy(model(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def report(rounds: list[dict[str, dict[str, tuple[float, float]]]], top: int) -> str:
+    def total(t: dict[str, tuple[float, float]]) -> float:
+        return sum(ms for _, ms in t.values())
+
+    def conv(t: dict[str, tuple[float, float]]) -> float:
+        return sum(t.get(k, (0.0, 0.0))[1] for k in CONV_OPS)
+
+    out = ["| round | dptrain step ms | peer step ms | dptrain / peer | dptrain conv ms | peer conv ms |",
+           "|---:|---:|---:|---:|---:|---:|"]
+    for i, r in enumerate(rounds):
+        d, p = r["dptrain"], r["peer"]
+        out.append(f"| {i} | {total(d):.1f} | {total(p):.1f} | {total(d) / total(p):.3f} | {conv(d):.1f} | {conv(p):.1f} |")
+    ratio = statistics.median(total(r["dptrain"]) / total(r["peer"]) for r in rounds)
+    out += ["", f"Median dptrain / peer step time: {ratio:.3f}.", "",
+            "Per operator, medians over the rounds (calls and self CPU ms per step):", "",
+            "| operator | dptrain calls | dptrain ms | peer calls | peer ms |", "|---|---:|---:|---:|---:|"]
+    med: dict[str, dict[str, tuple[float, float]]] = {"dptrain": {}, "peer": {}}  # medians over the rounds
+    for side in med:
+        for k in {k for r in rounds for k in r[side]}:
+            vals = [r[side].get(k, (0.0, 0.0)) for r in rounds]
+            med[side][k] = (statistics.median(c for c, _ in vals), statistics.median(ms for _, ms in vals))
+    keys = sorted(set(med["dptrain"]) | set(med["peer"]),
+                  key=lambda k: -max(med["dptrain"].get(k, (0, 0))[1], med["peer"].get(k, (0, 0))[1]))
+    for k in keys[:top]:
+        (dc, dm), (pc, pm) = med["dptrain"].get(k, (0, 0)), med["peer"].get(k, (0, 0))
+        out.append(f"| `{k}` | {dc:g} | {dm:.2f} | {pc:g} | {pm:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="resnet18_cifar")
+    ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--image-size", type=int, default=32)
+    ap.add_argument("--layout", choices=("nhwc", "nchw"), default="nhwc")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
+    ap.add_argument("--top", type=int, default=25, help="operators listed")
+    args = ap.parse_args(argv)
+    if min(args.rounds, args.steps) < 1 or args.warmup < 0:
+        print("op_profile.py: error: --rounds and --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as run_dir:
+        ours, close = dptrain_step(args, run_dir)
+        sides = {"dptrain": ours, "peer": peer_step(args)}
+        rounds = []
+        try:
+            for i in range(args.rounds):
+                order = ["dptrain", "peer"] if i % 2 == 0 else ["peer", "dptrain"]
+                rounds.append({side: op_times(sides[side], args.steps, args.warmup) for side in order})
+        finally:
+            close()
+    print(f"## One-process step, per operator: {args.model} width {args.width}, batch {args.batch_size}, fp32 "
+          f"{args.layout.upper()}, {torch.get_num_threads()} threads, {args.rounds} alternated rounds of "
+          f"{args.steps} profiled steps\n")
+    print(report(rounds, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
