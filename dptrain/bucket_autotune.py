@@ -291,6 +291,15 @@ class AutoDecision:
     contention_note: str = ""
     """Why the contention was taken as 0 ("" when it was fitted)."""
 
+    def describe(self, plan: str, probe_plan: str) -> str:
+        """One log line: the plan, what it was fitted on and what it predicts."""
+        c = self.cost
+        return (f"{plan} (probe: {probe_plan}); allreduce cost {c.alpha_ms:.3f} ms + {c.beta_ms_per_mb:.3f} ms/MB "
+                f"fitted on {self.collectives} collectives, overlap rate {self.overlap_rate:.2f}, contention "
+                f"{self.contention:.2f}; backward {self.backward_ms:.2f} ms; predicted exposed comm "
+                f"{self.predicted_exposed_ms:.2f} ms (probe plan measured {self.probe_exposed_ms:.2f} ms after the "
+                f"slowest rank's backward) and backward stretch {self.predicted_contention_ms:.2f} ms")
+
 
 def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str, list[float]],
                 backward_ms: Sequence[float], collectives: Sequence[tuple[int, float]],

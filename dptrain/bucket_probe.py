@@ -190,6 +190,17 @@ class AutoProbe:
                 "probe_exposed_ms": round(d.probe_exposed_ms, 3)}
 
 
+def check_line(r: dict[str, float | int | str | None]) -> str:
+    """One log line: the check phase's measurements (:meth:`AutoProbe.report`) beside the predictions."""
+    def ms(key: str) -> str:
+        return "-" if r[key] is None else f"{r[key]:.2f}"
+
+    return (f"exposed comm measured {ms('measured_exposed_ms')} ms on rank 0, {ms('measured_after_slowest_ms')} ms "
+            f"after the slowest rank's backward vs predicted {ms('predicted_exposed_ms')} ms; backward stretch "
+            f"measured {ms('measured_contention_ms')} ms vs predicted {ms('predicted_contention_ms')} ms (medians "
+            f"of {AUTO_PROBE_ITERS} iterations)")
+
+
 def gather_over_ranks(comm: Communicator, rows: list[list[float]]) -> torch.Tensor:
     """[world size, rows, columns]: every rank's table of the same shape (collective; on the host)."""
     t = torch.zeros(comm.world_size, len(rows), len(rows[0]) if rows else 0, dtype=torch.float64, device=comm.device)

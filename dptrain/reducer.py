@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dptrain.bucket_probe import AUTO_PROBE_ITERS, PROBE_CAP_MB, AutoProbe
+from dptrain.bucket_probe import PROBE_CAP_MB, AutoProbe, check_line
 from dptrain.buckets import (
     Bucket,
     BucketPlan,
@@ -429,26 +429,13 @@ class Reducer:
         self._apply_ready_order(decision.order, decision.cuts)
         a.switch(decision)
         if self.comm.rank == 0:
-            c = decision.cost
-            log.info("reducer auto plan: %s (probe: %s); allreduce cost %.3f ms + %.3f ms/MB fitted on %d "
-                     "collectives, overlap rate %.2f, contention %.2f; backward %.2f ms; predicted exposed comm "
-                     "%.2f ms (probe plan measured %.2f ms after the slowest rank's backward) and contention %.2f ms",
-                     self.plan.describe(), old, c.alpha_ms, c.beta_ms_per_mb, decision.collectives,
-                     decision.overlap_rate, decision.contention, decision.backward_ms, decision.predicted_exposed_ms,
-                     decision.probe_exposed_ms, decision.predicted_contention_ms)
+            log.info("reducer auto plan: %s", decision.describe(self.plan.describe(), old))
 
     def _auto_finish(self) -> None:
         r = self._auto.report(self.comm, self.plan.describe(), len(self.plan.buckets), self._host_completion)
         self.auto_report = r
         if self.comm.rank == 0:
-            def ms(key: str) -> str:
-                return "-" if r[key] is None else f"{r[key]:.2f}"
-
-            log.info("reducer auto plan: exposed comm measured %s ms on rank 0, %s ms after the slowest rank's "
-                     "backward vs predicted %.2f ms; backward stretch measured %s ms vs predicted %.2f ms (medians "
-                     "of %d iterations)", ms("measured_exposed_ms"), ms("measured_after_slowest_ms"),
-                     r["predicted_exposed_ms"], ms("measured_contention_ms"), r["predicted_contention_ms"],
-                     AUTO_PROBE_ITERS)
+            log.info("reducer auto plan: %s", check_line(r))
 
     # ------------------------------------------------------------------ snapshot
 

@@ -14,6 +14,7 @@ from dptrain.bucket_probe import (
     AUTO_PROBE_ITERS,
     AUTO_WARMUP_ITERS,
     AutoProbe,
+    check_line,
     least_over_ranks,
 )
 
@@ -128,6 +129,10 @@ def test_the_report_gathers_only_where_the_host_timed_the_check():
     assert r["measured_exposed_ms"] == 3.0 and r["measured_after_slowest_ms"] == 1.0 and p.phase == "done"
     # the plan's stretch, 1 ms on rank 0; the median with rank 1's 3 ms
     assert r["measured_contention_ms"] == pytest.approx(2.0)
+    line = check_line(r)
+    assert "measured 3.00 ms on rank 0, 1.00 ms after the slowest" in line and "stretch measured 2.00 ms" in line
+    assert p.decision.describe("1 bucket", "2 buckets").startswith("1 bucket (probe: 2 buckets); allreduce cost")
     untimed = _TwoRanks()
     r = p.report(untimed, "1 bucket", 1, timed=False)
     assert untimed.calls == 0 and r["measured_exposed_ms"] is None and r["measured_after_slowest_ms"] is None
+    assert "measured - ms on rank 0, - ms after" in check_line(r)  # CUDA: the host timed nothing
