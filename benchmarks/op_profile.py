@@ -1,5 +1,10 @@
 """Where a training step's CPU time goes: dptrain's ``Trainer.train_step`` against the peer's plain
-PyTorch loop (``benchmarks/peer.py``: the same model, data and SGD), one process, per operator.
+PyTorch loop (``benchmarks/peer.py``: the same model, data, learning rate, momentum and weight
+decay, fixed rate), one process, per operator.
+
+One process only: no reducer hooks, no DDP, no collectives; so it separates the compute side of
+a gap from the communication side, not more. The times are operators' self CPU times (Python
+and other host time outside the operators is not in them).
 
 Both run in this process, alternately (every other round the peer first), so a drift of the
 host's speed falls on both alike; each round profiles ``--steps`` steps of each after a short
@@ -8,6 +13,7 @@ convolutions per round, then the operators by their largest median self time, wi
 (deterministic: a count that differs is work one side does and the other does not).
 
     python benchmarks/op_profile.py                       # ResNet-18 CIFAR width 32, batch 32, fp32 NHWC
+    python benchmarks/op_profile.py --threads 1           # as each of 2 solvers on 2 cores
     python benchmarks/op_profile.py --layout nchw --rounds 2
 """
 from __future__ import annotations
@@ -48,7 +54,8 @@ def dptrain_step(args: argparse.Namespace, run_dir: str) -> tuple[Callable[[], N
         f"model.name={args.model}", f"model.width={args.width}", "model.num_classes=10",
         f"model.channels_last={str(args.layout == 'nhwc').lower()}", f"data.image_size={args.image_size}",
         f"data.batch_size={args.batch_size}", "precision.storage=fp32", "data.source=synthetic",
-        "solver.display=0", f"train.run_dir={json.dumps(run_dir)}"])
+        "solver.base_lr=0.01", "solver.lr_policy=fixed", "solver.warmup_iter=0", "solver.momentum=0.9",
+        "solver.weight_decay=0.0005", "solver.display=0", f"train.run_dir={json.dumps(run_dir)}"])
     t = Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cpu")))
     return t.train_step, t.close
 
@@ -83,13 +90,14 @@ def report(rounds: list[dict[str, dict[str, tuple[float, float]]]], top: int) ->
     def conv(t: dict[str, tuple[float, float]]) -> float:
         return sum(t.get(k, (0.0, 0.0))[1] for k in CONV_OPS)
 
-    out = ["| round | dptrain step ms | peer step ms | dptrain / peer | dptrain conv ms | peer conv ms |",
+    out = ["Per round, operator self CPU ms per step (all operators, and the convolutions):", "",
+           "| round | dptrain op ms | peer op ms | dptrain / peer | dptrain conv ms | peer conv ms |",
            "|---:|---:|---:|---:|---:|---:|"]
     for i, r in enumerate(rounds):
         d, p = r["dptrain"], r["peer"]
         out.append(f"| {i} | {total(d):.1f} | {total(p):.1f} | {total(d) / total(p):.3f} | {conv(d):.1f} | {conv(p):.1f} |")
     ratio = statistics.median(total(r["dptrain"]) / total(r["peer"]) for r in rounds)
-    out += ["", f"Median dptrain / peer step time: {ratio:.3f}.", "",
+    out += ["", f"Median dptrain / peer operator time per step: {ratio:.3f}.", "",
             "Per operator, medians over the rounds (calls and self CPU ms per step):", "",
             "| operator | dptrain calls | dptrain ms | peer calls | peer ms |", "|---|---:|---:|---:|---:|"]
     med: dict[str, dict[str, tuple[float, float]]] = {"dptrain": {}, "peer": {}}  # medians over the rounds
@@ -125,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as run_dir:
         ours, close = dptrain_step(args, run_dir)
-        sides = {"dptrain": ours, "peer": peer_step(args)}
         rounds = []
         try:
+            sides = {"dptrain": ours, "peer": peer_step(args)}
             for i in range(args.rounds):
                 order = ["dptrain", "peer"] if i % 2 == 0 else ["peer", "dptrain"]
                 rounds.append({side: op_times(sides[side], args.steps, args.warmup) for side in order})

@@ -290,6 +290,10 @@ class AutoDecision:
     """``contention`` times the chosen plan's overlapped allreduce time."""
     contention_note: str = ""
     """Why the contention was taken as 0 ("" when it was fitted)."""
+    stretch_ms: float | None = None
+    """The probe's measured backward stretch (ranks' median) the contention came from."""
+    stretch_noise_ms: float = 0.0
+    """The spread of the backward times it was compared with (a stretch within it is taken as noise)."""
 
     def describe(self, plan: str, probe_plan: str) -> str:
         """One log line: the plan, what it was fitted on and what it predicts."""
@@ -350,4 +354,4 @@ def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str
     cuts = plan_cuts(ready, sizes, cost, bwd, rate, kappa)
     pred = simulate_overlap(*buckets_of(ready, sizes, cuts), bwd, cost, rate)
     return AutoDecision(list(order), list(cuts), cost, len(timed), bwd, pred.exposed_ms, measured, note, rate,
-                        kappa, kappa * pred.overlapped_ms, kappa_note)
+                        kappa, kappa * pred.overlapped_ms, kappa_note, stretch_ms, stretch_noise_ms)

@@ -57,6 +57,11 @@ def _auto_rank(rank: int, world: int, out: str) -> None:
     assert report["predicted_exposed_ms"] >= 0 and report["beta_ms_per_mb"] >= 0
     assert 0 <= report["measured_after_slowest_ms"] <= report["measured_exposed_ms"]  # the least wait over the ranks
     assert 0 <= report["contention"] <= 1 and report["predicted_contention_ms"] >= 0
+    assert report["contention_weighed"] == min(report["contention"], report["overlap_rate"])
+    # where the contention came from: a stretch above its noise, or a note saying why it is 0
+    assert report["probe_stretch_noise_ms"] >= 0 and report["probe_stretch_ms"] is not None
+    assert (report["contention"] > 0) == (report["probe_stretch_ms"] > report["probe_stretch_noise_ms"]) != bool(
+        report["contention_note"])
     assert report["measured_contention_ms"] is not None
 
     fixed = _trainer(f"{out}/fixed")

@@ -110,5 +110,5 @@ def test_op_profile_profiles_both_sides_doing_the_same_convolutions(capsys):
     rows = {ln.split("|")[1].strip(" `"): [c.strip() for c in ln.split("|")[2:6]]
             for ln in out.splitlines() if ln.startswith("| `")}
     assert rows["aten::convolution_backward"][0] == rows["aten::convolution_backward"][2] == "2"  # LeNet's 2 convs
-    assert "Median dptrain / peer step time" in out and out.count("\n| 1 |") == 1  # rounds 0 and 1
+    assert "Median dptrain / peer operator time per step" in out and out.count("\n| 1 |") == 1  # rounds 0 and 1
     assert op_profile.main(["--rounds", "0"]) == 2

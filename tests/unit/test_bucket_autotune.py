@@ -214,6 +214,7 @@ def test_decide_plan_fits_the_contention_on_the_backward_stretch():
     # a stretch within the spread of the backward times it comes from is taken as noise
     d = decide_plan(order, nbytes, ready, [10.0], comm, [5.0], stretch_ms=9.0, stretch_noise_ms=9.5)
     assert d.contention == 0.0 and d.cuts == [0, 3] and "within the backward times' spread" in d.contention_note
+    assert (d.stretch_ms, d.stretch_noise_ms) == (9.0, 9.5)
 
 
 def test_expected_max_of_normals():
