@@ -291,9 +291,9 @@ class AutoDecision:
     contention_note: str = ""
     """Why the contention was taken as 0 ("" when it was fitted)."""
     stretch_ms: float | None = None
-    """The probe's measured backward stretch (ranks' median) the contention came from."""
+    """The probe's measured backward stretch (mean over the ranks' pairs) the contention came from."""
     stretch_noise_ms: float = 0.0
-    """The spread of the backward times it was compared with (a stretch within it is taken as noise)."""
+    """Twice its standard error: a stretch that does not exceed it is taken as noise."""
 
     def describe(self, plan: str, probe_plan: str) -> str:
         """One log line: the plan, what it was fitted on and what it predicts."""
@@ -324,8 +324,8 @@ def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str
     ``stretch_ms``: how much longer backward took with the probe's allreduces overlapped than
     with them held until it ended; the contention is that over the overlapped time the model
     gives the probe plan. It is taken as 0 when not measured (None) or not above
-    ``stretch_noise_ms``, the spread of the backward times it comes from: on a noisy host a
-    chance stretch would otherwise merge every bucket. Approximation: the timeline planned on
+    ``stretch_noise_ms`` (the Reducer gives twice its standard error): on a noisy host a chance
+    stretch would otherwise merge every bucket. Approximation: the timeline planned on
     (ready times, backward) is the overlapped iterations', whose backward already holds the probe
     plan's stretch, so a plan that overlaps less than the probe is charged a little twice.
     """
@@ -347,8 +347,7 @@ def decide_plan(order: Sequence[str], nbytes: dict[str, int], ready_ms: dict[str
     if stretch_ms is None:
         kappa_note = "no backward stretch measured"
     elif stretch_ms <= stretch_noise_ms:
-        kappa_note = (f"backward stretch {stretch_ms:.2f} ms is within the backward times' spread "
-                      f"({stretch_noise_ms:.2f} ms)")
+        kappa_note = f"backward stretch {stretch_ms:.2f} ms does not exceed its noise ({stretch_noise_ms:.2f} ms)"
     elif overlapped > 0:
         kappa = min(1.0, stretch_ms / overlapped)
     cuts = plan_cuts(ready, sizes, cost, bwd, rate, kappa)

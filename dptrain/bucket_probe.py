@@ -14,15 +14,15 @@ wait after backward over the ranks is the communication left after the slowest r
 backward, which is what the overlap model predicts.
 
 A held iteration launches nothing until backward has ended, and only its backward time is
-kept: the overlapped iterations' median backward less the held ones' is the backward time
-the overlap adds (its stretch), from which the planner's contention is fitted. Alternating
-the two lets a drift of the host's speed fall on both alike. The stretch also holds the
-host's cost of each launch (the probe launches the most allreduces any plan can), so it
-leans high.
+kept. Each overlapped iteration's backward less that of the held one after it is the
+backward time the overlap added (its stretch); the mean over every rank's pairs is the
+stretch the planner's contention is fitted on (:func:`stretch_estimate`). Pairing adjacent
+iterations lets a drift of the host's speed cancel. The stretch also holds the host's cost
+of each launch (the probe launches the most allreduces any plan can), so it leans high.
 
 Rank 0 fits ``alpha + beta * bytes`` to the median service time per size, the overlap rate
-on the least wait, and the contention on the ranks' median stretch (0 when that is within
-the backward times' spread), plans the bucket boundaries over its median ready times and
+on the least wait, and the contention on the stretch (0 when the stretch does not exceed
+twice its standard error), plans the bucket boundaries over its median ready times and
 broadcasts the gradient order and the cuts; every rank re-lays out its buffers at the same
 iteration (as ``replan`` does) and the plan digests are compared again. The next
 ``2 * AUTO_PROBE_ITERS`` iterations check the chosen plan, again alternately overlapped and
@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from statistics import median
+from statistics import fmean, median, stdev
 
 import torch
 
@@ -67,7 +67,7 @@ class AutoProbe:
     ready_ms: dict[str, list[float]] = field(default_factory=dict)
     service: list[list[float]] = field(default_factory=list)  # per probe iteration, per bucket: service ms
     backward_ms: list[float] = field(default_factory=list)
-    held_backward_ms: list[float] = field(default_factory=list)  # probe iterations that held their allreduces
+    held_backward_ms: list[float] = field(default_factory=list)  # the iterations that held their allreduces
     exposed_ms: list[float] = field(default_factory=list)
     decision: AutoDecision | None = None
 
@@ -133,34 +133,31 @@ class AutoProbe:
         self.service.append(service)
         return False
 
-    def stretch_ms(self) -> float:
-        """The backward time this rank's overlap added: median overlapped less median held backward."""
-        return median(self.backward_ms) - median(self.held_backward_ms)
+    def stretch_pairs_ms(self) -> list[float]:
+        """This rank's backward stretch per pair: each overlapped iteration's backward less that of the
+        held iteration after it (adjacent, so a drift of the host's speed mostly cancels)."""
+        return [o - h for o, h in zip(self.backward_ms, self.held_backward_ms)]
 
-    def stretch_noise_ms(self) -> float:
-        """The wider spread (max - min) of this rank's overlapped and held backward times."""
-        return max(max(t) - min(t) for t in (self.backward_ms, self.held_backward_ms))
-
-    def _waits(self, comm: Communicator, noise: bool) -> tuple[list[float], float, float]:
-        """The least wait after backward over the ranks per iteration, and the ranks' median stretch
-        and (``noise``) its spread (collective)."""
-        t = gather_over_ranks(comm, [[*self.exposed_ms, self.stretch_ms(),
-                                      self.stretch_noise_ms() if noise else 0.0]])[:, 0]
-        return t[:, :-2].min(dim=0).values.tolist(), median(t[:, -2].tolist()), median(t[:, -1].tolist())
+    def _waits(self, comm: Communicator) -> tuple[list[float], float, float]:
+        """The least wait after backward over the ranks per iteration, and the stretch over every
+        rank's pairs with its noise (:func:`stretch_estimate`; collective)."""
+        n = len(self.exposed_ms)
+        t = gather_over_ranks(comm, [[*self.exposed_ms, *self.stretch_pairs_ms()]])[:, 0]
+        return t[:, :n].min(dim=0).values.tolist(), *stretch_estimate(t[:, n:].flatten().tolist())
 
     def gathered(self, comm: Communicator,
                  nbytes: Sequence[int]) -> tuple[list[tuple[int, float]], list[float], float, float]:
         """(bytes, service ms) of every probed collective and the probe's wait after backward per
-        iteration, each the least over the ranks, and the medians over the ranks of their backward
-        stretch and its spread (collective); ``nbytes`` per probe bucket."""
+        iteration, each the least over the ranks, and the backward stretch over the ranks with its
+        noise (collective); ``nbytes`` per probe bucket."""
         service = least_over_ranks(comm, self.service)
         collectives = [(b, t) for row in service for b, t in zip(nbytes, row) if math.isfinite(t)]
-        return collectives, *self._waits(comm, noise=True)
+        return collectives, *self._waits(comm)
 
     def decide(self, order: Sequence[str], size_of: dict[str, int], collectives: list[tuple[int, float]],
                after_slowest: list[float], stretch_ms: float, stretch_noise_ms: float = 0.0) -> AutoDecision:
         """Rank 0's plan: its own ready times and backward, the ranks' least costs and waits, their
-        median backward stretch."""
+        backward stretch."""
         return decide_plan(order, size_of, self.ready_ms, self.backward_ms, collectives, after_slowest, stretch_ms,
                            stretch_noise_ms)
 
@@ -177,7 +174,7 @@ class AutoProbe:
         assert d is not None
         measured = least = stretch = None
         if timed:
-            waits, stretch, _ = self._waits(comm, noise=False)
+            waits, stretch, _ = self._waits(comm)
             measured, least = median(self.exposed_ms), median(waits)
         return {"plan": plan_text, "buckets": buckets,
                 "alpha_ms": round(d.cost.alpha_ms, 4), "beta_ms_per_mb": round(d.cost.beta_ms_per_mb, 4),
@@ -191,6 +188,14 @@ class AutoProbe:
                 "measured_exposed_ms": None if measured is None else round(measured, 3),
                 "measured_after_slowest_ms": None if least is None else round(least, 3),
                 "probe_exposed_ms": round(d.probe_exposed_ms, 3)}
+
+
+def stretch_estimate(pairs_ms: Sequence[float]) -> tuple[float, float]:
+    """(mean, noise) of paired backward stretches: the noise is twice the mean's standard error, so
+    a stretch that does not exceed it is not told apart from zero (one pair: infinite noise)."""
+    if len(pairs_ms) < 2:
+        return (pairs_ms[0] if pairs_ms else 0.0), math.inf
+    return fmean(pairs_ms), 2.0 * stdev(pairs_ms) / math.sqrt(len(pairs_ms))
 
 
 def check_line(r: dict[str, float | int | str | None]) -> str:

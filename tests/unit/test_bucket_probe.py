@@ -16,6 +16,7 @@ from dptrain.bucket_probe import (
     AutoProbe,
     check_line,
     least_over_ranks,
+    stretch_estimate,
 )
 
 
@@ -68,8 +69,11 @@ def test_service_time_starts_when_the_channel_is_free_and_unmeasured_buckets_are
     assert not _probe_iteration(p, launched, 26_500.0, queued=False)
     assert p.service[-1] == [10.0, math.inf, 6.0]
     _held_iteration(p, 18_000.0)
-    # overlapped backward 20 ms (median of 3), held 17 ms: the overlap stretched it by 3 ms
-    assert p.decision_due and p.stretch_ms() == pytest.approx(3.0)
+    # overlapped backward 20 ms each time, held 16, 17, 18 ms: the pairs' stretch 4, 3, 2 ms
+    assert p.decision_due and p.stretch_pairs_ms() == pytest.approx([4.0, 3.0, 2.0])
+    # mean 3 ms; standard deviation 1 ms over 3 pairs: noise 2 / sqrt(3) ms
+    assert stretch_estimate(p.stretch_pairs_ms()) == pytest.approx((3.0, 2 / math.sqrt(3)))
+    assert stretch_estimate([5.0]) == (5.0, math.inf) and stretch_estimate([]) == (0.0, math.inf)
 
 
 def test_the_least_over_the_ranks_drops_a_rank_s_wait_for_the_other_and_ignores_inf():
@@ -77,12 +81,11 @@ def test_the_least_over_the_ranks_drops_a_rank_s_wait_for_the_other_and_ignores_
     assert least_over_ranks(_TwoRanks(rank1), [[60.0, 5.0, math.inf]]) == [[4.0, 5.0, 6.0]]
     p = AutoProbe(service=[[60.0, 2.0], [61.0, math.inf]], exposed_ms=[70.0, 71.0], backward_ms=[30.0, 31.0],
                   held_backward_ms=[28.0, 29.0])
-    # rank 1: its waits, its stretch, its backward times' spread
-    comm = _TwoRanks([[1.5, math.inf], [1.6, math.inf]], [[9.0, 10.0, 4.0, 3.0]])
+    comm = _TwoRanks([[1.5, math.inf], [1.6, math.inf]], [[9.0, 10.0, 4.0, 6.0]])  # rank 1: its waits, its pairs
     collectives, after_slowest, stretch, noise = p.gathered(comm, [4_000_000, 1_000])
     assert collectives == [(4_000_000, 1.5), (1_000, 2.0), (4_000_000, 1.6)] and after_slowest == [9.0, 10.0]
-    assert stretch == pytest.approx(3.0)  # the median over the ranks of 2 ms (rank 0) and 4 ms (rank 1)
-    assert noise == pytest.approx(2.0)  # rank 0's spread is 1 ms (30-31, 28-29): the median of 1 and 3
+    assert (stretch, noise) == pytest.approx(stretch_estimate([2.0, 2.0, 4.0, 6.0]))  # every rank's pairs
+    assert stretch == pytest.approx(3.5)
     assert comm.calls == 2  # the same two collectives on every rank
 
 
@@ -100,7 +103,7 @@ def test_the_decision_is_due_after_the_probe_and_the_check_ends_after_as_many_it
     assert held == [False] * AUTO_WARMUP_ITERS + [False, True] * AUTO_PROBE_ITERS  # overlapped, held, ...
     assert len(p.backward_ms) == len(p.held_backward_ms) == len(p.exposed_ms) == AUTO_PROBE_ITERS
     d = p.decide(["w", "b"], {"w": 4_000_000, "b": 1_000}, [(4_000_000, 4.0), (1_000, 0.1), (4_000_000, 4.2)],
-                 [1.0] * AUTO_PROBE_ITERS, p.stretch_ms())
+                 [1.0] * AUTO_PROBE_ITERS, *stretch_estimate(p.stretch_pairs_ms()))
     assert d.order == ["w", "b"] and d.cuts[0] == 0 and d.collectives == 3
     assert d.cost.beta_ms_per_mb == pytest.approx(1.0, rel=0.1)  # 4 MB in ~4 ms
     p.switch(d)
@@ -119,15 +122,15 @@ def test_the_report_gathers_only_where_the_host_timed_the_check():
     for _ in range(AUTO_DECISION_ITER):
         _probe_iteration(p, [(0, 0.0, 1_000.0)], 21_000.0, backward_end_us=18_000.0 if p.holding else 20_000.0)
     p.switch(p.decide(["w", "b"], {"w": 4_000_000, "b": 1_000}, [(4_000_000, 4.0), (1_000, 0.1)],
-                      [1.0] * AUTO_PROBE_ITERS, p.stretch_ms()))
+                      [1.0] * AUTO_PROBE_ITERS, *stretch_estimate(p.stretch_pairs_ms())))
     for _ in range(2 * AUTO_PROBE_ITERS):  # the plan's backward: 19 ms overlapped, 18 ms held
         p.start_backward()
         p.t0_us = 0.0
         p.record([], 3, 18_000.0 if p.holding else 19_000.0, 22_000.0)
-    comm = _TwoRanks([[1.0] * AUTO_PROBE_ITERS + [3.0, 0.0]])  # rank 1 waited 1 ms, stretched 3 ms
+    comm = _TwoRanks([[1.0] * AUTO_PROBE_ITERS + [3.0] * AUTO_PROBE_ITERS])  # rank 1 waited 1 ms, stretched 3 ms
     r = p.report(comm, "1 bucket", 1, timed=True)
     assert r["measured_exposed_ms"] == 3.0 and r["measured_after_slowest_ms"] == 1.0 and p.phase == "done"
-    # the plan's stretch, 1 ms on rank 0; the median with rank 1's 3 ms
+    # the plan's stretch, 1 ms in each of rank 0's pairs, 3 ms in rank 1's: the mean
     assert r["measured_contention_ms"] == pytest.approx(2.0)
     line = check_line(r)
     assert "measured 3.00 ms on rank 0, 1.00 ms after the slowest" in line and "stretch measured 2.00 ms" in line
