@@ -95,7 +95,8 @@ def report(rounds: list[dict[str, dict[str, tuple[float, float]]]], top: int) ->
            "|---:|---:|---:|---:|---:|---:|"]
     for i, r in enumerate(rounds):
         d, p = r["dptrain"], r["peer"]
-        out.append(f"| {i} | {total(d):.1f} | {total(p):.1f} | {total(d) / total(p):.3f} | {conv(d):.1f} | {conv(p):.1f} |")
+        out.append(f"| {i} | {total(d):.1f} | {total(p):.1f} | {total(d) / total(p):.3f} | {conv(d):.1f} "
+                   f"| {conv(p):.1f} |")
     ratio = statistics.median(total(r["dptrain"]) / total(r["peer"]) for r in rounds)
     out += ["", f"Median dptrain / peer operator time per step: {ratio:.3f}.", "",
             "Per operator, medians over the rounds (calls and self CPU ms per step):", "",

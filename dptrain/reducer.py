@@ -27,8 +27,8 @@ on it is identical everywhere without another collective.
 times, the collectives' costs and the backward time their overlap takes (every other probe
 iteration holds its launches until backward ends), rank 0 plans the boundaries that minimise
 what the communication adds to the step (exposed + contention) and every rank re-lays out its
-buffers at the same iteration, as ``replan`` does (:mod:`dptrain.bucket_probe`). A snapshot keeps the order and the cuts; a resumed run
-applies them at once.
+buffers at the same iteration, as ``replan`` does (:mod:`dptrain.bucket_probe`). A snapshot
+keeps the order and the cuts; a resumed run applies them at once.
 
 Running statistics (BatchNorm's running mean and variance) are averaged over the ranks
 once per iteration, by one small allreduce launched right behind the first bucket and
