@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,26 +60,12 @@ def dptrain_step(args: argparse.Namespace, run_dir: str) -> tuple[Callable[[], N
 
 
 def peer_step(args: argparse.Namespace) -> Callable[[], None]:
-    from dptrain.data.base import DeviceFeeder
-    from dptrain.data.builtin import synthetic_source
-    from dptrain.data.sampling import ShardPlan
-    from dptrain.models import build_model
+    """The peer's own step (``benchmarks/peer.py``), fp32, in this process."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peer import make_step
 
-    cpu, nhwc = torch.device("cpu"), args.layout == "nhwc"
-    torch.manual_seed(1)
-    model = build_model(args.model, num_classes=10, width=args.width, channels_last=nhwc)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
-    src = synthetic_source(10, args.image_size, 1_000_000, 1, cpu)
-    feeder = DeviceFeeder(src.train_batches(ShardPlan(0, 1, args.batch_size, 1), 0), device=cpu,
-                          dtype=torch.float32, mean=src.mean, scale=src.scale, channels_last=nhwc)
-
-    def step() -> None:
-        x, y = next(feeder)
-        F.cross_entropy(model(x).float(), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return make_step(args.model, args.width, 10, "fp32", args.batch_size, args.image_size, args.layout == "nhwc",
+                     torch.device("cpu"))
 
 
 def report(rounds: list[dict[str, dict[str, tuple[float, float]]]], top: int) -> str:

@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,36 @@ from dptrain.data.base import DeviceFeeder
 from dptrain.data.builtin import synthetic_source
 from dptrain.data.sampling import ShardPlan
 from dptrain.models import build_model
+
+
+def make_step(model_name: str, width: int, num_classes: int, precision: str, batch_size: int, image_size: int,
+              channels_last: bool, device: torch.device, rank: int = 0, world: int = 1,
+              bucket_mb: float = 25.0) -> Callable[[], None]:
+    """One training step of the peer (DDP when ``world`` > 1: the process group must be up)."""
+    cuda = device.type == "cuda"
+    torch.manual_seed(1)
+    model = build_model(model_name, num_classes=num_classes, width=width, channels_last=channels_last).to(device)
+    if world > 1:
+        model = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=bucket_mb,
+                    gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4,
+                          **({"fused": True} if cuda else {"foreach": True}))
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    src = synthetic_source(num_classes, image_size, 1_000_000, 1, device)
+    feeder = DeviceFeeder(src.train_batches(ShardPlan(rank, world, batch_size, 1), 0), device=device,
+                          dtype=torch.float32, mean=src.mean, scale=src.scale, channels_last=channels_last)
+
+    def step() -> None:
+        x, y = next(feeder)
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            loss = F.cross_entropy(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    return step
 
 
 def main() -> None:
@@ -57,28 +88,8 @@ def main() -> None:
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
-    torch.manual_seed(1)
-    model = build_model(args.model, num_classes=args.num_classes, width=args.width,
-                        channels_last=args.channels_last).to(device)
-    if world > 1:
-        model = DDP(model, device_ids=[local_rank] if cuda else None, bucket_cap_mb=args.bucket_mb,
-                    gradient_as_bucket_view=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4,
-                          **({"fused": True} if cuda else {"foreach": True}))
-    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-    src = synthetic_source(args.num_classes, args.image_size, 1_000_000, 1, device)
-    feeder = DeviceFeeder(src.train_batches(ShardPlan(rank, world, args.batch_size, 1), 0), device=device,
-                          dtype=torch.float32, mean=src.mean, scale=src.scale, channels_last=args.channels_last)
-
-    def step() -> None:
-        x, y = next(feeder)
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            loss = F.cross_entropy(model(x).float(), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
+    step = make_step(args.model, args.width, args.num_classes, args.precision, args.batch_size, args.image_size,
+                     args.channels_last, device, rank, world, args.bucket_mb)
 
     for _ in range(args.warmup):
         step()
@@ -97,7 +108,7 @@ def main() -> None:
     if rank == 0:
         g = args.batch_size * world
         print(json.dumps({
-            "peer": f"{'DDP + ' if world > 1 else ''}{'autocast ' + args.precision if amp_dtype else 'fp32'}",
+            "peer": f"{'DDP + ' if world > 1 else ''}{'fp32' if args.precision == 'fp32' else 'autocast ' + args.precision}",
             "images_per_s": round(g * args.steps / sum(times), 2),
             "step_ms_median": round(1000 * statistics.median(times), 3),
             "world_size": world, "batch_size": args.batch_size, "model": args.model,
