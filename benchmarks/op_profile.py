@@ -15,6 +15,7 @@ convolutions per round, then the operators by their largest median self time, wi
     python benchmarks/op_profile.py                       # ResNet-18 CIFAR width 32, batch 32, fp32 NHWC
     python benchmarks/op_profile.py --threads 1           # as each of 2 solvers on 2 cores
     python benchmarks/op_profile.py --layout nchw --rounds 2
+    python benchmarks/op_profile.py --precision bf16 --threads 1   # bf16 storage vs autocast bf16
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def dptrain_step(args: argparse.Namespace, run_dir: str) -> tuple[Callable[[], N
     cfg = load_config(str(REPO / "launch" / "configs" / "resnet50_synthetic.toml"), [
         f"model.name={args.model}", f"model.width={args.width}", "model.num_classes=10",
         f"model.channels_last={str(args.layout == 'nhwc').lower()}", f"data.image_size={args.image_size}",
-        f"data.batch_size={args.batch_size}", "precision.storage=fp32", "data.source=synthetic",
+        f"data.batch_size={args.batch_size}", f"precision.storage={args.precision}", "data.source=synthetic",
         "solver.base_lr=0.01", "solver.lr_policy=fixed", "solver.warmup_iter=0", "solver.momentum=0.9",
         "solver.weight_decay=0.0005", "solver.display=0", f"train.run_dir={json.dumps(run_dir)}"])
     t = Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cpu")))
@@ -60,11 +61,11 @@ def dptrain_step(args: argparse.Namespace, run_dir: str) -> tuple[Callable[[], N
 
 
 def peer_step(args: argparse.Namespace) -> Callable[[], None]:
-    """The peer's own step (``benchmarks/peer.py``), fp32, in this process."""
+    """The peer's own step (``benchmarks/peer.py``: fp32, or autocast for bf16/fp16), in this process."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from peer import make_step
 
-    return make_step(args.model, args.width, 10, "fp32", args.batch_size, args.image_size, args.layout == "nhwc",
+    return make_step(args.model, args.width, 10, args.precision, args.batch_size, args.image_size, args.layout == "nhwc",
                      torch.device("cpu"))
 
 
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--layout", choices=("nhwc", "nchw"), default="nhwc")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                    help="dptrain's storage dtype; the peer runs autocast in it (fp32: neither)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=4)
@@ -127,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                 rounds.append({side: op_times(sides[side], args.steps, args.warmup) for side in order})
         finally:
             close()
-    print(f"## One-process step, per operator: {args.model} width {args.width}, batch {args.batch_size}, fp32 "
-          f"{args.layout.upper()}, {torch.get_num_threads()} threads, {args.rounds} alternated rounds of "
+    print(f"## One-process step, per operator: {args.model} width {args.width}, batch {args.batch_size}, "
+          f"{args.precision} {args.layout.upper()}, {torch.get_num_threads()} threads, {args.rounds} alternated rounds of "
           f"{args.steps} profiled steps\n")
     print(report(rounds, args.top))
     return 0

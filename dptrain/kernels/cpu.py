@@ -5,11 +5,15 @@ so a skipped step returns early instead of computing both outcomes and selecting
 ``torch.where`` as the reference does.
 
 * **In place** (:func:`update_inplace`, the default): each rule's body rewrites the spec's
-  math as in-place passes over the state and master, with one or two [n] fp32 temporaries
+  math as in-place passes over the state and master, with one or two fp32 temporaries
   besides the gradient (SGD's step; Adam's direction and denominator), several times fewer
   bytes moved than the reference. Results equal the reference's up to a few fp32 ulps: an
   ``add_(alpha=)`` rounds once where the reference rounds a product and a sum, and
   ``lr * lr_scale * u`` is two products where the reference forms ``lr * lr_scale`` first.
+  The passes run over ``INPLACE_CHUNK`` elements at a time, so that after the first pass a
+  chunk's buffers are still in the core's cache for the others: the update follows backward
+  and the allreduce, which leave masters and state cold, and over the whole buffer each pass
+  went back to memory (:data:`INPLACE_CHUNK` gives the measurements).
 * **Compiled** (:func:`update_compiled`, ``solver.cpu_fused_update``): the spec's math
   itself, compiled by ``torch.compile`` into one loop that reads and writes each buffer
   once; the scalars travel as one tensor, so a new learning rate does not recompile.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -156,15 +161,38 @@ INPLACE: dict[str, Callable[[UpdateArgs, torch.Tensor, tuple], None]] = {
 """Each rule's in-place body: (args, fp32 unscaled gradient it may overwrite, scalars)."""
 
 
+INPLACE_CHUNK = 65536
+"""Elements per chunk of :func:`update_inplace` (a multiple of every SIMD width, so each element
+takes the same vector or scalar path, and the same bits, as over the whole buffer). 64 Ki
+elements of SGD with bf16 storage and fp32 momentum are ~1 MiB of buffers and temporaries, within
+a core's L2. Measured on the native-bf16 2-core VM, one thread, 2.8 M parameters (ResNet-18 CIFAR
+width 32), caches evicted before each update as a training step leaves them: 9.7 ms over the whole
+buffer, 7.3 / 6.3 / 6.4 / 6.9 / 7.9 ms in chunks of 16 / 32 / 64 / 128 / 256 Ki elements."""
+
+
+def _chunk(a: UpdateArgs, start: int, stop: int) -> UpdateArgs:
+    """``a`` restricted to elements [start, stop): every per-element tensor sliced, the scalars shared."""
+    master = a.master[start:stop]
+    params = master if a.params is a.master else a.params[start:stop]  # fp32 storage: one buffer
+    return replace(a, grads=a.grads[start:stop], master=master, params=params,
+                   state=tuple(t[start:stop] for t in a.state),
+                   lr_scale=None if a.lr_scale is None else a.lr_scale[start:stop],
+                   decay_scale=None if a.decay_scale is None else a.decay_scale[start:stop])
+
+
 def update_inplace(a: UpdateArgs) -> None:
-    """The rule's in-place CPU body between the common unscale and write-back."""
+    """The rule's in-place CPU body between the common unscale and write-back, chunk by chunk
+    (:data:`INPLACE_CHUNK`: element-wise passes, so the same bits as in one piece)."""
     rule = rule_of(a)
     if _skipped(a):
         return
-    g = a.grads.float() if a.grads.dtype != torch.float32 else a.grads  # fp32 storage: reused, zeroed after
-    g.mul_(a.grad_coef)
-    INPLACE[rule.name](a, g, rule.scalars(a.hyper))
-    _finish(a)
+    scalars = rule.scalars(a.hyper)
+    for start in range(0, a.numel, INPLACE_CHUNK):
+        c = _chunk(a, start, min(a.numel, start + INPLACE_CHUNK))
+        g = c.grads.float() if c.grads.dtype != torch.float32 else c.grads  # fp32 storage: reused, zeroed after
+        g.mul_(c.grad_coef)
+        INPLACE[rule.name](c, g, scalars)
+        _finish(c)
 
 
 FUSED_VARIANTS_MAX = 64
