@@ -26,12 +26,11 @@ from typing import Any
 
 import torch
 
-from dptrain.build import pick_device
-from dptrain.comm import Communicator
 from dptrain.config import TrainConfig, config_hash
 from dptrain.errors import ConfigError
 from dptrain.precision import cpu_native_support
 from dptrain.provenance import git_commit
+from dptrain.run import open_communicator
 from dptrain.topology import Topology
 from dptrain.trace import NullTracer, Tracer
 from dptrain.train import Trainer
@@ -77,6 +76,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def host_usage_per_step(before: resource.struct_rusage, after: resource.struct_rusage, steps: int) -> dict[str, float]:
+    """Rank 0's process, per timed step: minor page faults (pages the kernel mapped in, and zeroed,
+    again: see ``train.host_malloc``) and system CPU ms (those faults, and gloo's socket copies)."""
+    return {"host_minor_faults_per_step": round((after.ru_minflt - before.ru_minflt) / steps, 1),
+            "host_sys_ms_per_step": round((after.ru_stime - before.ru_stime) * 1000.0 / steps, 3)}
+
+
 def _percentile(xs: list[float], q: float) -> float:
     """Nearest-rank percentile: the smallest value with at least a fraction ``q`` of the values at or below it."""
     s = sorted(xs)
@@ -89,10 +95,8 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         raise ConfigError(f"bench needs --steps > 0 and non-negative --warmup/--phase-steps, got "
                          f"{steps}/{warmup}/{phase_steps}")
     topology = Topology.from_env()
-    device = pick_device(cfg.train.device, topology.local_rank)
-    if device.type == "cpu":
-        torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
-    comm = Communicator.from_env(topology, cfg.reducer.timeout_s, device)
+    comm = open_communicator(cfg, topology)
+    device = comm.device
     tracer = Tracer(comm.rank) if trace else NullTracer(comm.rank)
     trainer = Trainer(cfg, comm, tracer=tracer)
     try:
@@ -111,11 +115,13 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
             torch.cuda.reset_peak_memory_stats(device)
         trainer.clock.take()  # per-rank step times over the timed steps only
         step_ms = []
+        usage0 = resource.getrusage(resource.RUSAGE_SELF)
         for _ in range(steps):
             t0 = time.perf_counter()
             trainer.train_step()
             _sync(device)
             step_ms.append((time.perf_counter() - t0) * 1000.0)
+        host = host_usage_per_step(usage0, resource.getrusage(resource.RUSAGE_SELF), steps)
         ranks = trainer.stragglers.gather(trainer.clock)  # collective: every rank, same point
         tracer.events.clear()
         trainer.time_phases(True)
@@ -139,6 +145,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         "images_per_s_per_solver": round(ips / p.world_size, 2),
         "step_ms_median": round(statistics.median(step_ms), 3),
         "step_ms_p90": round(_percentile(step_ms, 0.9), 3),
+        **host,
         **ranks,
     }
     for ph in PHASES:  # None when --phase-steps 0 measured no phase (not 0.0, which would read as free)

@@ -378,6 +378,11 @@ class TrainSection:
     """"auto": CUDA device LOCAL_RANK when available, else CPU."""
     threads: int = 0
     """torch intra-op threads per solver on CPU; 0 = cores / local world size."""
+    host_malloc: Literal["auto", "keep", "system"] = "auto"
+    """"keep": freed host memory stays in the process for the next step (glibc's mmap and trim
+    thresholds raised, dptrain/hostmem.py): a CPU step no longer faults its activations' pages in
+    again every iteration, at the price of a resident size that stays at the run's peak.
+    "system": glibc's defaults. "auto": keep on the CPU device, system on CUDA."""
     cudnn_benchmark: bool = True
     """CUDA: let cuDNN time its convolution algorithms on the first step of each input shape and
     keep the fastest (NVCaffe autotunes likewise). Set false for run-to-run identical algorithms."""

@@ -17,6 +17,7 @@ from dptrain.comm import Communicator
 from dptrain.config import TrainConfig
 from dptrain.control import StopFlag
 from dptrain.errors import ConfigError, RankFailure, first_line
+from dptrain.hostmem import apply_host_malloc
 from dptrain.topology import Topology
 from dptrain.trace import Tracer
 from dptrain.train import Trainer
@@ -47,10 +48,12 @@ def stop_with_the_launcher(topology: Topology) -> None:
 
 
 def open_communicator(cfg: TrainConfig, topology: Topology) -> Communicator:
-    """This solver's device (and CPU thread count), and the process group over every solver."""
+    """This solver's device (its CPU thread count and host allocator settings), and the process group
+    over every solver."""
     device = pick_device(cfg.train.device, topology.local_rank)
     if device.type == "cpu":
         torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
+    apply_host_malloc(cfg.train.host_malloc, device.type)
     return Communicator.from_env(topology, cfg.reducer.timeout_s, device, cfg.train.process_group_timeout_s)
 
 

@@ -33,7 +33,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dptrain.comm", "dptrain.kernels", "dptrain.buckets", "dptrain.bucket_autotune", "dptrain.flat",
      "dptrain.metrics"),
     ("dptrain.config",),
-    ("dptrain.topology", "dptrain.trace", "dptrain.models", "dptrain.provenance", "dptrain.flight"),
+    ("dptrain.topology", "dptrain.trace", "dptrain.models", "dptrain.provenance", "dptrain.flight",
+     "dptrain.hostmem"),
     ("dptrain.errors",),
     ("dptrain",),
 )
