@@ -17,12 +17,13 @@ step time and exposed communication with ``scaling_model.simulate_step`` and
   allreduce inside a training step, where the solvers' other threads share the cores (with 3
   solvers on 2 cores, its latency is several times the quiet one), fitted per world size;
 - ``overlap_rate``: the speed of an allreduce while backward runs, relative to after it;
-  these two on the fit runs' *comm after slowest* (bench's ``comm_after_slowest_ms``: the
-  least wait over the ranks, i.e. the communication left after the last rank's backward);
+  these two on the fit runs' *comm after slowest* (the least wait over the ranks, i.e. the
+  communication left after the last rank's backward: what bench medians per run as
+  ``comm_after_slowest_ms``; here the median over every phase-timed step of every repeat);
 - ``contention``: the fraction of overlapped communication time that backward loses (on a
   2-core host the gloo threads take cores from compute);
-- ``jitter_cv``: per-rank step-time variation; the slowest rank sets the pace (bench's
-  ``backward_skew_ms``: rank 0's wait for it);
+- ``jitter_cv``: per-rank step-time variation; the slowest rank sets the pace (the skew:
+  rank 0's wait for it, step by step; here its mean, as the model's term is an expectation);
   jitter on the fit runs' skew, then contention on their step times (the profile run alone
   cannot identify the contention: its own is inside its measured backward).
 
@@ -43,6 +44,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scaling_model as sm  # noqa: E402
@@ -114,16 +117,55 @@ def _append(path: Path, rec: dict[str, Any]) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-def _median_runs(runs: list[dict[str, Any]]) -> dict[tuple[int, float], dict[str, Any]]:
-    """One record per (world, cap): the medians over the repeats, with the traces of all of them."""
+def _median_runs(runs: list[dict[str, Any]], d: Path) -> dict[tuple[int, float], dict[str, Any]]:
+    """One record per (world, cap), with the traces of all its repeats: the step time and rank 0's wait
+    are medians over the repeats; over every phase-timed step of every repeat, pooled (:func:`least_waits`),
+    comm after slowest is the median (the typical step's, as the model's exposed communication), with a
+    90 % interval (:func:`repeat_bootstrap`), and skew the mean (the model's jitter term is an expected wait:
+    for 2 ranks alike, the median wait for the other one is ~0 by symmetry)."""
     groups: dict[tuple[int, float], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["world_size"], r["cap_mb"]), []).append(r)
-    return {k: {"step_ms": statistics.median(r["step_ms_median"] for r in v),
-                "exposed_ms": statistics.median(r["exposed_comm_ms"] or 0.0 for r in v),
-                "after_ms": statistics.median(r.get("comm_after_slowest_ms") or 0.0 for r in v),
-                "skew_ms": statistics.median(r.get("backward_skew_ms") or 0.0 for r in v),
-                "traces": [r["trace"] for r in v], "n": len(v)} for k, v in groups.items()}
+    out = {}
+    for (world, cap), v in groups.items():
+        least, skew = zip(*(least_waits(d, r["trace"], world) for r in v))
+        out[(world, cap)] = {
+            "step_ms": statistics.median(r["step_ms_median"] for r in v),
+            "exposed_ms": statistics.median(r["exposed_comm_ms"] or 0.0 for r in v),
+            "after_ms": statistics.median(x for steps in least for x in steps),
+            "after_runs_ms": [statistics.median(steps) for steps in least],
+            "after_interval_ms": repeat_bootstrap(list(least)),
+            "skew_ms": statistics.fmean(x for steps in skew for x in steps),
+            "traces": [r["trace"] for r in v], "n": len(v)}
+    return out
+
+
+def least_waits(d: Path, trace0: str, world: int) -> tuple[list[float], list[float]]:
+    """Per phase-timed step of one run, from its ranks' traces (``<name>.rank<r>.json``, the ``exposed_comm``
+    spans: each rank's wait after its backward): the least wait over the ranks (the communication left after
+    the slowest rank's backward, what ``bench`` medians as ``comm_after_slowest_ms``) and rank 0's wait beyond
+    it (``backward_skew_ms``)."""
+    waits = []
+    for rank in range(world):
+        events = json.loads((d / trace0.replace(".rank0.", f".rank{rank}.")).read_text())["traceEvents"]
+        waits.append([e["dur"] / 1e3 for e in sorted(events, key=lambda e: e["ts"]) if e.get("name") == "exposed_comm"])
+    if len({len(w) for w in waits}) != 1 or not waits[0]:
+        raise ValueError(f"{d / trace0}: the ranks' traces hold {[len(w) for w in waits]} phase-timed steps; "
+                         "every rank must trace the same steps (rerun it)")
+    least = [min(step) for step in zip(*waits)]
+    return least, [w0 - m for w0, m in zip(waits[0], least)]
+
+
+def repeat_bootstrap(runs: list[list[float]], draws: int = 2000, level: float = 0.90,
+                     seed: int = 0) -> tuple[float, float]:
+    """Interval of the pooled median of ``runs`` (each a run's per-step values), resampling whole runs
+    with replacement: a run's steps share its host state (the VM drifts between runs), so runs, not
+    steps, are the independent draws."""
+    rng = np.random.default_rng(seed)
+    medians = [float(np.median(np.concatenate([runs[i] for i in rng.integers(0, len(runs), len(runs))])))
+               for _ in range(draws)]
+    lo, hi = np.quantile(medians, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
 
 
 def predict(profile: sm.Profile, sizes: list[int], cost: LinearCost, contention: float, world: int,
@@ -139,7 +181,7 @@ def report(d: Path) -> str:
     runs = _read_jsonl(d / "runs.jsonl")
     windows = sorted({_window(r) for r in runs})  # one, unless the dir predates run()'s check
     steps, phase_steps = ("/".join(str(w[i]) for w in windows) for i in (0, 1))
-    med = _median_runs(runs)
+    med = _median_runs(runs, d)
     profiles, costs = {}, {}
     plans = {k: [b.nbytes for b in sm.profile_from_trace(json.loads((d / m["traces"][0]).read_text())).buckets]
              for k, m in med.items()}  # each run's bucket sizes: a function of its cap, read off its trace
@@ -211,10 +253,12 @@ def report(d: Path) -> str:
            + f"; contention {kappa:.2f} (backward loses that fraction of the overlapped allreduce time); "
            f"jitter_cv {cv:.3f}.",
            "",
-           "| world | cap MB | role | step ms measured | predicted | error | comm after slowest ms measured | "
-           "predicted | error | skew ms measured | predicted | rank 0 wait ms measured | predicted | error |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| world | cap MB | role | step ms measured | predicted | error | comm after slowest ms measured "
+           "(90 % interval; run medians) | predicted | error | skew ms measured | predicted | rank 0 wait ms "
+           "measured | predicted | error |",
+           "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     worst = {"step": 0.0, "after": 0.0, "wait": 0.0}
+    outside = []  # check rows whose prediction lies outside the measurement's own interval
     for (world, cap), m in sorted(med.items()):
         role = "fit" if cap in (FIT_CAP_MB, KAPPA_CAP_MB) else "check"
         if world == 1:
@@ -225,12 +269,16 @@ def report(d: Path) -> str:
         e_step = _rel(pred.step_ms, m["step_ms"])
         e_after = _rel(pred.exposed_ms, m["after_ms"])
         e_wait = _rel(_exposed(pred), m["exposed_ms"])
+        lo, hi = m["after_interval_ms"]
         if role == "check":
             for key, e in (("step", e_step), ("after", e_after), ("wait", e_wait)):
                 if e == e:
                     worst[key] = max(worst[key], abs(e))
+            if world > 1 and not lo <= pred.exposed_ms <= hi:
+                outside.append(f"{world} solvers {cap:g} MB")
+        runs_ms = ", ".join(f"{x:.2f}" for x in m["after_runs_ms"])
         out.append(f"| {world} | {cap:g} | {role} | {m['step_ms']:.1f} | {pred.step_ms:.1f} | {e_step:+.0%} | "
-                   f"{m['after_ms']:.2f} | {pred.exposed_ms:.2f} | {e_after:+.0%} | {m['skew_ms']:.1f} | "
+                   f"{m['after_ms']:.2f} ({lo:.2f}–{hi:.2f}; {runs_ms}) | {pred.exposed_ms:.2f} | {e_after:+.0%} | {m['skew_ms']:.1f} | "
                    f"{pred.jitter_ms:.1f} | {m['exposed_ms']:.1f} | {_exposed(pred):.1f} | {e_wait:+.0%} |")
     out += ["", "Noise floor: the 25 and 100 MB caps give the same two buckets for this 11 MB model, so their "
             "difference is the host's noise alone: " + "; ".join(
@@ -240,9 +288,15 @@ def report(d: Path) -> str:
     met = worst["step"] <= GOAL and worst["after"] <= GOAL
     out += ["", f"Check runs: largest step-time error {worst['step']:.0%}, largest comm-after-slowest error "
             f"{worst['after']:.0%} (goal {GOAL:.0%} on both: {'met' if met else 'NOT met'}); largest error on rank "
-            f"0's whole wait, straggling included, {worst['wait']:.0%}. Rank 0's wait is bench's `exposed_comm_ms`, a mean "
-            "over the phase-timed steps (outliers included); comm after slowest and skew are medians. Relative errors "
-            "of figures below 0.05 ms are not defined (nan).", ""]
+            f"0's whole wait, straggling included, {worst['wait']:.0%}. Check rows whose predicted comm after slowest "
+            f"lies outside the measurement's own 90 % interval: {', '.join(outside) or 'none'}.", "",
+            "Comm after slowest is the median, and skew the mean (the model's jitter term is an expected wait), "
+            "over every phase-timed step of every repeat, pooled, read off all ranks' traces (`least_waits`); the "
+            "interval resamples whole repeats (`repeat_bootstrap`: a run's "
+            "steps share its host state), and the run medians are bench's own `comm_after_slowest_ms` per run, "
+            "recomputed from the same traces. Step time and rank 0's wait (bench's `exposed_comm_ms`, a mean over "
+            "the phase-timed steps, outliers included) are medians over the repeats. Relative errors of figures "
+            "below 0.05 ms are not defined (nan).", ""]
     return "\n".join(out)
 
 

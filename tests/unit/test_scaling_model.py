@@ -268,3 +268,41 @@ def test_bad_workload_and_rows_are_named(tmp_path):
                     'images_per_s_n = 8.0\nrole = "fit"\nsource = "s"\n')
     with pytest.raises(ValueError, match=r"rows \['x'\] need role fit\|fit-input\|check and a machine in"):
         sv.load_rows(rows)
+
+
+# ---------------------------------------------------------------- calibration statistics (scaling_calibrate)
+
+def _waits_trace(path: Path, waits_ms: list[float]) -> None:
+    """A trace with one ``exposed_comm`` span per step (what least_waits reads), in time order."""
+    events = [{"ph": "X", "name": "exposed_comm", "ts": 1e6 * i, "dur": w * 1e3, "pid": 0, "tid": "compute"}
+              for i, w in enumerate(waits_ms)]
+    events.append({"ph": "X", "name": "backward", "ts": 5.0, "dur": 3.0, "pid": 0, "tid": "compute"})  # ignored
+    path.write_text(json.dumps({"traceEvents": events[::-1]}))  # out of order on purpose
+
+
+def test_least_waits_line_up_the_ranks_step_by_step(tmp_path):
+    import scaling_calibrate as sc
+
+    # rank 0 waits 5, 2, 9 ms; rank 1 waits 3, 4, 1: the rank that ended backward last waits least
+    _waits_trace(tmp_path / "t.rank0.json", [5.0, 2.0, 9.0])
+    _waits_trace(tmp_path / "t.rank1.json", [3.0, 4.0, 1.0])
+    least, skew = sc.least_waits(tmp_path, "t.rank0.json", 2)
+    assert least == pytest.approx([3.0, 2.0, 1.0])
+    assert skew == pytest.approx([2.0, 0.0, 8.0])  # rank 0's wait beyond the least
+    assert sc.least_waits(tmp_path, "t.rank0.json", 1) == (pytest.approx([5.0, 2.0, 9.0]), [0.0, 0.0, 0.0])
+    _waits_trace(tmp_path / "t.rank1.json", [3.0, 4.0])
+    with pytest.raises(ValueError, match=r"t.rank0.json: the ranks' traces hold \[3, 2\] phase-timed steps"):
+        sc.least_waits(tmp_path, "t.rank0.json", 2)
+
+
+def test_repeat_bootstrap_resamples_whole_runs():
+    import scaling_calibrate as sc
+
+    assert sc.repeat_bootstrap([[2.0, 2.0], [2.0, 2.0]]) == (2.0, 2.0)  # no spread: a point
+    # 4 runs at 1 ms, one at 10 ms: resampled runs give pooled medians of 1 or 10 (never between: each
+    # draw's median is one run's value), so the 90 % interval is [1, 10] and stays so with the seed
+    runs = [[1.0] * 5] * 4 + [[10.0] * 5]
+    lo, hi = sc.repeat_bootstrap(runs)
+    assert (lo, hi) == (1.0, 10.0) == sc.repeat_bootstrap(runs)
+    # one run in ten off: a draw with 6 of its 10 runs the slow one is too rare to reach the interval
+    assert sc.repeat_bootstrap([[1.0] * 5] * 9 + [[10.0] * 5]) == (1.0, 1.0)
