@@ -44,6 +44,13 @@ class Case:
     extra_sets: list[str] = field(default_factory=list)
     peer_channels_last: bool | None = None
     """The peer's layout when it differs from dptrain's (None: the same; NCHW for dptrain's default)."""
+    peer_env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for the peer's processes only."""
+
+
+KEEP_MALLOC_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"}
+"""glibc's malloc settings that dptrain's ``train.host_malloc = "keep"`` applies (dptrain/hostmem.py), as
+environment variables: what the peer gets when it is given the same allocator behaviour."""
 
 
 FUSED = ["solver.cpu_fused_update=true"]
@@ -76,6 +83,14 @@ def layout_cases() -> list[Case]:
         cases += [Case(f"2 solvers {prec}, dptrain defaults vs {peer}", 2, precision=prec, channels_last=None, **common),
                   Case(f"2 solvers {prec}, dptrain defaults vs {peer} + channels_last", 2, precision=prec,
                        channels_last=None, peer_channels_last=True, **common),
+                  # the same allocator settings for the peer: how much of the lead is dptrain's host_malloc
+                  Case(f"2 solvers {prec}, dptrain defaults vs {peer} + channels_last + dptrain's malloc settings", 2,
+                       precision=prec, channels_last=None, peer_channels_last=True, peer_env=KEEP_MALLOC_ENV,
+                       **common),
+                  Case(f"2 solvers {prec}, dptrain host_malloc=system (peer NHWC)", 2, precision=prec,
+                       channels_last=None, peer=False, extra_sets=["train.host_malloc=system"], **common),
+                  Case(f"2 solvers {prec}, dptrain cpu_fused_update=true (peer NHWC)", 2, precision=prec,
+                       channels_last=None, peer=False, extra_sets=FUSED, **common),
                   Case(f"2 solvers {prec}, dptrain channels_last=false (peer NCHW)", 2, precision=prec,
                        channels_last=False, peer=False, **common),
                   Case(f"2 solvers {prec}, dptrain channels_last=true (peer NHWC)", 2, precision=prec,
@@ -127,9 +142,10 @@ def peer_cmd(c: Case, steps: int, warmup: int) -> list[str]:
                                           else c.channels_last) else [])
 
 
-def run_json(cmd: list[str]) -> dict:
-    """Run a benchmark command; return the last JSON line it printed."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600)
+def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
+    """Run a benchmark command (with ``env`` added to this environment); return the last JSON line it printed."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600,
+                          env={**os.environ, **env} if env else None)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -192,7 +208,7 @@ def main() -> int:
         for c in cases:
             print(" ".join(dptrain_cmd(c, args.steps, args.warmup)))
             if c.peer:
-                print(" ".join(peer_cmd(c, args.steps, args.warmup)))
+                print(" ".join([*(f"{k}={v}" for k, v in c.peer_env.items()), *peer_cmd(c, args.steps, args.warmup)]))
         return 0
     raw = []
     for rep in range(args.repeats):  # round-robin: a slow spell on a shared host lands on every case alike
@@ -200,7 +216,7 @@ def main() -> int:
         for c in (cases if rep % 2 == 0 else cases[::-1]):
             sides = [("dptrain", dptrain_cmd), *([("peer", peer_cmd)] if c.peer else [])]
             for side, cmd in (sides if rep % 2 == 0 else sides[::-1]):
-                rec = run_json(cmd(c, args.steps, args.warmup))
+                rec = run_json(cmd(c, args.steps, args.warmup), c.peer_env if side == "peer" else None)
                 raw.append({"case": c.name, "side": side, "repeat": rep, **rec})
                 print(json.dumps({"case": c.name, side: rec["images_per_s"]}), flush=True)
     rows = []
