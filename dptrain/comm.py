@@ -174,6 +174,21 @@ class _TorchWork:
             self._watcher().watch(self._work.is_completed, fn)
 
 
+def import_dynamo_first() -> None:
+    """Import ``torch._dynamo`` before the process group exists (~1 s, once).
+
+    Importing it while a group exists leaves references to that group behind (torch 2.13: ten
+    more on ``dist.group.WORLD``), and dptrain imports it mid-build on the CPU (the meta-device
+    model probe of :func:`dptrain.build.nhwc_hazards`; the compiled update). Then
+    ``destroy_process_group`` cannot free the group, its gloo worker threads outlive :meth:`close`,
+    and a worker releasing its last collective's tensors while Python finalises tries to take the
+    GIL, is exited by the interpreter inside a C++ destructor, and aborts the process
+    ("terminate called without an active exception", SIGABRT after a finished run): 4 of about 140
+    two-solver ``bench`` runs did. Imported first, it holds no group, and close() joins the threads.
+    """
+    import torch._dynamo  # noqa: F401
+
+
 class Communicator:
     """Rank, world size and the collectives dptrain needs, over one process group."""
 
@@ -213,6 +228,7 @@ class Communicator:
         kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=pg_timeout_s)}
         if backend == "nccl":
             kwargs["device_id"] = device
+        import_dynamo_first()
         dist.init_process_group(**kwargs)
         if (dist.get_rank(), dist.get_world_size()) != (topology.rank, topology.world_size):
             raise RuntimeError(f"process group is rank {dist.get_rank()} of {dist.get_world_size()}, the "
