@@ -219,8 +219,9 @@ class SolverConfig:
     """LARC trust coefficient."""
     cpu_fused_update: bool = False
     """CPU solvers only: run the update as one pass compiled by torch.compile (inductor; needs a
-    C++ compiler). ~5x faster than the in-place passes on large models; the first step pays a
-    ~15 s compile, cached on disk for later runs. No effect on CUDA (the CuPy kernel is fused)."""
+    C++ compiler). 4.0 ms against 7.5 ms for the in-place passes on 2.8 M bf16 parameters (one
+    thread); the first step pays a ~12 s compile (~3.5 s from inductor's on-disk cache in later
+    runs). No effect on CUDA (the CuPy kernel is fused)."""
 
     def __post_init__(self) -> None:
         _positive("solver.base_lr", self.base_lr)
