@@ -3,7 +3,8 @@ PyTorch loop (``benchmarks/peer.py``: the same model, data, learning rate, momen
 decay, fixed rate), one process, per operator.
 
 One process only: no reducer hooks, no DDP, no collectives; so it separates the compute side of
-a gap from the communication side, not more. The times are operators' self CPU times (Python
+a gap from the communication side, not more. Both sides share the process's allocator, with glibc's
+defaults (``train.host_malloc`` is applied by dptrain's process setup, which this tool skips). The times are operators' self CPU times (Python
 and other host time outside the operators is not in them).
 
 Both run in this process, alternately (every other round the peer first), so a drift of the

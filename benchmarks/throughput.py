@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dptrain import hostmem
+
 REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = REPO / "launch" / "configs" / "resnet50_synthetic.toml"
 
@@ -48,7 +50,8 @@ class Case:
     """Environment variables for the peer's processes only."""
 
 
-KEEP_MALLOC_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"}
+KEEP_MALLOC_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={hostmem.MMAP_THRESHOLD_BYTES}:"
+                                     f"glibc.malloc.trim_threshold={hostmem.TRIM_THRESHOLD_BYTES}"}
 """glibc's malloc settings that dptrain's ``train.host_malloc = "keep"`` applies (dptrain/hostmem.py), as
 environment variables: what the peer gets when it is given the same allocator behaviour."""
 

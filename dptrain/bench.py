@@ -76,7 +76,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def host_usage_per_step(before: resource.struct_rusage, after: resource.struct_rusage, steps: int) -> dict[str, float]:
+def _host_usage_per_step(before: resource.struct_rusage, after: resource.struct_rusage, steps: int) -> dict[str, float]:
     """Rank 0's process, per timed step: minor page faults (pages the kernel mapped in, and zeroed,
     again: see ``train.host_malloc``) and system CPU ms (those faults, and gloo's socket copies)."""
     return {"host_minor_faults_per_step": round((after.ru_minflt - before.ru_minflt) / steps, 1),
@@ -121,7 +121,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
             trainer.train_step()
             _sync(device)
             step_ms.append((time.perf_counter() - t0) * 1000.0)
-        host = host_usage_per_step(usage0, resource.getrusage(resource.RUSAGE_SELF), steps)
+        host = _host_usage_per_step(usage0, resource.getrusage(resource.RUSAGE_SELF), steps)
         ranks = trainer.stragglers.gather(trainer.clock)  # collective: every rank, same point
         tracer.events.clear()
         trainer.time_phases(True)

@@ -7,17 +7,20 @@ unmaps it on free, and hands the top of the heap back to the kernel once more th
 the kernel zeroes each one. Both thresholds move with the allocation pattern (glibc raises them
 as large blocks are freed), so whether a run pays this depends on the order its tensors happen
 to be freed in. Measured on the native-bf16 2-core VM, 2 gloo solvers, ResNet-18 CIFAR width 32,
-batch 32, bf16, 20 steps: 3200-3570 minor page faults and 10-19 ms of system time per step and
-solver with glibc's defaults; 0-63 faults and 5-8 ms with the settings below (the peer, DDP +
-autocast bf16, had 23-46 faults per step with the defaults). PyTorch's CPU performance guide
+batch 32, bf16 (``bench``'s host fields, rank 0, 20 timed steps;
+benchmarks/results/throughput_layout_cpu2_20261125_layout_bf16_final.md): with glibc's defaults
+the minor page faults per step were bimodal across 8 runs (0.8 to 4339, median 1973) with 4.8-12.7
+ms of system time per step; with the settings below 0.7-74.5 faults (median 26, 24 runs) and
+2.6-9.3 ms, and 462 images/s against 441 (median). PyTorch's CPU performance guide
 recommends an allocator that reuses memory (jemalloc, TCMalloc) for the same reason; these two
 ``mallopt`` calls get the effect from the C library already loaded, with nothing to install.
 
 ``keep_freed_memory`` sets both thresholds once at startup: requests up to 32 MiB (glibc's ceiling
 on 64-bit) come from the heap, and up to 1 GiB of free heap stays in the process. Memory freed
 stays mapped: the resident size stays at the run's peak, as with torch's CUDA caching allocator.
-It leaves the allocator alone where a user chose one: ``LD_PRELOAD`` of another allocator, or
-glibc malloc settings in the environment (``MALLOC_*_``, ``GLIBC_TUNABLES``).
+It leaves the allocator alone where a user chose one: another allocator preloaded or linked in
+(this process's ``malloc`` is not the C library's), or glibc malloc settings in the environment
+(``MALLOC_*_``, ``GLIBC_TUNABLES``).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import ctypes
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Literal
 
 log = logging.getLogger(__name__)
@@ -40,14 +44,13 @@ a larger value is refused); larger ones keep their own mapping."""
 TRIM_THRESHOLD_BYTES = 1 << 30
 """Free memory at the top of the heap that stays in the process."""
 
-_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+                  "MALLOC_ARENA_MAX")
+"""glibc's malloc environment variables: a user who set one chose the allocator's behaviour."""
 
 
 def users_choice(env: dict[str, str]) -> str | None:
-    """What in ``env`` says the user chose the allocator or its settings, or None."""
-    preload = env.get("LD_PRELOAD", "")
-    if any(name in preload for name in ("jemalloc", "tcmalloc", "mimalloc")):
-        return f"LD_PRELOAD={preload}"
+    """The setting in ``env`` by which the user tuned glibc's malloc, or None."""
     for key in _USER_SETTINGS:
         if key in env:
             return f"{key}={env[key]}"
@@ -56,26 +59,37 @@ def users_choice(env: dict[str, str]) -> str | None:
     return None
 
 
+def _address(fn: ctypes._CFuncPtr) -> int | None:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def keep_freed_memory() -> str | None:
     """Set glibc's mmap and trim thresholds (module docstring); return None when done, else why not."""
     if not sys.platform.startswith("linux"):
         return f"the platform is {sys.platform}, not Linux with glibc"
     chosen = users_choice(dict(os.environ))
     if chosen is not None:
-        return f"the environment chooses the allocator ({chosen})"
-    libc = ctypes.CDLL(None)  # the C library this process already runs on
-    if not hasattr(libc, "gnu_get_libc_version"):
+        return f"the environment tunes glibc's malloc ({chosen})"
+    process = ctypes.CDLL(None)  # the symbols this process resolves, an LD_PRELOADed allocator's first
+    if not hasattr(process, "gnu_get_libc_version"):
         return "the C library is not glibc"
-    mallopt = libc.mallopt
+    if _address(process.malloc) != _address(ctypes.CDLL("libc.so.6").malloc):
+        return "malloc is not glibc's (another allocator is preloaded or linked in)"
+    mallopt = process.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if not mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
-        return f"mallopt(M_MMAP_THRESHOLD, {MMAP_THRESHOLD_BYTES}) was refused"
-    if not mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES):
-        return f"mallopt(M_TRIM_THRESHOLD, {TRIM_THRESHOLD_BYTES}) was refused"
+    return set_thresholds(mallopt)
+
+
+def set_thresholds(mallopt: Callable[[int, int], int]) -> str | None:
+    """Both mallopt calls; None when glibc took them (it returns 1), else which one it refused."""
+    for param, name, value in ((M_MMAP_THRESHOLD, "M_MMAP_THRESHOLD", MMAP_THRESHOLD_BYTES),
+                               (M_TRIM_THRESHOLD, "M_TRIM_THRESHOLD", TRIM_THRESHOLD_BYTES)):
+        if mallopt(param, value) != 1:
+            return f"mallopt({name}, {value}) was refused"
     return None
 
 
-def apply_host_malloc(setting: Literal["auto", "keep", "system"], device_type: str) -> bool:
+def apply_host_malloc(setting: Literal["auto", "keep", "system"], device_type: str, rank: int) -> bool:
     """``train.host_malloc``: "keep" applies :func:`keep_freed_memory`, "auto" does on the CPU device
     (where the activations live in host memory), "system" leaves glibc's defaults. Returns whether
     the thresholds are set; a reason they could not be is logged at debug level ("auto") or as a
@@ -84,9 +98,9 @@ def apply_host_malloc(setting: Literal["auto", "keep", "system"], device_type: s
         return False
     why = keep_freed_memory()
     if why is not None:
-        (log.warning if setting == "keep" else log.debug)("train.host_malloc = %r: glibc's malloc settings are "
-                                                         "left as they are: %s", setting, why)
+        (log.warning if setting == "keep" else log.debug)(
+            "rank %d: train.host_malloc = %r: glibc's malloc settings are left as they are: %s", rank, setting, why)
         return False
-    log.debug("train.host_malloc = %r: freed host memory up to %d MiB per block stays in the process",
-              setting, MMAP_THRESHOLD_BYTES >> 20)
+    log.debug("rank %d: train.host_malloc = %r: freed host memory up to %d MiB per block stays in the process",
+              rank, setting, MMAP_THRESHOLD_BYTES >> 20)
     return True

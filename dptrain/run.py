@@ -53,7 +53,7 @@ def open_communicator(cfg: TrainConfig, topology: Topology) -> Communicator:
     device = pick_device(cfg.train.device, topology.local_rank)
     if device.type == "cpu":
         torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
-    apply_host_malloc(cfg.train.host_malloc, device.type)
+    apply_host_malloc(cfg.train.host_malloc, device.type, topology.rank)
     return Communicator.from_env(topology, cfg.reducer.timeout_s, device, cfg.train.process_group_timeout_s)
 
 
