@@ -9,12 +9,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dptrain.comm import import_dynamo_first
+
 
 def _entry(rank, world_size, init_file, backend, timeout_s, fn, args):
     torch.set_num_threads(1)  # N ranks share 2 cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
     os.environ["LOCAL_RANK"] = str(rank)
+    import_dynamo_first()  # as Communicator.from_env: else the group outlives destroy_process_group (see there)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))  # hang -> failure
     try:

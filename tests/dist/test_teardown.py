@@ -28,7 +28,8 @@ cfg = load_config(None, ["model.name=resnet18_cifar", "model.width=8", "model.nu
                          f"train.run_dir={sys.argv[1]!r}"])
 comm = open_communicator(cfg, Topology.from_env())
 assert gloo_threads(), "the gloo process group should run worker threads"
-trainer = Trainer(cfg, comm)  # on the CPU its build imports torch._dynamo (the meta-device layout probe)
+import torch._dynamo  # noqa: E402,F401 - what the CPU build does (the meta-device layout probe), made explicit
+trainer = Trainer(cfg, comm)
 for _ in range(2):
     trainer.train_step()
 trainer.close()
@@ -41,6 +42,8 @@ sys.exit(3 if left else 0)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
 def test_close_frees_the_process_group_and_its_threads(tmp_path):
+    """Under torchrun, not tests/dist_harness.py: the harness creates the group itself, and what is
+    tested here is Communicator.from_env's order (torch._dynamo first, then the group)."""
     script = tmp_path / "solver.py"
     script.write_text(SOLVER)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
