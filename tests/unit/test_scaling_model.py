@@ -293,12 +293,15 @@ def test_least_waits_line_up_the_ranks_step_by_step(tmp_path):
     _waits_trace(tmp_path / "t.rank1.json", [3.0, 4.0])
     with pytest.raises(ValueError, match=r"t.rank0.json: the ranks' traces hold \[3, 2\] phase-timed steps"):
         sc.least_waits(tmp_path, "t.rank0.json", 2)
+    with pytest.raises(ValueError, match=r"t.rank2.json is missing: .* rerun it with --run"):
+        sc.least_waits(tmp_path, "t.rank0.json", 3)
 
 
 def test_repeat_bootstrap_resamples_whole_runs():
     import scaling_calibrate as sc
 
-    assert sc.repeat_bootstrap([[2.0, 2.0], [2.0, 2.0]]) == (2.0, 2.0)  # no spread: a point
+    assert sc.repeat_bootstrap([[2.0, 2.0]] * 3) == (2.0, 2.0)  # no spread: a point
+    assert all(math.isnan(x) for x in sc.repeat_bootstrap([[2.0, 2.0], [3.0, 3.0]]))  # two runs: no interval
     # 4 runs at 1 ms, one at 10 ms: resampled runs give pooled medians of 1 or 10 (never between: each
     # draw's median is one run's value), so the 90 % interval is [1, 10] and stays so with the seed
     runs = [[1.0] * 5] * 4 + [[10.0] * 5]
