@@ -123,13 +123,14 @@ def test_the_auto_plan_prices_collectives_and_the_exposed_comm_without_the_wait_
 
 def _bench_rank(rank: int, world: int, out: str) -> None:
     import dptrain.bench as bench
+    import dptrain.run as run
 
     class Joined:  # the harness has initialised the process group: bench joins it instead of torchrun's
         @staticmethod
         def from_env(*_args, **_kwargs) -> Communicator:
             return Communicator.from_initialized(torch.device("cpu"))
 
-    bench.Communicator = Joined
+    run.Communicator = Joined  # bench opens its communicator through run.open_communicator
     cfg = load_config(None, [*BASE, "train.threads=1", f"train.run_dir={json.dumps(out)}"])
     rec = bench.run_bench(cfg, steps=2, warmup=1, phase_steps=0, trace=None)
     if rank == 0:
