@@ -5,9 +5,10 @@ Rule (every zoo model is convolutional; ``true``/``false`` in the config overrid
 - CUDA, fp16 or bf16 storage: NHWC. Tensor-core convolutions run NHWC natively; with NCHW
   cuDNN transposes around each convolution (NVIDIA's deep learning performance guide,
   "Tensor layouts in memory"), which is why NVIDIA's ResNet-50 recipes train channels_last.
-- CPU, bf16 storage with native bf16 kernels (AVX512-BF16/AMX): NHWC. Measured on a
-  native-bf16 2-core VM (an earlier session), 2 gloo solvers, ResNet-18 CIFAR width 32, batch 32
-  per solver: 544 images/s NCHW, 582-626 NHWC.
+- CPU, bf16 storage with native bf16 kernels (AVX512-BF16/AMX): NHWC. Measured on
+  native-bf16 2-core VMs, 2 gloo solvers, ResNet-18 CIFAR width 32, batch 32 per solver: 544
+  images/s NCHW, 582-626 NHWC (an earlier session); 385.5 NCHW, 463.9 NHWC (medians of 8
+  alternated rounds, benchmarks/results/throughput_layout_cpu2_20261125_layout_bf16_final.md).
 - CPU, fp32: NHWC (``CPU_FP32_CHANNELS_LAST``), measured faster, except for a model with a
   convolution torch's CPU NHWC backward breaks on (:func:`cpu_nhwc_hazards`): then NCHW.
 - CPU, a storage dtype without native kernels (bf16/fp16 on AVX2): NCHW; that path is a slow
