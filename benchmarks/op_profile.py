@@ -4,8 +4,8 @@ decay, fixed rate), one process, per operator.
 
 One process only: no reducer hooks, no DDP, no collectives; so it separates the compute side of
 a gap from the communication side, not more. Both sides share the process's allocator, with glibc's
-defaults (``train.host_malloc`` is applied by dptrain's process setup, which this tool skips). The times are operators' self CPU times (Python
-and other host time outside the operators is not in them).
+defaults (``train.host_malloc`` is applied by dptrain's process setup, which this tool skips). The
+times are operators' self CPU times (Python and other host time outside the operators is not in them).
 
 Both run in this process, alternately (every other round the peer first), so a drift of the
 host's speed falls on both alike; each round profiles ``--steps`` steps of each after a short
@@ -66,8 +66,8 @@ def peer_step(args: argparse.Namespace) -> Callable[[], None]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from peer import make_step
 
-    return make_step(args.model, args.width, 10, args.precision, args.batch_size, args.image_size, args.layout == "nhwc",
-                     torch.device("cpu"))
+    return make_step(args.model, args.width, 10, args.precision, args.batch_size, args.image_size,
+                     args.layout == "nhwc", torch.device("cpu"))
 
 
 def report(rounds: list[dict[str, dict[str, tuple[float, float]]]], top: int) -> str:
@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             close()
     print(f"## One-process step, per operator: {args.model} width {args.width}, batch {args.batch_size}, "
-          f"{args.precision} {args.layout.upper()}, {torch.get_num_threads()} threads, {args.rounds} alternated rounds of "
-          f"{args.steps} profiled steps\n")
+          f"{args.precision} {args.layout.upper()}, {torch.get_num_threads()} threads, {args.rounds} alternated "
+          f"rounds of {args.steps} profiled steps\n")
     print(report(rounds, args.top))
     return 0
 

@@ -287,8 +287,8 @@ def report(d: Path) -> str:
                 outside.append(f"{world} solvers {cap:g} MB")
         runs_ms = ", ".join(f"{x:.2f}" for x in m["after_runs_ms"])
         out.append(f"| {world} | {cap:g} | {role} | {m['step_ms']:.1f} | {pred.step_ms:.1f} | {e_step:+.0%} | "
-                   f"{m['after_ms']:.2f} ({lo:.2f}–{hi:.2f}; {runs_ms}) | {pred.exposed_ms:.2f} | {e_after:+.0%} | {m['skew_ms']:.1f} | "
-                   f"{pred.jitter_ms:.1f} | {m['exposed_ms']:.1f} | {_exposed(pred):.1f} | {e_wait:+.0%} |")
+                   f"{m['after_ms']:.2f} ({lo:.2f}–{hi:.2f}; {runs_ms}) | {pred.exposed_ms:.2f} | {e_after:+.0%} | "
+                   f"{m['skew_ms']:.1f} | {pred.jitter_ms:.1f} | {m['exposed_ms']:.1f} | {_exposed(pred):.1f} | {e_wait:+.0%} |")
     out += ["", "Noise floor: the 25 and 100 MB caps give the same two buckets for this 11 MB model, so their "
             "difference is the host's noise alone: " + "; ".join(
                 f"world {w}: step {_spread(med[(w, 25.0)]['step_ms'], med[(w, 100.0)]['step_ms']):.0%}, comm after "

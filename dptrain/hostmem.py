@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ def users_choice(env: dict[str, str]) -> str | None:
     return None
 
 
-def _address(fn: ctypes._CFuncPtr) -> int | None:
+def _address(fn: Any) -> int | None:
+    """The address a ctypes function resolves to."""
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 

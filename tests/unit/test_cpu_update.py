@@ -162,8 +162,17 @@ CHUNK_CASES = [(r, s, d, t, m) for r, s, d, t, m in itertools.product(
     if m == torch.float32 or r in ("sgd", "nesterov")]  # only the momentum rules keep an fp16 state
 
 
+@pytest.fixture
+def restore_threads():
+    """The chunk tests set torch's thread count; put the suite's back after each."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("rule,storage,decoupled,tables,state_dtype", CHUNK_CASES)
-def test_chunked_cpu_path_is_bit_exact_with_one_piece(monkeypatch, rule, storage, decoupled, tables, state_dtype):
+def test_chunked_cpu_path_is_bit_exact_with_one_piece(monkeypatch, restore_threads, rule, storage, decoupled, tables,
+                                                    state_dtype):
     """The in-place passes run chunk by chunk (cache reuse); element-wise, so on one thread the same
     bits as over the whole buffer, with a chunk boundary inside a segment and a short last chunk."""
     import dptrain.kernels.cpu as cpu_mod
@@ -172,15 +181,11 @@ def test_chunked_cpu_path_is_bit_exact_with_one_piece(monkeypatch, rule, storage
     a = _rule_args(rule, storage, decoupled=decoupled, tables=tables, n=n)
     a = replace(a, state=tuple(t.to(state_dtype) for t in a.state))
     whole, chunked = _copy(a), _copy(a)
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        monkeypatch.setattr(cpu_mod, "INPLACE_CHUNK", 1 << 30)
-        update_inplace(whole)
-        monkeypatch.setattr(cpu_mod, "INPLACE_CHUNK", 256)
-        update_inplace(chunked)
-    finally:
-        torch.set_num_threads(threads)
+    monkeypatch.setattr(cpu_mod, "INPLACE_CHUNK", 1 << 30)
+    update_inplace(whole)
+    monkeypatch.setattr(cpu_mod, "INPLACE_CHUNK", 256)
+    update_inplace(chunked)
     assert torch.equal(chunked.master, whole.master) and not torch.equal(whole.master, a.master)
     assert all(torch.equal(c, w) for c, w in zip(chunked.state, whole.state, strict=True))
     assert torch.equal(chunked.params, whole.params)
@@ -188,7 +193,7 @@ def test_chunked_cpu_path_is_bit_exact_with_one_piece(monkeypatch, rule, storage
     assert torch.count_nonzero(chunked.grads) == 0
 
 
-def test_chunks_grow_with_the_thread_count(monkeypatch):
+def test_chunks_grow_with_the_thread_count(monkeypatch, restore_threads):
     """Each of T threads still gets INPLACE_CHUNK elements of every pass (ATen splits an
     element-wise op among threads by a fixed grain)."""
     import dptrain.kernels.cpu as cpu_mod
@@ -197,12 +202,8 @@ def test_chunks_grow_with_the_thread_count(monkeypatch):
     real = cpu_mod._chunk
     monkeypatch.setattr(cpu_mod, "_chunk", lambda a, start, stop: bounds.append((start, stop)) or real(a, start, stop))
     monkeypatch.setattr(cpu_mod, "INPLACE_CHUNK", 100)
-    threads = torch.get_num_threads()
-    try:
-        for t, expect in ((1, [(0, 100), (100, 200), (200, 250)]), (2, [(0, 200), (200, 250)])):
-            torch.set_num_threads(t)
-            bounds.clear()
-            update_inplace(_rule_args("sgd", torch.bfloat16, decoupled=False, tables=False, n=250))
-            assert bounds == expect
-    finally:
-        torch.set_num_threads(threads)
+    for t, expect in ((1, [(0, 100), (100, 200), (200, 250)]), (2, [(0, 200), (200, 250)])):
+        torch.set_num_threads(t)
+        bounds.clear()
+        update_inplace(_rule_args("sgd", torch.bfloat16, decoupled=False, tables=False, n=250))
+        assert bounds == expect
