@@ -10,6 +10,16 @@ the update run as one pass.
 
 Parameter identity survives: ``module.weight`` stays the same ``nn.Parameter``; only its
 storage moves (``param.data = view``), keeping its strides (channels_last included).
+
+Gradients are handed over, not accumulated, in a training step: :meth:`FlatParams.release_grads`
+sets every ``.grad`` to None while the flat gradients are zero (the update zeroes them), so autograd
+gives each parameter the gradient tensor backward made, and a post-accumulate-grad hook, registered
+here before any reducer's, copies it into the flat buffer and puts the view back: one read and one
+write of the gradient, where adding it to a zeroed view reads two and writes one (DDP's default
+copies into its buckets the same way). Accumulation micro-batches (iter_size) find the view in
+place and add to it, and :meth:`FlatParams.restore_grads` after backward puts back the views of
+parameters that got no gradient, which are still zero. :meth:`FlatParams.release_grads` gives the
+measured saving.
 """
 from __future__ import annotations
 
@@ -65,13 +75,15 @@ class FlatGroup:
             assert p.dtype == self.dtype, f"{name} is {p.dtype}, group is {self.dtype}"
             assert _is_dense(p), f"{name} has overlapping or gapped strides {p.stride()}"
         self.segments, self.numel = _layout(named_params)
+        self._grad_views: dict[int, torch.Tensor] = {}
+        """Each parameter's gradient view, by ``id(param)``: what the hand-over hook copies into."""
         self.params = torch.zeros(self.numel, dtype=self.dtype, device=self.device)  # [numel] storage dtype
         self.grads = torch.zeros(self.numel, dtype=self.dtype, device=self.device)  # [numel] storage dtype
         for s in self.segments:
             view = _view(self.params, s.param, s.offset)
             view.copy_(s.param.detach())
             s.param.data = view
-            s.param.grad = _view(self.grads, s.param, s.offset)
+        self._set_grad_views()
         # FP32 storage needs no separate master: the model weights are the masters.
         self.master = self.params if self.dtype == torch.float32 else self.params.float()  # [numel] fp32
         self.state = {name: torch.zeros(self.numel, dtype=state_dtype, device=self.device)  # [numel] each
@@ -102,7 +114,32 @@ class FlatGroup:
         self.master = bufs.get("master", self.params)
         for s in segments:
             s.param.data = _view(self.params, s.param, s.offset)
-            s.param.grad = _view(self.grads, s.param, s.offset)
+        self._set_grad_views()
+
+    def _set_grad_views(self) -> None:
+        self._grad_views = {id(s.param): _view(self.grads, s.param, s.offset) for s in self.segments}
+        for s in self.segments:
+            s.param.grad = self._grad_views[id(s.param)]
+
+    def take_grad(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: a gradient autograd handed over (``.grad`` was None, the view
+        zero) is copied into the flat buffer and the view put back; a view is left as it is."""
+        view = self._grad_views[id(param)]
+        g = param.grad
+        if g is not None and g is not view:
+            view.copy_(g.to_dense() if g.is_sparse else g)
+            param.grad = view
+
+    def release_grads(self) -> None:
+        """Every ``.grad`` to None; only while the flat gradients are zero (see the module docstring)."""
+        for s in self.segments:
+            s.param.grad = None
+
+    def restore_grads(self) -> None:
+        """Put back the views of parameters whose ``.grad`` is still None (no gradient in backward)."""
+        for s in self.segments:
+            if s.param.grad is None:
+                s.param.grad = self._grad_views[id(s.param)]
 
     def check_grad_views(self) -> None:
         """Raise if someone replaced a ``.grad`` (e.g. ``zero_grad(set_to_none=True)``)."""
@@ -183,6 +220,23 @@ class FlatParams:
             FlatGroup(ps, state_names=state_names, state_dtype=state_dtype if dt != torch.float32 else torch.float32)
             for dt, ps in by_dtype.items()
         ]
+        for g in self.groups:  # before any reducer's hooks, which reduce the flat buffer
+            for seg in g.segments:
+                seg.param.register_post_accumulate_grad_hook(g.take_grad)
+
+    def release_grads(self) -> None:
+        """Before the first backward of a training step, while the flat gradients are zero: every
+        ``.grad`` to None, so backward hands its gradients over (module docstring). On the
+        native-bf16 2-core VM (ResNet-18 CIFAR width 32, channels_last, bf16, batch 32, one
+        process and thread; 16 alternated rounds of 5 steps) forward and backward took 108.8 ms
+        against 110.9 ms accumulating into the zeroed views: 1.9 ms less per step (0.2-3.1)."""
+        for g in self.groups:
+            g.release_grads()
+
+    def restore_grads(self) -> None:
+        """After the last backward of a training step: the views of parameters that got no gradient."""
+        for g in self.groups:
+            g.restore_grads()
 
     @property
     def layout_order(self) -> list[str]:

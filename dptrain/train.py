@@ -160,6 +160,7 @@ class Trainer:
         self.comm.flight.iteration = self.iteration
         n = self.plan.iter_size
         self._iter_loss.zero_()
+        self.flat.release_grads()  # the update left the flat gradients zero: backward hands its own over
         for micro in range(n):
             x, y = self._next_batch()
             self.clock.batch_ready()
@@ -174,6 +175,7 @@ class Trainer:
                 self._feeder.prefetch()  # next batch's H2D copy overlaps this backward
             with self.phases("backward"):
                 self.scaler.scale_loss(loss).backward()
+        self.flat.restore_grads()
         self.clock.backward_done()
         self._loss_sum += self._iter_loss
         self.clock.wait_start()

@@ -190,11 +190,15 @@ def update_inplace(a: UpdateArgs) -> None:
     if _skipped(a):
         return
     scalars = rule.scalars(a.hyper)
+    coef = float(a.grad_coef.reshape(()))  # a CPU load; the same fp32 value as a Python float, so the same products
     chunk = INPLACE_CHUNK * max(1, torch.get_num_threads())
+    # One fp32 scratch for every chunk's unscaled gradient (fp32 storage: the gradient itself,
+    # overwritten, zeroed after).
+    scratch = torch.empty(min(chunk, a.numel), dtype=torch.float32) if a.grads.dtype != torch.float32 else None
     for start in range(0, a.numel, chunk):
         c = _chunk(a, start, min(a.numel, start + chunk))
-        g = c.grads.float() if c.grads.dtype != torch.float32 else c.grads  # fp32 storage: reused, zeroed after
-        g.mul_(c.grad_coef)
+        g = c.grads if scratch is None else scratch[: c.numel].copy_(c.grads)
+        g.mul_(coef)
         INPLACE[rule.name](c, g, scalars)
         _finish(c)
 

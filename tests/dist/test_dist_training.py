@@ -134,3 +134,25 @@ def test_ranks_resuming_at_different_iterations_all_stop(tmp_path):
     for r in range(2):
         msg = (tmp_path / f"rank{r}.txt").read_text()
         assert "the ranks resumed at different iterations (rank 0: 2, rank 1: 0)" in msg, msg
+
+
+# ---------------------------------------------------------------- gradient hand-over
+
+def _handover_rank(rank, world, out, handover, steps):
+    from dptrain.flat import FlatParams
+    if not handover:  # accumulate into the zeroed views, as before the hand-over
+        FlatParams.release_grads = lambda self: None
+    t = _trainer(["data.batch_size=8", "solver.iter_size=2", *BUCKETS["per parameter"]], out, world)
+    for _ in range(steps):
+        t.train_step()
+    torch.save(_masters(t), Path(out) / f"{'handover' if handover else 'accumulate'}{rank}.pt")
+
+
+def test_two_ranks_hand_over_gradients_bit_exactly_like_accumulation(tmp_path):
+    # per-parameter buckets: each allreduce launches from the hook right after its copy, so a
+    # reducer hook that ran before the hand-over's would reduce a zero bucket
+    for handover in (True, False):
+        run_ranks(2, _handover_rank, str(tmp_path), handover, 4)
+    for r in range(2):
+        a, b = torch.load(tmp_path / f"handover{r}.pt"), torch.load(tmp_path / f"accumulate{r}.pt")
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {r}"
