@@ -2,8 +2,8 @@
 
 Every iteration, each rank fills a small fp32 vector on its device (:data:`FIELDS`): did
 this rank receive a stop signal, is this rank's loss non-finite. The vector rides on the
-collective the reducer already runs behind the first gradient bucket (with BatchNorm's
-running statistics), so every rank holds the same sums and takes the same decision with
+collective the reducer already runs during backward (with BatchNorm's running
+statistics), so every rank holds the same sums and takes the same decision with
 no extra collective and no host sync. The test loop, which has no other collective,
 sums its vector with one small async allreduce per batch.
 

@@ -31,10 +31,13 @@ buffers at the same iteration, as ``replan`` does (:mod:`dptrain.bucket_probe`).
 keeps the order and the cuts; a resumed run applies them at once.
 
 Running statistics (BatchNorm's running mean and variance) are averaged over the ranks
-once per iteration, by one small allreduce launched right behind the first bucket and
-waited for in ``wait()``. Every rank then holds the same statistics, so the test phase
-evaluates one model and a snapshot (rank 0's) holds the whole state: a resumed run
-continues bit-exactly on every rank. DDP instead broadcasts rank 0's buffers before each
+once per iteration, by one small allreduce launched in ``begin(sync=True)``: every forward
+of the iteration is done by then, so it overlaps the whole backward (a held probe iteration
+launches it behind the first bucket instead, after backward, as it launches everything).
+Launched behind the first bucket, it was a second collective at the end of backward when
+the first bucket is ready only then. It is waited for in ``wait()``. Every rank then holds
+the same statistics, so the test phase evaluates one model and a snapshot (rank 0's) holds
+the whole state: a resumed run continues bit-exactly on every rank. DDP instead broadcasts rank 0's buffers before each
 forward, which discards the other ranks' batches and puts a collective before compute.
 
 Streams (CUDA): hooks run on autograd's device thread; a launch enqueues the collective
@@ -191,8 +194,8 @@ class Reducer:
         """Arm the hooks for the coming backward; ``sync=False`` only accumulates (iter_size).
 
         ``control`` (a small fp32 device vector, see ``dptrain.control``) is summed over the
-        ranks with the running statistics, behind the first bucket, and holds the sums after
-        :meth:`wait`.
+        ranks with the running statistics, in the collective launched here, and holds the sums
+        after :meth:`wait`.
         """
         self._control = control if sync else None
         if not self._hooked:
@@ -209,6 +212,8 @@ class Reducer:
                 if self._auto is not None and self._auto.phase != "done":
                     self._auto.start_backward()
                     self._holding = self._auto.holding
+                if self.world_size > 1 and not self._holding and (self.running_stats or control is not None):
+                    self._launch_stats()  # every forward is done: the whole backward to overlap it with
 
     def _make_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
@@ -250,8 +255,8 @@ class Reducer:
             raise self._failure(b, e) from e
         self._next_launch += 1
         self.launch_log.append((b.index, t))
-        if self._next_launch == 1 and (self.running_stats or self._control is not None):
-            self._launch_stats()
+        if self._next_launch == 1 and self._stats_flight is None and (self.running_stats or self._control is not None):
+            self._launch_stats()  # a held probe iteration: behind the first bucket, after backward
         rec = _Launched(b, work, upcast, start_us)
         if self.tracer.enabled or (self._auto is not None and self._auto.probing):
             work.on_complete(lambda end_us, rec=rec: self._completed(rec, end_us))
@@ -264,9 +269,8 @@ class Reducer:
             self._trace(rec, end_us)
 
     def _launch_stats(self) -> None:
-        """Start the running-statistics average (and the control vector's sum), right behind the
-        first bucket (caller holds the lock). Every forward of the iteration is done by then, so
-        it overlaps the rest of backward."""
+        """Start the running-statistics average (and the control vector's sum); the caller holds
+        the lock and has run every forward of the iteration."""
         parts = [t.detach().reshape(-1).float() for t in self.running_stats]
         if self._control is not None:
             parts.append(self._control)
@@ -351,9 +355,10 @@ class Reducer:
                 self._settle_probe()
             launched: list[tuple[int | None, float, float | None]] = [
                 (r.bucket.index, r.start_us, r.end_us[0] if r.end_us else None) for r in self._launched]
-            if self._stats_times is not None:  # launched right behind the first bucket
+            if self._stats_times is not None:  # at backward's start, or behind the first bucket when held
                 start, ends = self._stats_times
-                launched.insert(1, (None, start, ends[0] if ends else None))
+                launched.append((None, start, ends[0] if ends else None))
+                launched.sort(key=lambda x: x[1])  # launch order
                 self._stats_times = None
             if self._auto.record(launched, len(self.plan.buckets), backward_end_us, now_us(),
                                  queued=self._host_completion):

@@ -90,7 +90,14 @@ def test_auto_buckets_train_bit_exactly_like_the_same_fixed_plan(tmp_path):
 def _late_rank(rank: int, world: int, out: str) -> None:
     t = _trainer(f"{out}/late")
     real = t._forward
-    t._forward = lambda x: time.sleep(LATE_S if rank == 1 else 0.0) or real(x)  # rank 1 ends backward late
+
+    def late_backward(x: torch.Tensor) -> torch.Tensor:  # rank 1 starts and so ends backward late; a late
+        out = real(x)  # forward would hold back the statistics' collective, launched before backward
+        out.register_hook(lambda g: time.sleep(LATE_S) or g)
+        return out
+
+    if rank == 1:
+        t._forward = late_backward
     waits = []
     probe = t.reducer._auto
     record, gathered, seen = probe.record, probe.gathered, {}

@@ -97,6 +97,7 @@ def _stats_rank(rank: int, world: int, out: str) -> None:
     reducer = Reducer(flat, ReducerConfig(bucket_mb=5 * KIB, first_bucket_mb=1 * KIB), comm, NullTracer(rank),
                       running_stats=[mean, var])
     reducer.begin(sync=True)
+    assert reducer._stats_flight is not None, "launched before backward, to overlap all of it"
     model(torch.randn(4, 16)).sum().backward()
     reducer.wait()
     torch.save({"mean": mean, "var": var}, Path(out) / f"rank{rank}.pt")
