@@ -329,7 +329,7 @@ class Communicator:
 
         Stream semantics (CUDA, NCCL): the collective runs on NCCL's internal stream, which
         first waits for the caller's current stream, so everything enqueued before this call
-        (the bucket's last gradient accumulation) is visible to it. ``wait()`` makes the
+        (the copy of the bucket's last gradient into it) is visible to it. ``wait()`` makes the
         current stream wait for NCCL's stream; it does not block the host. NCCL keeps the
         input alive until the work completes, so a temporary (an fp32 upcast) is safe.
         """

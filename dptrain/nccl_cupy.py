@@ -6,8 +6,8 @@ GPU-only and deliberately thin: it provides the one collective the Reducer launc
 the unique-id exchange) goes through the torch process group in ``comm.py``.
 
 Stream protocol, per bucket:
-  1. record event ``ready`` on the caller's current stream (where backward accumulated
-     the bucket's gradients) and make the comm stream wait on it;
+  1. record event ``ready`` on the caller's current stream (where backward wrote the
+     bucket's gradients) and make the comm stream wait on it;
      race prevented: NCCL reading a bucket before its last gradient was written;
   2. ncclAllReduce on the comm stream, then record event ``done`` there;
   3. ``wait()`` makes the caller's current stream wait on ``done``;

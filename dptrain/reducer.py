@@ -1,8 +1,9 @@
 """Reducer: bucketed gradient allreduce, launched during backward, waited for once.
 
-Each parameter has a post-accumulate-grad hook (public autograd API). In the last
-micro-batch of an iteration (``begin(sync=True)``), when a bucket's last gradient has
-accumulated into the flat buffer, the bucket's async SUM allreduce is launched, strictly
+Each parameter has a post-accumulate-grad hook (public autograd API), registered after the
+flat buffers' own (``dptrain.flat``: it copies the gradient autograd handed over into the
+buffer, so it must run first). In the last micro-batch of an iteration (``begin(sync=True)``),
+when a bucket's last gradient is in the flat buffer, the bucket's async SUM allreduce is launched, strictly
 in plan order: a bucket that completes early waits until every earlier bucket has
 launched, so all ranks issue the same collectives in the same order. ``wait()`` after
 backward launches any bucket whose parameters got no gradient, then waits for all of
@@ -37,11 +38,13 @@ launches it behind the first bucket instead, after backward, as it launches ever
 Launched behind the first bucket, it was a second collective at the end of backward when
 the first bucket is ready only then. It is waited for in ``wait()``. Every rank then holds
 the same statistics, so the test phase evaluates one model and a snapshot (rank 0's) holds
-the whole state: a resumed run continues bit-exactly on every rank. DDP instead broadcasts rank 0's buffers before each
-forward, which discards the other ranks' batches and puts a collective before compute.
+the whole state: a resumed run continues bit-exactly on every rank. DDP instead broadcasts
+rank 0's buffers before each forward, which discards the other ranks' batches and puts a
+collective before compute.
 
-Streams (CUDA): hooks run on autograd's device thread; a launch enqueues the collective
-behind everything already on that thread's current stream (see ``Communicator.allreduce_async``
+Streams (CUDA): hooks run on autograd's device thread, the statistics' launch on the
+training thread; a launch enqueues the collective behind everything already on that
+thread's current stream (see ``Communicator.allreduce_async``
 and ``nccl_cupy``), and ``wait()`` makes the training thread's current stream wait for
 the communication stream. Neither blocks the host. The flat gradient buffers live as long
 as the model, so they need no ``record_stream``; fp32 upcasts are kept referenced until
@@ -194,8 +197,8 @@ class Reducer:
         """Arm the hooks for the coming backward; ``sync=False`` only accumulates (iter_size).
 
         ``control`` (a small fp32 device vector, see ``dptrain.control``) is summed over the
-        ranks with the running statistics, in the collective launched here, and holds the sums
-        after :meth:`wait`.
+        ranks with the running statistics, in the collective launched here (in a held probe
+        iteration: behind the first bucket), and holds the sums after :meth:`wait`.
         """
         self._control = control if sync else None
         if not self._hooked:

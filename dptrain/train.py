@@ -2,9 +2,11 @@
 
 One Trainer per solver process. The iteration is:
 
+    release the .grad views                 backward hands its gradients over (dptrain.flat)
     for each of iter_size micro-batches:   data -> forward -> scaled loss -> backward
-                                            (the reducer allreduces buckets during the last backward,
-                                             and with them the control flags: stop, non-finite loss)
+                                            (the reducer sums the control flags, stop and non-finite
+                                             loss, during the last backward, and allreduces buckets)
+    restore the .grad views
     reducer.wait()                          the only point where compute waits on communication
     optimizer.step()                        unscale, skip on overflow, update masters, write weights
 
@@ -161,21 +163,26 @@ class Trainer:
         n = self.plan.iter_size
         self._iter_loss.zero_()
         self.flat.release_grads()  # the update left the flat gradients zero: backward hands its own over
-        for micro in range(n):
-            x, y = self._next_batch()
-            self.clock.batch_ready()
-            last = micro == n - 1
-            with self.phases("forward"):
-                logits = self._forward(x).float()  # [B, num_classes]
-                loss = F.cross_entropy(logits, y, label_smoothing=self.cfg.solver.label_smoothing) / n
-            self._iter_loss += loss.detach()
-            control = self.control.vector(self.stop.requested, self._iter_loss) if last else None
-            self.reducer.begin(sync=last, control=control)
-            if last and self._feeder is not None:
-                self._feeder.prefetch()  # next batch's H2D copy overlaps this backward
-            with self.phases("backward"):
-                self.scaler.scale_loss(loss).backward()
-        self.flat.restore_grads()
+        try:
+            for micro in range(n):
+                x, y = self._next_batch()
+                self.clock.batch_ready()
+                last = micro == n - 1
+                with self.phases("forward"):
+                    logits = self._forward(x).float()  # [B, num_classes]
+                    loss = F.cross_entropy(logits, y, label_smoothing=self.cfg.solver.label_smoothing) / n
+                self._iter_loss += loss.detach()
+                control = self.control.vector(self.stop.requested, self._iter_loss) if last else None
+                self.reducer.begin(sync=last, control=control)
+                if last and self._feeder is not None:
+                    self._feeder.prefetch()  # next batch's H2D copy overlaps this backward
+                with self.phases("backward"):
+                    self.scaler.scale_loss(loss).backward()
+        except BaseException:
+            self.flat.zero_grads()  # a failed step leaves no partial gradient for a retry to add to
+            raise
+        finally:
+            self.flat.restore_grads()
         self.clock.backward_done()
         self._loss_sum += self._iter_loss
         self.clock.wait_start()

@@ -87,17 +87,21 @@ def test_auto_buckets_train_bit_exactly_like_the_same_fixed_plan(tmp_path):
             assert torch.equal(r["momentum"][1][name], v), name
 
 
-def _late_rank(rank: int, world: int, out: str) -> None:
+def _late_rank(rank: int, world: int, out: str, where: str) -> None:
     t = _trainer(f"{out}/late")
     real = t._forward
 
-    def late_backward(x: torch.Tensor) -> torch.Tensor:  # rank 1 starts and so ends backward late; a late
-        out = real(x)  # forward would hold back the statistics' collective, launched before backward
+    def late_backward(x: torch.Tensor) -> torch.Tensor:  # rank 1 starts and so ends backward late
+        out = real(x)
         out.register_hook(lambda g: time.sleep(LATE_S) or g)
         return out
 
+    def late_forward(x: torch.Tensor) -> torch.Tensor:  # rank 1 launches the statistics' collective late
+        time.sleep(LATE_S)
+        return real(x)
+
     if rank == 1:
-        t._forward = late_backward
+        t._forward = late_backward if where == "backward" else late_forward
     waits = []
     probe = t.reducer._auto
     record, gathered, seen = probe.record, probe.gathered, {}
@@ -118,7 +122,7 @@ def test_the_auto_plan_prices_collectives_and_the_exposed_comm_without_the_wait_
     """Rank 0 waits ~60 ms for rank 1 after every backward, then for the communication left (a bucket per
     parameter: ~60 small allreduces in a row). The plan's costs and its overlap fit come from the least
     over the ranks (the rank that launched last), so they hold none of the wait for rank 1."""
-    run_ranks(2, _late_rank, str(tmp_path))
+    run_ranks(2, _late_rank, str(tmp_path), "backward")
     r0 = torch.load(tmp_path / "late0.pt")
     late_ms = LATE_S * 1e3
     assert min(r0["waits"]) >= late_ms * 0.8, r0  # rank 0 did wait for rank 1
@@ -126,6 +130,18 @@ def test_the_auto_plan_prices_collectives_and_the_exposed_comm_without_the_wait_
     assert r0["probe_ms"] <= median(r0["waits"]) - late_ms / 2, r0  # rank 1's wait: the communication alone
     assert r0["own_service_ms"] >= late_ms * 0.8, r0  # rank 0's first collective held the wait for rank 1 ...
     assert r0["collective_ms"] < late_ms / 2 and r0["largest_ms"] < late_ms / 2, r0  # ... the least over ranks not
+
+
+def test_a_rank_late_in_forward_holds_back_the_statistics_collective_which_is_not_priced(tmp_path):
+    """Rank 1 sleeps before its forward: rank 0's collective of the running statistics, launched before its
+    backward, waits for rank 1's; rank 0's buckets queue behind it, so their service times (and the plan's
+    costs) do not hold that wait."""
+    run_ranks(2, _late_rank, str(tmp_path), "forward")
+    r0 = torch.load(tmp_path / "late0.pt")
+    late_ms = LATE_S * 1e3
+    assert median(r0["waits"]) >= late_ms / 2, r0  # rank 0 did wait for rank 1 after its backward
+    assert r0["own_service_ms"] < late_ms / 2, r0  # but none of its buckets was priced with that wait
+    assert r0["collective_ms"] < late_ms / 2 and r0["largest_ms"] < late_ms / 2, r0
 
 
 def _bench_rank(rank: int, world: int, out: str) -> None:

@@ -49,8 +49,8 @@ class _TwoRanks:
 
 def test_service_time_starts_when_the_channel_is_free_and_unmeasured_buckets_are_inf():
     p = AutoProbe()
-    # bucket 0 launched at 0 ends at 10 ms; the running statistics (no bucket) launched behind it end at
-    # 12 ms; bucket 1 launched at 2 ms waits for both, ends at 15 ms; bucket 2 launched at 20 ms on an
+    # bucket 0 launched at 0 ends at 10 ms; a collective that is no bucket (launched behind it: the order
+    # exercises the accounting) ends at 12 ms; bucket 1 launched at 2 ms waits for both, ends at 15 ms; bucket 2 launched at 20 ms on an
     # idle channel ends at 26 ms
     launched = [(0, 0.0, 10_000.0), (None, 1_000.0, 12_000.0), (1, 2_000.0, 15_000.0), (2, 20_000.0, 26_000.0)]
     for _ in range(AUTO_WARMUP_ITERS):
@@ -74,6 +74,18 @@ def test_service_time_starts_when_the_channel_is_free_and_unmeasured_buckets_are
     # mean 3 ms; standard deviation 1 ms over 3 pairs: noise 2 / sqrt(3) ms
     assert stretch_estimate(p.stretch_pairs_ms()) == pytest.approx((3.0, 2 / math.sqrt(3)))
     assert stretch_estimate([5.0]) == (5.0, math.inf) and stretch_estimate([]) == (0.0, math.inf)
+
+
+def test_the_statistics_launched_before_backward_occupy_the_channel_but_are_not_priced():
+    # the running statistics go out when backward starts (0.5 ms) and end at 4 ms; bucket 0, launched at
+    # 2 ms, is served from 4 ms to 10 ms; bucket 1 after it until 13 ms; bucket 2 on an idle channel
+    launched = [(None, 500.0, 4_000.0), (0, 2_000.0, 10_000.0), (1, 3_000.0, 13_000.0), (2, 20_000.0, 26_000.0)]
+    for queued, expect in ((True, [6.0, 3.0, 6.0]), (False, [math.inf, math.inf, 6.0])):
+        p = AutoProbe()
+        for _ in range(AUTO_WARMUP_ITERS):
+            _probe_iteration(p, launched, 26_500.0, queued=queued)
+        _probe_iteration(p, launched, 26_500.0, queued=queued)
+        assert p.service == [expect], queued  # CUDA (queued=False): bucket 0 was queued behind the statistics
 
 
 def test_the_least_over_the_ranks_drops_a_rank_s_wait_for_the_other_and_ignores_inf():

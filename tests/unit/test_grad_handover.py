@@ -2,6 +2,7 @@
 give the bits that accumulating into the zeroed views gives, with the views restored after."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -88,3 +89,68 @@ def test_gradients_are_views_between_steps():
     assert all(s.param.grad is None for g in flat.groups for s in g.segments)
     _backward(net, 0, True)  # every parameter used: the hooks put every view back
     flat.check_grad_views()
+
+
+def test_a_hook_registered_after_the_flat_buffers_finds_the_gradient_in_them():
+    # the reducer's hooks are registered after FlatParams' and reduce the flat buffer: by then the
+    # handed-over gradient must be in it, with .grad its view (checked in the hook, not after a collective)
+    net, flat = _net(torch.float32)
+    incoming, checked = {}, []
+    views = {id(s.param): (g, s) for g in flat.groups for s in g.segments}
+
+    def later(p: torch.Tensor) -> None:
+        g, s = views[id(p)]
+        assert p.grad is not None and p.grad.data_ptr() == g.grads[s.offset:].data_ptr(), s.name  # the view
+        assert torch.equal(p.grad, incoming[id(p)]), s.name  # holding the gradient (strides: the parameter's)
+        checked.append(s.name)
+
+    for p in net.parameters():
+        p.register_hook(lambda grad, p=p: incoming.__setitem__(id(p), grad.detach().clone()))  # before accumulation
+        p.register_post_accumulate_grad_hook(later)
+    flat.release_grads()
+    _backward(net, 0, True)
+    assert len(checked) == len(list(net.parameters()))
+
+
+def _trainer(tmp_path, *extra: str):
+    import json
+
+    from dptrain.comm import Communicator
+    from dptrain.config import load_config
+    from dptrain.topology import Topology
+    from dptrain.train import Trainer
+
+    cfg = load_config(None, ["model.name=lenet", "data.source=digits", "data.batch_size=16", "solver.display=0",
+                             f"train.run_dir={json.dumps(str(tmp_path))}", *extra])
+    return Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cpu")))
+
+
+def test_train_step_hands_gradients_over_and_leaves_views(tmp_path):
+    t = _trainer(tmp_path, "solver.iter_size=2")
+    p = next(t.model.parameters())
+    seen = []  # .grad when backward's gradient for p arrives: None in the first micro-batch, the view after
+    p.register_hook(lambda g: seen.append(p.grad is None) or g)
+    t.train_step()
+    t.train_step()
+    assert seen == [True, False, True, False]
+    t.flat.check_grad_views()
+    t.close()
+
+
+def test_a_failed_step_leaves_zero_gradients_and_the_views(tmp_path):
+    t = _trainer(tmp_path)
+    t.train_step()
+    first = next(t.model.parameters())  # the first layer's: backward reaches it last, after the others' copies
+
+    def fail(g: torch.Tensor) -> torch.Tensor:
+        assert any(g.grads.any() for g in t.flat.groups)  # later layers' gradients are in the buffer
+        raise RuntimeError("injected")
+
+    handle = first.register_hook(fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        t.train_step()
+    handle.remove()
+    t.flat.check_grad_views()
+    assert all(not g.grads.any() for g in t.flat.groups)  # nothing left for the next step to add to
+    t.train_step()
+    t.close()
