@@ -1,9 +1,9 @@
 """Flat parameter and gradient buffers.
 
 Every parameter of a given dtype is a view into one contiguous buffer, and its
-``.grad`` is a view into a second one (outside a training step's backward: see below). Parameters are laid out in *reverse
-registration order* (an approximation of the order in which backward produces their
-gradients), each padded to ``ALIGN_ELEMS``, so a data-parallel bucket is a contiguous
+``.grad`` is a view into a second one (outside a training step's backward: see below).
+Parameters are laid out in *reverse registration order* (an approximation of the order in
+which backward produces their gradients), each padded to ``ALIGN_ELEMS``, so a data-parallel bucket is a contiguous
 slice of the gradient buffer and needs no copy. The FP32 masters and the optimizer's
 state (SGD's momentum, Adam's moments) are flat buffers with the same layout, which lets
 the update run as one pass.
@@ -242,6 +242,7 @@ class FlatParams:
             g.restore_grads()
 
     def zero_grads(self) -> None:
+        """Zero every flat gradient buffer (a training step that failed part-way)."""
         for g in self.groups:
             g.grads.zero_()
 

@@ -2,13 +2,14 @@
 
 Each parameter has a post-accumulate-grad hook (public autograd API), registered after the
 flat buffers' own (``dptrain.flat``: it copies the gradient autograd handed over into the
-buffer, so it must run first). In the last micro-batch of an iteration (``begin(sync=True)``),
-when a bucket's last gradient is in the flat buffer, the bucket's async SUM allreduce is launched, strictly
-in plan order: a bucket that completes early waits until every earlier bucket has
-launched, so all ranks issue the same collectives in the same order. ``wait()`` after
-backward launches any bucket whose parameters got no gradient, then waits for all of
-them: the only point where compute waits on communication. Micro-batches armed with
-``begin(sync=False)`` launch nothing; their gradients just accumulate (Caffe iter_size).
+buffer, so it must run first). In the last micro-batch of an iteration
+(``begin(sync=True)``), when a bucket's last gradient is in the flat buffer, the bucket's
+async SUM allreduce is launched, strictly in plan order: a bucket that completes early
+waits until every earlier bucket has launched, so all ranks issue the same collectives in
+the same order. ``wait()`` after backward launches any bucket whose parameters got no
+gradient, then waits for all of them: the only point where compute waits on
+communication. Micro-batches armed with ``begin(sync=False)`` launch nothing; their
+gradients just accumulate (Caffe iter_size).
 
 Loss scaling happens before the reduce: the buckets hold loss-scaled gradients, summed
 over ranks. The solver unscales by ``1 / (S * grad_divisor)`` in fp32:
@@ -44,11 +45,11 @@ collective before compute.
 
 Streams (CUDA): hooks run on autograd's device thread, the statistics' launch on the
 training thread; a launch enqueues the collective behind everything already on that
-thread's current stream (see ``Communicator.allreduce_async``
-and ``nccl_cupy``), and ``wait()`` makes the training thread's current stream wait for
-the communication stream. Neither blocks the host. The flat gradient buffers live as long
-as the model, so they need no ``record_stream``; fp32 upcasts are kept referenced until
-``wait()`` has ordered their copy-back after the collective.
+thread's current stream (see ``Communicator.allreduce_async`` and ``nccl_cupy``), and
+``wait()`` makes the training thread's current stream wait for the communication stream.
+Neither blocks the host. The flat gradient buffers live as long as the model, so they need
+no ``record_stream``; fp32 upcasts are kept referenced until ``wait()`` has ordered their
+copy-back after the collective.
 """
 from __future__ import annotations
 
@@ -258,7 +259,8 @@ class Reducer:
             raise self._failure(b, e) from e
         self._next_launch += 1
         self.launch_log.append((b.index, t))
-        if self._next_launch == 1 and self._stats_flight is None and (self.running_stats or self._control is not None):
+        pending_stats = self._stats_flight is None and (self.running_stats or self._control is not None)
+        if self._next_launch == 1 and pending_stats:
             self._launch_stats()  # a held probe iteration: behind the first bucket, after backward
         rec = _Launched(b, work, upcast, start_us)
         if self.tracer.enabled or (self._auto is not None and self._auto.probing):
