@@ -148,7 +148,7 @@ class FlatGroup:
         between training steps, not inside one's backward (the hand-over)."""
         for s in self.segments:
             g = s.param.grad
-            if g is None or g.data_ptr() != self.grads.data_ptr() + s.offset * self.grads.element_size():
+            if g is None or g.data_ptr() != self._grad_views[id(s.param)].data_ptr():
                 raise RuntimeError(
                     f"gradient of {s.name} is no longer a view into the flat buffer; "
                     "never set .grad to None or replace it (use the solver's zeroing)"

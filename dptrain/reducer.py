@@ -216,7 +216,7 @@ class Reducer:
                 if self._auto is not None and self._auto.phase != "done":
                     self._auto.start_backward()
                     self._holding = self._auto.holding
-                if self.world_size > 1 and not self._holding and (self.running_stats or control is not None):
+                if self.world_size > 1 and not self._holding and self._has_stats():
                     self._launch_stats()  # every forward is done: the whole backward to overlap it with
 
     def _make_hook(self, name: str):
@@ -259,8 +259,7 @@ class Reducer:
             raise self._failure(b, e) from e
         self._next_launch += 1
         self.launch_log.append((b.index, t))
-        pending_stats = self._stats_flight is None and (self.running_stats or self._control is not None)
-        if self._next_launch == 1 and pending_stats:
+        if self._next_launch == 1 and self._stats_flight is None and self._has_stats():
             self._launch_stats()  # a held probe iteration: behind the first bucket, after backward
         rec = _Launched(b, work, upcast, start_us)
         if self.tracer.enabled or (self._auto is not None and self._auto.probing):
@@ -272,6 +271,10 @@ class Reducer:
         rec.end_us.append(end_us)
         if self.tracer.enabled and not self._host_completion:
             self._trace(rec, end_us)
+
+    def _has_stats(self) -> bool:
+        """Whether a synced iteration sums anything besides gradients (running statistics, control flags)."""
+        return bool(self.running_stats) or self._control is not None
 
     def _launch_stats(self) -> None:
         """Start the running-statistics average (and the control vector's sum); the caller holds

@@ -2,11 +2,17 @@
 give the bits that accumulating into the zeroed views gives, with the views restored after."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
+from dptrain.comm import Communicator
+from dptrain.config import load_config
 from dptrain.flat import FlatParams
+from dptrain.topology import Topology
+from dptrain.train import Trainer
 
 
 class _Net(nn.Module):
@@ -112,14 +118,7 @@ def test_a_hook_registered_after_the_flat_buffers_finds_the_gradient_in_them():
     assert len(checked) == len(list(net.parameters()))
 
 
-def _trainer(tmp_path, *extra: str):
-    import json
-
-    from dptrain.comm import Communicator
-    from dptrain.config import load_config
-    from dptrain.topology import Topology
-    from dptrain.train import Trainer
-
+def _trainer(tmp_path, *extra: str) -> Trainer:
     cfg = load_config(None, ["model.name=lenet", "data.source=digits", "data.batch_size=16", "solver.display=0",
                              f"train.run_dir={json.dumps(str(tmp_path))}", *extra])
     return Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cpu")))
