@@ -10,6 +10,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -309,3 +310,7 @@ def test_repeat_bootstrap_resamples_whole_runs():
     assert (lo, hi) == (1.0, 10.0) == sc.repeat_bootstrap(runs)
     # one run in ten off: a draw with 6 of its 10 runs the slow one is too rare to reach the interval
     assert sc.repeat_bootstrap([[1.0] * 5] * 9 + [[10.0] * 5]) == (1.0, 1.0)
+    # the pooled mean (the report's statistic) moves with every slow run drawn: k of 5 draws slow gives
+    # 1 + 9k/5; k ~ Binomial(5, 0.2) has P(k <= 2) = 0.942 < 0.95, so the interval's top is k = 3
+    lo, hi = sc.repeat_bootstrap(runs, stat=np.mean)
+    assert lo == pytest.approx(1.0) and hi == pytest.approx(6.4)
