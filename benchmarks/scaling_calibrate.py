@@ -19,7 +19,7 @@ step time and exposed communication with ``scaling_model.simulate_step`` and
   on the fit runs' *comm after slowest* (the least wait over the ranks, i.e. the
   communication left after the last rank's backward: what bench medians per run as
   ``comm_after_slowest_ms``; here the mean over every phase-timed step of every repeat, see
-  :func:`_median_runs`);
+  :func:`_pool_runs`);
 - ``overlap_rate`` (an allreduce's speed while backward runs, relative to after it) is held at 1,
   not fitted: the two fit runs per world size give two observations, and with the rate as a
   third term the fit had a family of exact solutions (see :data:`COMM_GRID`);
@@ -68,10 +68,10 @@ GOAL = 0.15
 COMM_GRID = [(1.0, (a / 4, b / 10)) for a in range(2, 81) for b in range(5, 21)]
 """(overlap rate, (alpha factor, beta factor)) tried per world size: two terms for the two fit runs. The
 rate is held at 1: fitting it as well left three terms on two observations, and the fits swung between
-rates 0.1 and 1 from run to run, with check errors to -59 % where the fit runs were exact. Alpha factors
+rates 0.1 and 1 from run to run, with check errors to -55 % where the fit runs were exact. Alpha factors
 reach 20 (3 solvers on 2 cores: a collective's latency in a step is many times the quiet one)."""
 PHASE_STEPS = 16
-"""Phase-timed steps per run (``--phase-steps``): rank 0's wait and its split are medians over these."""
+"""Phase-timed steps per run (``--phase-steps``): rank 0's wait and its split are taken over these."""
 TIMED_STEPS = 10
 """Timed steps per run (no phase timestamps), whose median is the step time (``--steps`` raises it: the VM drifts over
 seconds, and a longer window with more repeats lets the medians ride it out)."""
@@ -126,7 +126,7 @@ def _append(path: Path, rec: dict[str, Any]) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-def _median_runs(runs: list[dict[str, Any]], d: Path) -> dict[tuple[int, float], dict[str, Any]]:
+def _pool_runs(runs: list[dict[str, Any]], d: Path) -> dict[tuple[int, float], dict[str, Any]]:
     """One record per (world, cap), with the traces of all its repeats: the step time and rank 0's wait
     are medians over the repeats; over every phase-timed step of every repeat, pooled (:func:`least_waits`),
     comm after slowest is the mean (its median is kept beside it), with a 90 % interval
@@ -137,7 +137,7 @@ def _median_runs(runs: list[dict[str, Any]], d: Path) -> dict[tuple[int, float],
     last bucket's allreduce, a third several ms later, when a gloo thread waits for a core), so its median
     jumps between the modes from run to run (one row's run medians 1.37-3.28 ms), while the mean is stable
     and is what throughput pays (the model's terms are expected values). Chosen with :data:`COMM_GRID` on
-    three earlier runs, then checked on a fresh one (README, results)."""
+    three earlier runs; the README's calibration table gives the fresh runs that check it."""
     groups: dict[tuple[int, float], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["world_size"], r["cap_mb"]), []).append(r)
@@ -206,7 +206,7 @@ def report(d: Path) -> str:
     runs = _read_jsonl(d / "runs.jsonl")
     windows = sorted({_window(r) for r in runs})  # one, unless the dir predates run()'s check
     steps, phase_steps = ("/".join(str(w[i]) for w in windows) for i in (0, 1))
-    med = _median_runs(runs, d)
+    med = _pool_runs(runs, d)
     profiles, costs = {}, {}
     plans = {k: [b.nbytes for b in sm.profile_from_trace(json.loads((d / m["traces"][0]).read_text())).buckets]
              for k, m in med.items()}  # each run's bucket sizes: a function of its cap, read off its trace
@@ -312,10 +312,11 @@ def report(d: Path) -> str:
                 f"slowest {_spread(med[(w, 25.0)]['after_ms'], med[(w, 100.0)]['after_ms']):.0%}, rank 0 wait "
                 f"{_spread(med[(w, 25.0)]['exposed_ms'], med[(w, 100.0)]['exposed_ms']):.0%}" for w in (2, 3)) + "."]
     met = worst["step"] <= GOAL and worst["after"] <= GOAL
+    repeats = max(v["n"] for v in med.values())
     out += ["", f"Check runs: largest step-time error {worst['step']:.0%}, largest comm-after-slowest error "
             f"{worst['after']:.0%} (goal {GOAL:.0%} on both: {'met' if met else 'NOT met'}); largest error on rank "
             f"0's whole wait, straggling included, {worst['wait']:.0%}. Check rows whose predicted comm after slowest "
-            f"lies outside the measurement's own approximate 90 % interval (an indication: 5 repeats make it "
+            f"lies outside the measurement's own approximate 90 % interval (an indication: {repeats} repeats make it "
             f"narrow): {', '.join(outside) or 'none'}.", "",
             "Comm after slowest and skew are means (the model's terms are expected values; at 2 solvers the "
             "per-step comm after slowest is bimodal, and its median, shown beside, jumps between the modes from run "
