@@ -33,7 +33,7 @@ step time and exposed communication with ``scaling_model.simulate_step`` and
 Check runs (caps 5 and 100 MB) use nothing of their own but their bucket sizes (a function of the
 cap and the model, read off their traces); their errors are the calibration's.
 
-    python benchmarks/scaling_calibrate.py --run --dir runs/calib --repeats 2
+    python benchmarks/scaling_calibrate.py --run --dir runs/calib --repeats 10 --steps 30 --phase-steps 24  # ~50 min, alone
     python benchmarks/scaling_calibrate.py --report --dir runs/calib --out benchmarks/results
 """
 from __future__ import annotations
