@@ -3,10 +3,10 @@
 Every parameter of a given dtype is a view into one contiguous buffer, and its
 ``.grad`` is a view into a second one (outside a training step's backward: see below).
 Parameters are laid out in *reverse registration order* (an approximation of the order in
-which backward produces their gradients), each padded to ``ALIGN_ELEMS``, so a data-parallel bucket is a contiguous
-slice of the gradient buffer and needs no copy. The FP32 masters and the optimizer's
-state (SGD's momentum, Adam's moments) are flat buffers with the same layout, which lets
-the update run as one pass.
+which backward produces their gradients), each padded to ``ALIGN_ELEMS``, so a data-parallel
+bucket is a contiguous slice of the gradient buffer and needs no copy. The FP32 masters and
+the optimizer's state (SGD's momentum, Adam's moments) are flat buffers with the same layout,
+which lets the update run as one pass.
 
 Parameter identity survives: ``module.weight`` stays the same ``nn.Parameter``; only its
 storage moves (``param.data = view``), keeping its strides (channels_last included).
