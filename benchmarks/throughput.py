@@ -48,6 +48,8 @@ class Case:
     """The peer's layout when it differs from dptrain's (None: the same; NCHW for dptrain's default)."""
     peer_env: dict[str, str] = field(default_factory=dict)
     """Environment variables for the peer's processes only."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for dptrain's processes only."""
 
 
 KEEP_MALLOC_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={hostmem.MMAP_THRESHOLD_BYTES}:"
@@ -57,21 +59,24 @@ environment variables: what the peer gets when it is given the same allocator be
 
 
 FUSED = ["solver.cpu_fused_update=true"]
-"""dptrain's CPU update compiled into one pass; the warm-up steps absorb the compile."""
+"""dptrain's CPU update compiled by inductor into one pass; the warm-up steps absorb the compile."""
+INPLACE_ENV = {"DPTRAIN_KERNELS": "inplace"}
+"""dptrain's CPU update as in-place torch passes, the fallback where update.cu cannot be built for the host."""
 
 
 def cpu_cases(quick: bool) -> list[Case]:
     w, b = (16, 16) if quick else (64, 32)
     common = dict(model="resnet18_cifar", width=w, num_classes=10, image_size=32, batch_size=b, channels_last=False)
     cases = [
-        Case("1 solver, bf16 storage vs autocast bf16", 1, precision="bf16", extra_sets=FUSED, **common),
-        Case("1 solver, bf16 storage (in-place update) vs autocast bf16", 1, precision="bf16", **common),
-        Case("2 solvers, bf16 storage vs DDP + autocast bf16", 2, precision="bf16", extra_sets=FUSED, **common),
-        Case("2 solvers, fp32 vs DDP fp32", 2, precision="fp32", extra_sets=FUSED, **common),
+        Case("1 solver, bf16 storage vs autocast bf16", 1, precision="bf16", **common),
+        Case("1 solver, bf16 storage (in-place update) vs autocast bf16", 1, precision="bf16", env=INPLACE_ENV,
+             **common),
+        Case("2 solvers, bf16 storage vs DDP + autocast bf16", 2, precision="bf16", **common),
+        Case("2 solvers, fp32 vs DDP fp32", 2, precision="fp32", **common),
     ]
     for mb in (1, 5, 25, 100):
         cases.append(Case(f"bucket sweep {mb} MB, 2 solvers bf16", 2, precision="bf16", peer=False,
-                          extra_sets=[*FUSED, f"reducer.bucket_mb={mb}", f"reducer.first_bucket_mb={min(mb, 1)}"],
+                          extra_sets=[f"reducer.bucket_mb={mb}", f"reducer.first_bucket_mb={min(mb, 1)}"],
                           **common))
     return cases
 
@@ -94,6 +99,8 @@ def layout_cases() -> list[Case]:
                        channels_last=None, peer=False, extra_sets=["train.host_malloc=system"], **common),
                   Case(f"2 solvers {prec}, dptrain cpu_fused_update=true (peer NHWC)", 2, precision=prec,
                        channels_last=None, peer=False, extra_sets=FUSED, **common),
+                  Case(f"2 solvers {prec}, dptrain DPTRAIN_KERNELS=inplace (peer NHWC)", 2, precision=prec,
+                       channels_last=None, peer=False, env=INPLACE_ENV, **common),
                   Case(f"2 solvers {prec}, dptrain channels_last=false (peer NCHW)", 2, precision=prec,
                        channels_last=False, peer=False, **common),
                   Case(f"2 solvers {prec}, dptrain channels_last=true (peer NHWC)", 2, precision=prec,
@@ -209,7 +216,7 @@ def main() -> int:
         return 2
     if args.dry_run:
         for c in cases:
-            print(" ".join(dptrain_cmd(c, args.steps, args.warmup)))
+            print(" ".join([*(f"{k}={v}" for k, v in c.env.items()), *dptrain_cmd(c, args.steps, args.warmup)]))
             if c.peer:
                 print(" ".join([*(f"{k}={v}" for k, v in c.peer_env.items()), *peer_cmd(c, args.steps, args.warmup)]))
         return 0
@@ -219,7 +226,7 @@ def main() -> int:
         for c in (cases if rep % 2 == 0 else cases[::-1]):
             sides = [("dptrain", dptrain_cmd), *([("peer", peer_cmd)] if c.peer else [])]
             for side, cmd in (sides if rep % 2 == 0 else sides[::-1]):
-                rec = run_json(cmd(c, args.steps, args.warmup), c.peer_env if side == "peer" else None)
+                rec = run_json(cmd(c, args.steps, args.warmup), c.peer_env if side == "peer" else c.env)
                 raw.append({"case": c.name, "side": side, "repeat": rep, **rec})
                 print(json.dumps({"case": c.name, side: rec["images_per_s"]}), flush=True)
     rows = []

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dptrain import kernels
 from dptrain.config import TrainConfig, config_hash
 from dptrain.errors import ConfigError
 from dptrain.precision import cpu_native_support
@@ -154,6 +155,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
     rec.update({
         "peak_mem_bytes": peak_mem_bytes(device),
         "solver": cfg.solver.type,
+        "update_kernel": kernels.update_backend(trainer.flat.groups[0].grads, cpu_fused=cfg.solver.cpu_fused_update),
         "bytes_per_param": trainer.optimizer.bytes_per_param(),
         "num_params": trainer.flat.num_params,
         "versions": versions(),

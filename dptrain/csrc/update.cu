@@ -28,8 +28,12 @@
 // elements per vector access: 4 when every pointer is aligned to 4 elements (flat buffers are: each
 // parameter starts at a multiple of 64 elements), else 1.
 
+#if defined(__CUDACC__)  // NVRTC and nvcc
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#else  // a host C++ compiler: dptrain/csrc/update_cpu.cc, the CPU update (kernels.native)
+#include "host_half.h"
+#endif
 
 namespace dpt {
 
@@ -283,12 +287,14 @@ __host__ __device__ void update_thread(const Args<T, M>& a, const typename R::Sc
   }
 }
 
+#if defined(__CUDACC__)
 // The body of every update kernel: rule R over this thread's share of the grid.
 template <typename R, typename T, typename M, int V>
 __device__ __forceinline__ void run_rule(const Args<T, M>& a, const typename R::Scalars& c) {
   const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   update_thread<R, T, M, V>(a, c, tid, static_cast<long long>(gridDim.x) * blockDim.x);
 }
+#endif  // __CUDACC__
 
 // Sum of squares, in fp32, of the elements thread `tid` of `nthreads` visits (same pattern as above).
 // Non-finite inputs propagate: inf -> inf, NaN -> NaN.
@@ -310,6 +316,7 @@ __host__ __device__ float sumsq_thread(const T* x, long long n, long long tid, l
   return acc;
 }
 
+#if defined(__CUDACC__)
 // Sum of `v` over a block of kBlockThreads threads; the result is valid in thread 0.
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float warp_sums[kBlockThreads / 32];
@@ -324,7 +331,11 @@ __device__ __forceinline__ float block_sum(float v) {
   return v;
 }
 
+#endif  // __CUDACC__
+
 }  // namespace dpt
+
+#if defined(__CUDACC__)  // the kernels; a host compiler stops here
 
 // ---------------------------------------------------------------------------------------------
 // The update kernels, one per rule: one fused step over one flat group (NVCaffe's
@@ -458,3 +469,4 @@ dptrain_norm_finish(const float* partials, int count, float* out) {
   acc = dpt::block_sum(acc);
   if (threadIdx.x == 0) out[0] = sqrtf(acc);
 }
+#endif  // __CUDACC__

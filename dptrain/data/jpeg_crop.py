@@ -30,20 +30,17 @@ gets wrong. So Pillow decides what is undecodable and its messages are the ones 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import io
 import logging
 import os
-import shlex
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, features
 
+from dptrain import native_build
 from dptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -67,59 +64,22 @@ def mode() -> str:
     return value
 
 
-def cache_dir() -> Path:
-    if os.environ.get("DPTRAIN_CACHE"):
-        return Path(os.environ["DPTRAIN_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dptrain"
-
-
 def _compiler() -> list[str] | None:
     """The compiler command: ``$CC`` split as a shell would (``ccache gcc``, ``gcc -std=gnu11``), else cc or gcc."""
-    if os.environ.get("CC"):
-        try:
-            words = shlex.split(os.environ["CC"])
-        except ValueError:  # unbalanced quotes
-            return None
-        found = shutil.which(words[0]) if words else None
-        return [found, *words[1:]] if found else None
-    found = shutil.which("cc") or shutil.which("gcc")
-    return [found] if found else None
+    return native_build.compiler("CC", ("cc", "gcc"))
 
 
 def build(directory: Path | None = None) -> Path:
-    """Compile jpeg_crop.c into ``directory`` (default :func:`cache_dir`) unless already there; the path.
-
-    The file name carries a hash of the source, the compiler and the flags, so an edited
-    source or another compiler builds anew. The library is written to a temporary name and
-    renamed, so solvers that build at once never load a half-written file.
-    Raises RuntimeError with the compiler's first error line.
+    """Compile jpeg_crop.c into ``directory`` (default ``native_build.cache_dir()``) unless already
+    there; the path (:func:`dptrain.native_build.build_library`: keyed by source, compiler and
+    flags, written atomically). Raises RuntimeError with the compiler's first error line.
     """
     cc = _compiler()
     if cc is None:
         raise RuntimeError(f"no C compiler {os.environ.get('CC', 'cc')!r} (install gcc or set CC)")
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(b"\0".join([source, *(f.encode() for f in (*cc, *CFLAGS, *LIBS))])).hexdigest()[:16]
-    directory = directory or cache_dir()
-    target = directory / f"jpeg_crop-{tag}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        proc = subprocess.run([*cc, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS],
-                              capture_output=True, text=True, timeout=120, check=False)
-        if proc.returncode != 0:
-            lines = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines() or ["?"]
-            raise RuntimeError(f"{Path(cc[0]).name} could not build {SOURCE.name}: {lines[0].strip()} "
-                               f"(libjpeg-turbo's headers: apt install libjpeg-turbo8-dev or libjpeg62-turbo-dev)")
-        os.chmod(tmp, 0o755)  # mkstemp made it 0600: others sharing the cache must load it too
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return native_build.build_library(
+        name="jpeg_crop", main=SOURCE, sources=(SOURCE,), command=cc, flags=CFLAGS, libs=LIBS, directory=directory,
+        hint="libjpeg-turbo's headers: apt install libjpeg-turbo8-dev or libjpeg62-turbo-dev")
 
 
 def _load() -> ctypes.CDLL:

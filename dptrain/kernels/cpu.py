@@ -1,10 +1,15 @@
-"""The CPU backends of the update rules: in-place passes, and one pass compiled by inductor.
+"""The torch-op CPU backends of the update rules: in-place passes, and one pass compiled by inductor.
+
+The default CPU backend is neither: :mod:`.native` runs ``update.cu``'s rules built for the
+host. The in-place passes are its fallback where that library cannot be built or fails its
+self-check (``DPTRAIN_KERNELS=inplace`` picks them); the compiled pass is
+``solver.cpu_fused_update``.
 
 On the CPU, reading ``found_inf`` is a plain memory load (there is no device to wait for),
 so a skipped step returns early instead of computing both outcomes and selecting with
 ``torch.where`` as the reference does.
 
-* **In place** (:func:`update_inplace`, the default): each rule's body rewrites the spec's
+* **In place** (:func:`update_inplace`): each rule's body rewrites the spec's
   math as in-place passes over the state and master, with one or two fp32 temporaries
   besides the gradient (SGD's step; Adam's direction and denominator), several times fewer
   bytes moved than the reference. Results equal the reference's up to a few fp32 ulps: an

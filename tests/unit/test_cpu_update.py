@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dptrain.kernels import Hyper, UpdateArgs, kernel_backend, reference, update
+from dptrain.kernels import Hyper, UpdateArgs, reference
 from dptrain.kernels.cpu import update_compiled, update_inplace
 from dptrain.kernels.spec import RULES
 
@@ -60,17 +60,6 @@ def test_cpu_path_skips_bit_exactly():
                          grad_coef=torch.tensor([1.0]), found_inf=torch.ones(1)))
     for a, b in zip(state[1:], before[1:]):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    assert torch.count_nonzero(state[0]) == 0
-
-
-def test_dispatch_uses_cpu_path_unless_forced(monkeypatch):
-    t = torch.zeros(4)
-    assert kernel_backend(t) == "cpu"
-    monkeypatch.setenv("DPTRAIN_KERNELS", "torch")
-    assert kernel_backend(t) == "torch"
-    state = _state(torch.float32, torch.float32, n=8)
-    update(_args(state, lr=0.1, momentum_coef=0.9, weight_decay=0.0, decoupled=False,
-                 grad_coef=torch.tensor([1.0]), found_inf=torch.zeros(1)))
     assert torch.count_nonzero(state[0]) == 0
 
 

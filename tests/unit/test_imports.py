@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "dptrain.metrics"),
     ("dptrain.config",),
     ("dptrain.topology", "dptrain.trace", "dptrain.models", "dptrain.provenance", "dptrain.flight",
-     "dptrain.hostmem"),
+     "dptrain.hostmem", "dptrain.native_build"),
     ("dptrain.errors",),
     ("dptrain",),
 )

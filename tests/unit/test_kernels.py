@@ -241,16 +241,6 @@ def test_the_reference_square_root_is_correctly_rounded():
 # ----------------------------------------------------------------------------- dispatch
 
 
-def test_cpu_tensors_dispatch_to_cpu_path_or_reference(monkeypatch):
-    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
-    t = torch.zeros(8)
-    assert kernels.kernel_backend(t) == "cpu"  # the in-place CPU path (tests/unit/test_cpu_update.py)
-    monkeypatch.setenv(kernels.KERNELS_ENV, "cupy")  # CPU tensors can only use the reference
-    assert kernels.kernel_backend(t) == "torch"
-    monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
-    assert kernels.kernel_backend(t) == "torch"
-
-
 def test_bad_backend_env_is_rejected(monkeypatch):
     monkeypatch.setenv(kernels.KERNELS_ENV, "triton")
     with pytest.raises(ConfigError, match="DPTRAIN_KERNELS='triton' is not one of"):
@@ -291,7 +281,7 @@ def test_vector_width_follows_alignment():
 
 
 def test_dispatchers_forced_to_torch_equal_the_references(monkeypatch):
-    # auto on CPU takes the in-place path, compared in test_cpu_update.py; "torch" is the oracle
+    # auto on CPU takes the host library (test_native_update.py); "torch" is the oracle
     monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
     case = _make_case(torch.float16, torch.float16, 128, seed=3)
     kw = dict(lr=0.05, momentum_coef=0.9, weight_decay=5e-4, decoupled=True, grad_coef=torch.tensor([2.0**-10]),

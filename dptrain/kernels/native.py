@@ -1,0 +1,210 @@
+"""The CPU backend of the update rules: ``update.cu``'s per-element code built for the host.
+
+``dptrain/csrc/update_cpu.cc`` includes ``update.cu`` (which takes its fp16/bf16 types from
+``host_half.h`` when no CUDA compiler reads it) and runs each rule's functor, the one the GPU
+kernel runs, over a range of the flat buffers in one pass: read gradient, master and state
+once, write state, master, weights and the zeroed gradient once. So a rule is written once
+for both devices, and the CPU update moves the bytes the fused GPU kernel moves, instead of
+the eight or more passes of :mod:`.cpu`'s in-place torch ops.
+
+It is built at first use with the system C++ compiler (``$CXX``, else ``c++``/``g++``) and
+cached (:mod:`dptrain.native_build`), in about 3 s. The flags keep the reference's roundings:
+``-ffp-contract=off`` (no fused multiply-add, as NVRTC's ``--fmad=false``), no fast-math
+(IEEE division, square root and subnormals); ``-fno-math-errno`` only lets ``sqrtf``
+vectorise (it never sets errno for the inputs that reach it, and its result is the same).
+On x86-64 it is tuned for the host CPU (``-march=native``), which is part of the cache key.
+
+Before first use in a process, :func:`unusable` runs :func:`dptrain.kernels.selfcheck.compare`
+on it (every rule, storage and state dtype, tables, decay modes, subnormals, a skipped
+step) against the torch reference, bit for bit; a build failure or a mismatch makes the
+dispatch (:func:`dptrain.kernels.kernel_backend`) use :mod:`.cpu`'s in-place passes, with
+one warning.
+
+Measured on the native-bf16 2-core VM, one thread, 2.8 M parameters (ResNet-18 CIFAR width
+32), SGD with bf16 storage and fp32 momentum, caches evicted before each update as a
+training step leaves them: 3.3 ms, against 9.5 ms for the in-place passes; 4.3 ms when
+built without ``-march=native``.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dptrain import native_build
+from dptrain.errors import first_line
+from dptrain.kernels.spec import UpdateArgs, rule_of
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCE = CSRC / "update_cpu.cc"
+SOURCES = (SOURCE, CSRC / "update.cu", CSRC / "host_half.h")
+"""Every file the build reads: all of them key the cached library."""
+CXXFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
+TUNE_FLAGS = ("-march=native",) if platform.machine() in ("x86_64", "AMD64") else ()
+"""Flags that tune for the building CPU; with them the CPU's identity joins the cache key."""
+RULE_CODES = {"sgd": 0, "nesterov": 1, "adam": 2, "lamb": 3, "rmsprop": 4}
+"""``rule`` argument of ``dptrain_cpu_update``."""
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""``storage`` and ``state`` arguments of ``dptrain_cpu_update``."""
+RANGE_ALIGN = 64
+"""Ranges given to threads start at multiples of this many elements (the flat buffers align
+each parameter to 64 elements, so a range boundary never splits a vector of them)."""
+MIN_ELEMS_PER_THREAD = 1 << 18
+"""A thread gets at least this many elements (~1 ms of work); smaller updates run on one."""
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib": the loaded library, or "why": the reason it is unusable
+
+
+def _compiler() -> list[str] | None:
+    return native_build.compiler("CXX", ("c++", "g++", "clang++"))
+
+
+def build(directory: Path | None = None, *, tune: bool = True) -> Path:
+    """Compile update_cpu.cc (default: into ``native_build.cache_dir()``) unless already there; the path.
+
+    ``tune`` adds :data:`TUNE_FLAGS`. Raises RuntimeError when there is no compiler or the
+    build fails (with the compiler's first error line).
+    """
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler {os.environ.get('CXX', 'c++')!r} (install g++ or set CXX)")
+    flags = (*CXXFLAGS, *(TUNE_FLAGS if tune else ()))
+    return native_build.build_library(name="update_cpu", main=SOURCE, sources=SOURCES, command=cxx, flags=flags,
+                                      machine=native_build.host_cpu() if tune and TUNE_FLAGS else b"",
+                                      directory=directory)
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` with ``dptrain_cpu_update``'s signature declared."""
+    lib = ctypes.CDLL(str(path))
+    fn = lib.dptrain_cpu_update
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int,  # rule, storage, state
+                   *[ctypes.c_void_p] * 11,  # grads, master, params, s0, s1, lr_scale, decay_scale,
+                   # grad_coef, found_inf, bias_correction, floats
+                   ctypes.c_int, ctypes.c_longlong]  # decay_mode, n
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def self_check(lib: ctypes.CDLL) -> str | None:
+    """:func:`dptrain.kernels.selfcheck.compare` on the CPU with ``lib``: None, or the first mismatch."""
+    from dptrain.kernels import selfcheck
+    from dptrain.kernels.spec import grad_norm_reference
+
+    return selfcheck.compare(functools.partial(update, lib=lib), grad_norm_reference, torch.device("cpu"))
+
+
+def unusable() -> str | None:
+    """Why the CPU update library cannot be used in this process, or None when it built, loaded
+    and passed :func:`self_check` (decided once per process)."""
+    with _lock:
+        if not _state:
+            try:
+                lib = load(build())
+                why = self_check(lib)
+            except (OSError, RuntimeError) as e:
+                lib, why = None, f"{type(e).__name__}: {first_line(e)}"
+            _state.update({"lib": lib, "why": why} if why is None else {"why": why})
+    return _state["why"]  # type: ignore[return-value]
+
+
+def reset() -> None:
+    """Forget the loaded library and the self-check verdict (tests)."""
+    with _lock:
+        _state.clear()
+
+
+def _ptr(t: torch.Tensor | None, offset: int = 0) -> int | None:
+    return None if t is None else t.data_ptr() + offset * t.element_size()
+
+
+def _check(a: UpdateArgs) -> None:
+    """Every per-element tensor 1-D, contiguous, of a's length, on the CPU, in the dtypes the rule takes."""
+    from dptrain.kernels.cuda import check_flat, check_scalar  # the same layout rules as the GPU kernels
+
+    rule, n, cpu = rule_of(a), a.numel, torch.device("cpu")
+    check_flat("grads", a.grads, n, tuple(DTYPE_CODES), cpu)
+    check_flat("master", a.master, n, (torch.float32,), cpu)
+    check_flat("params", a.params, n, (a.grads.dtype,), cpu)
+    for name, t in zip(rule.state_names, a.state):
+        check_flat(name, t, n, (a.state[0].dtype,), cpu)
+    if a.state[0].dtype not in rule.state_dtypes:
+        raise RuntimeError(f"rule {rule.name} keeps its state in {rule.state_dtypes}, got {a.state[0].dtype}")
+    for name in ("lr_scale", "decay_scale"):
+        if getattr(a, name) is not None:
+            check_flat(name, getattr(a, name), n, (torch.float32,), cpu)
+    check_scalar("grad_coef", a.grad_coef, cpu)
+    check_scalar("found_inf", a.found_inf, cpu)
+    if a.bias_correction is not None:
+        check_scalar("bias_correction", a.bias_correction, cpu, count=2)
+
+
+def _ranges(n: int) -> list[tuple[int, int]]:
+    """[start, stop) per thread: torch's intra-op thread count, at least MIN_ELEMS_PER_THREAD each."""
+    parts = max(1, min(torch.get_num_threads(), n // MIN_ELEMS_PER_THREAD))
+    step = -(-n // parts // RANGE_ALIGN) * RANGE_ALIGN
+    return [(s, min(n, s + step)) for s in range(0, n, step)]
+
+
+def update(a: UpdateArgs, *, lib: ctypes.CDLL | None = None) -> None:
+    """Apply ``a``'s rule in one pass per thread; the reference's bits (:func:`dptrain.kernels.reference`).
+
+    ``lib`` defaults to the library :func:`unusable` loaded (it must have been found usable).
+    Runs on the calling thread, or for a large update split over torch's intra-op thread
+    count of threads (ctypes releases the GIL); reads ``found_inf`` and ``grad_coef`` in memory.
+    On a skipped step only the gradient is zeroed, as on the GPU.
+    """
+    lib = lib or _state["lib"]  # type: ignore[assignment]
+    _check(a)
+    rule = rule_of(a)
+    n = a.numel
+    if n == 0:
+        return
+    *floats, decay_mode = rule.scalars(a.hyper)
+    scalars = np.asarray(floats, dtype=np.float32)  # the fp32 scalars in update.cu's struct order
+    separate = a.params.data_ptr() != a.master.data_ptr()
+    params = a.params if a.grads.dtype != torch.float32 else None  # fp32: the kernel writes the master only
+    s1 = a.state[1] if len(a.state) > 1 else None
+
+    def run(start: int, stop: int) -> int:
+        return lib.dptrain_cpu_update(
+            RULE_CODES[rule.name], DTYPE_CODES[a.grads.dtype], DTYPE_CODES[a.state[0].dtype], _ptr(a.grads, start),
+            _ptr(a.master, start), _ptr(params, start), _ptr(a.state[0], start), _ptr(s1, start),
+            _ptr(a.lr_scale, start), _ptr(a.decay_scale, start), _ptr(a.grad_coef), _ptr(a.found_inf),
+            _ptr(a.bias_correction), scalars.ctypes.data, int(decay_mode), stop - start)
+
+    ranges = _ranges(n)
+    codes: list[int | BaseException] = [-1] * len(ranges)
+
+    def run_part(i: int) -> None:
+        try:
+            codes[i] = run(*ranges[i])
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread below
+            codes[i] = e
+
+    # threads started per call (a few tens of microseconds against a millisecond or more of work
+    # each), so no idle pool outlives the update
+    helpers = [threading.Thread(target=run_part, args=(i,), name=f"dptrain-update-{i}") for i in range(1, len(ranges))]
+    for t in helpers:
+        t.start()
+    run_part(0)
+    for t in helpers:
+        t.join()
+    for c in codes:
+        if isinstance(c, BaseException):
+            raise c
+    if any(codes):
+        raise RuntimeError(f"dptrain_cpu_update refused rule {rule.name} with storage {a.grads.dtype} and state "
+                           f"{a.state[0].dtype} (not a combination update.cu defines)")
+    if separate and params is None and not bool(a.found_inf.reshape(())):
+        a.params.copy_(a.master)  # fp32 storage with its own weights buffer (the flat buffers never have one)

@@ -1,0 +1,103 @@
+"""Build a shared library from dptrain/csrc at first use, once per source, compiler and machine.
+
+Two ctypes libraries are built this way: the JPEG crop decoder (``csrc/jpeg_crop.c``, C) and
+the CPU update (``csrc/update_cpu.cc``, C++, which includes ``update.cu``). The compiler
+comes from ``$CC`` / ``$CXX`` (split as a shell would: ``ccache gcc`` works), else the usual
+names on PATH. Libraries are cached in ``$DPTRAIN_CACHE`` (default
+``$XDG_CACHE_HOME/dptrain``, else ``~/.cache/dptrain``) under a name that hashes every
+source, the compiler command, the flags and, for a build tuned to the host CPU
+(``-march=native``), that CPU's identity: an edited source, another compiler or another
+node's CPU (a home directory shared across a cluster) builds anew instead of loading a
+library that could fault. Solvers that build at once each write a temporary file and
+rename it, so none loads a half-written library.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+BUILD_TIMEOUT_S = 300
+"""A compile that takes longer is given up on (the caller falls back to its Python path)."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("DPTRAIN_CACHE"):
+        return Path(os.environ["DPTRAIN_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dptrain"
+
+
+def compiler(env: str, names: Sequence[str]) -> list[str] | None:
+    """The compiler command: ``$env`` split as a shell would (``ccache gcc``, ``gcc -std=gnu11``),
+    else the first of ``names`` on PATH; None when there is none."""
+    if os.environ.get(env):
+        try:
+            words = shlex.split(os.environ[env])
+        except ValueError:  # unbalanced quotes
+            return None
+        found = shutil.which(words[0]) if words else None
+        return [found, *words[1:]] if found else None
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            return [found]
+    return None
+
+
+def host_cpu() -> bytes:
+    """What identifies this CPU's instruction set: the model name and feature flags of the first
+    processor in /proc/cpuinfo, else the platform's names."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    keep = []
+    for line in text.splitlines():
+        key = line.split(":", 1)[0].strip()
+        if key in ("model name", "flags", "Features", "CPU part", "CPU implementer") and key not in dict(keep):
+            keep.append((key, line))
+    return "\n".join(line for _, line in keep).encode() or f"{platform.machine()} {platform.processor()}".encode()
+
+
+def build_library(*, name: str, main: Path, sources: Sequence[Path], command: list[str], flags: Sequence[str],
+                  libs: Sequence[str] = (), machine: bytes = b"", hint: str = "",
+                  directory: Path | None = None) -> Path:
+    """Compile ``main`` into ``directory``/``name``-<hash>.so unless already there; the path.
+
+    ``sources`` are every file the build reads (``main`` and what it includes): each is part
+    of the hash, with ``command``, ``flags``, ``libs`` and ``machine`` (the CPU identity when
+    the flags tune for it). Raises RuntimeError with the compiler's first error line, then
+    ``hint``.
+    """
+    parts = [p.read_bytes() for p in sources] + [w.encode() for w in (*command, *flags, *libs)] + [machine]
+    tag = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"{name}-{tag}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        try:
+            proc = subprocess.run([*command, *flags, "-o", tmp, str(main), *libs],
+                                  capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"{Path(command[0]).name} took over {BUILD_TIMEOUT_S} s to build {main.name}") from e
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines() or ["?"]
+            raise RuntimeError(f"{Path(command[0]).name} could not build {main.name}: {lines[0].strip()}"
+                               + (f" ({hint})" if hint else ""))
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600: others sharing the cache must load it too
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target

@@ -1,0 +1,201 @@
+"""The CPU update library (dptrain/csrc/update_cpu.cc: update.cu's rules built for the host)
+against the torch reference, bit for bit, and its build, dispatch and fallback."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from dptrain import kernels, native_build
+from dptrain.errors import SetupError
+from dptrain.kernels import Hyper, UpdateArgs, native, reference, selfcheck
+from dptrain.kernels.spec import RULES
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.fixture(scope="module")
+def tuned():
+    """The library as solvers build it (tuned for this CPU: on x86-64 with F16C, hardware fp16 conversions)."""
+    return native.load(native.build())
+
+
+@pytest.fixture(scope="module")
+def generic(tmp_path_factory):
+    """Built without -march: on x86-64 the baseline has no F16C, so fp16 converts in host_half.h's integer code."""
+    return native.load(native.build(tmp_path_factory.mktemp("generic"), tune=False))
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """A process that has not yet decided whether it can use the library, with its own cache."""
+    monkeypatch.setenv("DPTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+    native.reset()
+    kernels._warn_native_fallback.cache_clear()
+    yield
+    native.reset()
+    kernels._warn_native_fallback.cache_clear()
+
+
+def _clone(a: UpdateArgs) -> UpdateArgs:
+    master = a.master.clone()
+    return replace(a, grads=a.grads.clone(), master=master, params=master if a.params is a.master else a.params.clone(),
+                   state=tuple(t.clone() for t in a.state))
+
+
+def _assert_same_bits(got: UpdateArgs, want: UpdateArgs, label: str) -> None:
+    for name in ("grads", "master", "params"):
+        assert torch.equal(_bits(getattr(got, name)), _bits(getattr(want, name))), f"{label}: {name}"
+    for i, (g, w) in enumerate(zip(got.state, want.state)):
+        assert torch.equal(_bits(g), _bits(w)), f"{label}: state {i}"
+
+
+@pytest.mark.parametrize("build", ["tuned", "generic"])
+def test_every_selfcheck_case_matches_the_reference_bit_exactly(build, request):
+    """Every rule x storage x state dtype, aligned and misaligned starts, l2 and decoupled decay,
+    lr/decay tables, bias corrections, fp32 subnormals, and a skipped step."""
+    lib = request.getfixturevalue(build)
+    count = 0
+    for label, args in selfcheck.cases(torch.device("cpu")):
+        want, got = _clone(args), _clone(args)
+        reference(want)
+        native.update(got, lib=lib)
+        _assert_same_bits(got, want, label)
+        count += 1
+    assert count == sum(3 * len(r.state_dtypes) * 3 for r in RULES.values())
+    assert native.self_check(lib) is None
+
+
+def _specials() -> torch.Tensor:
+    """fp32 values around every rounding boundary of fp16 and bf16, plus random bit patterns."""
+    f16_edges = [65504.0, 65519.996, 65520.0, 65536.0, 2.0**-14, 2.0**-24, 2.0**-25, 2.0**-26, 1.5 * 2.0**-25, 3e-39]
+    exact = torch.tensor([0.0, -0.0, 1.0, float("inf"), float("-inf"), float("nan"), 3.4028235e38, 1e-45, *f16_edges])
+    near = torch.cat([exact, torch.nextafter(exact, torch.full_like(exact, float("inf"))),
+                      torch.nextafter(exact, torch.full_like(exact, float("-inf")))])
+    ints = np.random.default_rng(7).integers(0, 2**32, size=1 << 16, dtype=np.uint64).astype(np.uint32)
+    # ties of both formats: a kept bit, then exactly half an ulp of fp16 (bit 12) or bf16 (bit 15)
+    ties = np.concatenate([(ints & ~np.uint32(0x1FFF)) | np.uint32(0x1000), (ints & ~np.uint32(0xFFFF)) | np.uint32(0x8000)])
+    patterns = torch.from_numpy(np.concatenate([ints, ties]).view(np.int32)).view(torch.float32)
+    values = torch.cat([near, -near, patterns])
+    return values[~torch.isnan(values) | (torch.arange(values.numel()) == 5)]  # one NaN: torch keeps its payload
+
+
+@pytest.mark.parametrize("build", ["tuned", "generic"])
+@pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16])
+def test_the_weight_write_back_rounds_as_torch_does(build, storage, request):
+    """With lr, momentum and decay 0 the new master is the old one, so the weights are the
+    master converted to the storage dtype: compared with torch's conversion over boundaries,
+    ties, subnormals, infinities and random bit patterns."""
+    lib = request.getfixturevalue(build)
+    master = _specials()
+    n = master.numel()
+    a = UpdateArgs(rule="sgd", grads=torch.zeros(n, dtype=storage), master=master.clone(),
+                   params=torch.zeros(n, dtype=storage), state=(torch.zeros(n),), grad_coef=torch.ones(1),
+                   found_inf=torch.zeros(1), hyper=Hyper(lr=0.0, momentum=0.0))
+    native.update(a, lib=lib)
+    assert torch.equal(_bits(a.master), _bits(master))
+    want = master.to(storage)
+    nan = torch.isnan(master)
+    assert torch.equal(_bits(a.params)[~nan], _bits(want)[~nan])
+    assert torch.isnan(a.params[nan]).all()
+
+
+def test_threads_split_the_update_without_changing_a_bit(tuned, monkeypatch):
+    args = next(a for label, a in selfcheck.cases(torch.device("cpu")) if "adam storage bfloat16" in label
+                and "lr_scale" in label and "skipped" not in label)
+    n = 64 * 40 + 3
+    big = replace(args, grads=args.grads.repeat(13)[:n].contiguous(), master=args.master.repeat(13)[:n].contiguous(),
+                  state=tuple(s.repeat(13)[:n].contiguous() for s in args.state),
+                  lr_scale=args.lr_scale.repeat(13)[:n].contiguous(), decay_scale=args.decay_scale.repeat(13)[:n].contiguous())
+    big = replace(big, params=big.master.to(big.grads.dtype))
+    one, split = _clone(big), _clone(big)
+    native.update(one, lib=tuned)
+    monkeypatch.setattr(native, "MIN_ELEMS_PER_THREAD", 64 * 7)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert len(native._ranges(n)) == 3 and all(s % native.RANGE_ALIGN == 0 for s, _ in native._ranges(n))
+        native.update(split, lib=tuned)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same_bits(split, one, "3 threads")
+    want = _clone(big)
+    reference(want)
+    _assert_same_bits(split, want, "reference")
+
+
+def test_bad_layouts_are_refused_before_the_call(tuned):
+    n = 10
+    good = UpdateArgs(rule="sgd", grads=torch.zeros(n, dtype=torch.bfloat16), master=torch.zeros(n),
+                      params=torch.zeros(n, dtype=torch.bfloat16), state=(torch.zeros(n),), grad_coef=torch.ones(1),
+                      found_inf=torch.zeros(1), hyper=Hyper(lr=0.1))
+    with pytest.raises(RuntimeError, match="master must be a contiguous 1-D tensor of 10 elements"):
+        native.update(replace(good, master=torch.zeros(2 * n)[::2]), lib=tuned)
+    with pytest.raises(RuntimeError, match="params has dtype torch.float16"):
+        native.update(replace(good, params=torch.zeros(n, dtype=torch.float16)), lib=tuned)
+    with pytest.raises(RuntimeError, match=r"rule adam keeps its state in \(torch.float32,\)"):
+        native.update(replace(good, rule="adam", state=(torch.zeros(n, dtype=torch.float16),) * 2), lib=tuned)
+
+
+def test_cpu_tensors_dispatch_to_the_library_unless_told_otherwise(fresh, monkeypatch):
+    t = torch.zeros(4)
+    assert kernels.kernel_backend(t) == "native"
+    for choice, backend in (("inplace", "inplace"), ("torch", "torch"), ("cupy", "torch"), ("native", "native")):
+        monkeypatch.setenv(kernels.KERNELS_ENV, choice)
+        assert kernels.kernel_backend(t) == backend, choice
+
+
+def test_no_compiler_falls_back_to_the_in_place_passes_with_one_warning(fresh, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    with caplog.at_level(logging.WARNING, logger="dptrain.kernels"):
+        assert kernels.kernel_backend(torch.zeros(4)) == "inplace"
+        assert kernels.kernel_backend(torch.zeros(4)) == "inplace"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no-such-compiler-here" in warnings[0] and "in-place" in warnings[0]
+    monkeypatch.setenv(kernels.KERNELS_ENV, "native")
+    with pytest.raises(SetupError, match="DPTRAIN_KERNELS=native but the CPU update library cannot be used: "
+                                         "RuntimeError: no C\\+\\+ compiler 'no-such-compiler-here'"):
+        kernels.kernel_backend(torch.zeros(4))
+
+
+def test_a_library_that_fails_its_self_check_is_not_used(fresh, monkeypatch, caplog):
+    monkeypatch.setattr(native, "self_check", lambda lib: "sgd storage bfloat16 ...: master differs from the torch reference")
+    with caplog.at_level(logging.WARNING, logger="dptrain.kernels"):
+        assert kernels.kernel_backend(torch.zeros(4)) == "inplace"
+    assert "master differs from the torch reference" in caplog.text
+
+
+def test_a_failing_build_names_the_compiler_error_and_leaves_no_file(fresh, monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
+    with pytest.raises(RuntimeError, match="false could not build update_cpu.cc"):
+        native.build(tmp_path / "c")
+    assert not list((tmp_path / "c").glob("*"))
+
+
+def test_build_is_cached_and_keyed_by_every_source_and_the_cpu(tuned, tmp_path, monkeypatch):
+    first = native.build(tmp_path / "c")
+    mtime = first.stat().st_mtime_ns
+    assert native.build(tmp_path / "c") == first and first.stat().st_mtime_ns == mtime
+    assert first.stat().st_mode & 0o755 == 0o755
+    if native.TUNE_FLAGS:  # another node's CPU sharing the cache builds its own
+        monkeypatch.setattr(native_build, "host_cpu", lambda: b"model name : another cpu")
+        assert native.build(tmp_path / "c") != first
+        monkeypatch.undo()
+    header = tmp_path / "host_half.h"
+    header.write_text(native.SOURCES[2].read_text() + "\n// edited\n")
+    monkeypatch.setattr(native, "SOURCES", (*native.SOURCES[:2], header))
+    assert native.build(tmp_path / "c") != first
+
+
+def test_update_cu_still_holds_the_cuda_kernels_behind_its_guard():
+    """The host build stops before the kernels; NVRTC and nvcc (which define __CUDACC__) see them
+    all (tests/unit/test_cuda_compile.py compiles and lowers every name)."""
+    text = native.SOURCES[1].read_text()
+    guard = text.index("#if defined(__CUDACC__)  // the kernels")
+    assert text.count("__global__") == text[guard:].count("__global__") > 0
