@@ -20,6 +20,9 @@
 //     fp32(weight_decay*lr) computed in double for the decoupled decay);
 //   * round-to-nearest-even conversions (__float2half_rn, __float2bfloat16_rn), as torch's casts.
 // The *_thread functions are __host__ __device__ so the CPU tests can run the exact per-thread code.
+// A host C++ compiler reads this file too: dptrain/csrc/update_cpu.cc includes it as the CPU update
+// (kernels.native). Without __CUDACC__ the fp16/bf16 types come from host_half.h and everything
+// device-only (run_rule, block_sum, the __global__ kernels) is left out.
 //
 // Every rule's kernel takes one argument list (kernels.cuda.update_args):
 //   grads, master, params (nullptr: the master), *state, lr_scale (nullptr: 1), decay_scale (nullptr: 1),
