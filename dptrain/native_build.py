@@ -8,11 +8,13 @@ names on PATH. Libraries are cached in ``$DPTRAIN_CACHE`` (default
 source, the compiler command, the flags and, for a build tuned to the host CPU
 (``-march=native``), that CPU's identity: an edited source, another compiler or another
 node's CPU (a home directory shared across a cluster) builds anew instead of loading a
-library that could fault. Solvers that build at once each write a temporary file and
-rename it, so none loads a half-written library.
+library that could fault. Solvers that start at once take a lock file in the cache folder: one
+builds (into a temporary file, renamed when complete), the others wait and load its library.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import platform
@@ -83,7 +85,25 @@ def build_library(*, name: str, main: Path, sources: Sequence[Path], command: li
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=directory)
+    # Solvers of one node start together: the first builds, the others wait on the lock and load
+    # its library (the lock is released when its holder exits, whatever happens to it). Where the
+    # lock cannot be had (another user's lock file, a file system without locks), each builds.
+    with contextlib.ExitStack() as held:
+        try:
+            lock = held.enter_context(open(directory / f"{name}.lock", "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        if not target.exists():
+            _compile(target, main=main, command=command, flags=flags, libs=libs, hint=hint)
+    return target
+
+
+def _compile(target: Path, *, main: Path, command: list[str], flags: Sequence[str], libs: Sequence[str],
+             hint: str) -> None:
+    """Build ``main`` into a temporary file of ``target``'s folder, then rename it to ``target``
+    (a process that does not take the lock still never loads a half-written library)."""
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
         try:
@@ -100,4 +120,3 @@ def build_library(*, name: str, main: Path, sources: Sequence[Path], command: li
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target

@@ -11,7 +11,7 @@ It is built at first use with the system C++ compiler (``$CXX``, else ``c++``/``
 cached (:mod:`dptrain.native_build`), in about 3 s. The flags keep the reference's roundings:
 ``-ffp-contract=off`` (no fused multiply-add, as NVRTC's ``--fmad=false``), no fast-math
 (IEEE division, square root and subnormals); ``-fno-math-errno`` only lets ``sqrtf``
-vectorise (it never sets errno for the inputs that reach it, and its result is the same).
+vectorise (its value is the same; errno, which nothing reads, is no longer set).
 On x86-64 it is tuned for the host CPU (``-march=native``), which is part of the cache key.
 
 Before first use in a process, :func:`unusable` runs :func:`dptrain.kernels.selfcheck.compare`
@@ -56,8 +56,8 @@ RULE_CODES = {"sgd": 0, "nesterov": 1, "adam": 2, "lamb": 3, "rmsprop": 4}
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 """``storage`` and ``state`` arguments of ``dptrain_cpu_update``."""
 RANGE_ALIGN = 64
-"""Ranges given to threads start at multiples of this many elements (the flat buffers align
-each parameter to 64 elements, so a range boundary never splits a vector of them)."""
+"""Ranges given to threads start at multiples of this many elements: at a cache-line boundary
+of every buffer (64 elements are 128 B or more), so no two threads write one cache line."""
 MIN_ELEMS_PER_THREAD = 1 << 18
 """A thread gets at least this many elements (~1 ms of work); smaller updates run on one."""
 
@@ -112,7 +112,7 @@ def unusable() -> str | None:
             try:
                 lib = load(build())
                 why = self_check(lib)
-            except (OSError, RuntimeError) as e:
+            except (OSError, RuntimeError, AttributeError) as e:  # AttributeError: a library without the symbol
                 lib, why = None, f"{type(e).__name__}: {first_line(e)}"
             _state.update({"lib": lib, "why": why} if why is None else {"why": why})
     return _state["why"]  # type: ignore[return-value]

@@ -330,12 +330,14 @@ def test_bandwidth_peak_table_and_bytes():
     assert bench.update_bytes_per_elem(torch.float16, torch.float16, larc=True) == 22
 
 
-def test_bandwidth_benchmark_on_cpu_reports_the_reference_only(capsys):
+def test_bandwidth_benchmark_on_cpu_reports_the_host_kernel_the_fallback_and_the_reference(capsys):
     record = load_benchmark("update_bandwidth").main(["--numel", "4096", "--iters", "1", "--repeats", "1", "--warmup", "0",
                                    "--device", "cpu"])
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line == json.loads(json.dumps(record))
-    assert line["kernel"] is None and line["reference"]["update_ms"] > 0 and line["reference"]["norm_ms"] > 0
+    for side in ("kernel", "inplace", "reference"):
+        assert line[side]["update_ms"] > 0 and line[side]["norm_ms"] > 0, side
+    assert line["kernel_speedup"] > 0
     assert line["numel"] == 4096 and line["update_bytes_per_elem"] == 22
 
 

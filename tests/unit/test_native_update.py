@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -176,7 +178,29 @@ def test_a_failing_build_names_the_compiler_error_and_leaves_no_file(fresh, monk
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
     with pytest.raises(RuntimeError, match="false could not build update_cpu.cc"):
         native.build(tmp_path / "c")
-    assert not list((tmp_path / "c").glob("*"))
+    assert not list((tmp_path / "c").glob("*.so")) and not list((tmp_path / "c").glob("*.tmp"))
+
+
+def test_solvers_starting_together_build_once(tmp_path, monkeypatch):
+    """The second builder waits on the lock, then finds the first one's library."""
+    calls = []
+
+    def slow_compile(target, **kw):
+        calls.append(target)
+        time.sleep(0.3)
+        target.write_bytes(b"built")
+
+    monkeypatch.setattr(native_build, "_compile", slow_compile)
+    source = tmp_path / "x.c"
+    source.write_text("int x;\n")
+    kw = dict(name="x", main=source, sources=(source,), command=["cc"], flags=("-shared",), directory=tmp_path / "c")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(native_build.build_library(**kw))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1] == calls[0]
 
 
 def test_build_is_cached_and_keyed_by_every_source_and_the_cpu(tuned, tmp_path, monkeypatch):
