@@ -12,12 +12,13 @@
 //
 // The loop is this file's, not dpt::update_thread: that one walks a GPU grid in packs of V, this
 // one walks [0, n) with the loop-invariant choices (decay mode, tables) as template arguments and
-// the 16-bit types moved as uint16_t, which is what lets the compiler vectorise it (2.8 M bf16 parameters, SGD,
-// cold caches: 3.3 ms, against 8.9 ms for update_thread itself run as one thread). Per element it does what
-// update_thread does: unscale, R::element, round to the storage type, zero the gradient.
+// the 16-bit types moved as uint16_t, which is what lets the compiler vectorise it (2.8 M bf16
+// parameters, SGD, cold caches: 3.3 ms, against 8.9 ms for update_thread itself run as one
+// thread). Per element it does what update_thread does: unscale, R::element, round to the
+// storage type, zero the gradient.
 //
-// Python calls dptrain_cpu_update through ctypes, which releases the GIL for the call; a large update
-// is split into ranges, one per thread (kernels.native.update).
+// Python calls dptrain_cpu_update through ctypes, which releases the GIL for the call; a large
+// update is split into ranges, one per thread (kernels.native.update).
 
 #include "update.cu"
 
@@ -58,7 +59,7 @@ void run_range(const dpt::Args<T, M>& a, typename R::Scalars c) {
   float* __restrict master = a.master;
   RT* __restrict params = reinterpret_cast<RT*>(a.params);
   RM* __restrict s0 = reinterpret_cast<RM*>(a.state[0]);
-  RM* __restrict s1 = reinterpret_cast<RM*>(a.state[K > 1 ? 1 : 0]);
+  RM* __restrict s1 = K > 1 ? reinterpret_cast<RM*>(a.state[1]) : nullptr;
   const float* __restrict lr_scale = a.lr_scale;
   const float* __restrict decay_scale = a.decay_scale;
   const RT zero = raw(dpt::from_float<T>(0.0f));
