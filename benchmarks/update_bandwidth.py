@@ -29,7 +29,7 @@ import time
 import torch
 
 from dptrain import kernels
-from dptrain.kernels import Hyper, UpdateArgs
+from dptrain.kernels import Hyper, UpdateArgs, native
 from dptrain.bench import device_name, versions
 from dptrain.provenance import git_commit
 
@@ -138,7 +138,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     peak = peak_entry[0] if peak_entry else None
     nbytes = args.numel * update_bytes_per_elem(storage, momentum, larc=False)
     b = _buffers(args.numel, storage, momentum, device)
-    backends = ["cupy", "torch"] if cuda else ["native", "inplace", "torch"]
+    if cuda:
+        backends = ["cupy", "torch"]
+    else:  # without a usable host library (no C++ compiler), the in-place passes and the reference only
+        backends = [*(["native"] if native.unusable() is None else []), "inplace", "torch"]
     previous = os.environ.get(kernels.KERNELS_ENV)
     try:
         results = {bk: _measure(bk, b, nbytes, device, args, peak) for bk in backends}
@@ -147,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             os.environ.pop(kernels.KERNELS_ENV, None)
         else:
             os.environ[kernels.KERNELS_ENV] = previous
+    kernel = results.get("cupy" if cuda else "native")
     record: dict[str, object] = {
         "bench": "update_bandwidth",
         "device": name,
@@ -156,10 +160,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "update_bytes_per_elem": update_bytes_per_elem(storage, momentum, larc=False),
         "peak_gb_per_s": peak / 1e9 if peak else None,
         "peak_source": peak_entry[1] if peak_entry else None,
-        "kernel": results["cupy" if cuda else "native"],
+        "kernel": kernel,
         "inplace": results.get("inplace"),
         "reference": results["torch"],
-        "kernel_speedup": round(results["torch"]["update_ms"] / results["cupy" if cuda else "native"]["update_ms"], 2),
+        "kernel_speedup": round(results["torch"]["update_ms"] / kernel["update_ms"], 2) if kernel else None,
         "timing": {"iters": args.iters, "repeats": args.repeats, "warmup": args.warmup, "stat": "median"},
         "versions": versions(),
         "git_commit": git_commit(),
