@@ -74,11 +74,13 @@ def build_library(*, name: str, main: Path, sources: Sequence[Path], command: li
     """Compile ``main`` into ``directory``/``name``-<hash>.so unless already there; the path.
 
     ``sources`` are every file the build reads (``main`` and what it includes): each is part
-    of the hash, with ``command``, ``flags``, ``libs`` and ``machine`` (the CPU identity when
-    the flags tune for it). Raises RuntimeError with the compiler's first error line, then
+    of the hash, with ``command``, ``flags``, ``libs``, the architecture and ``machine`` (the
+    CPU identity, when the flags tune for it). Raises RuntimeError with the compiler's first error line, then
     ``hint``.
     """
-    parts = [p.read_bytes() for p in sources] + [w.encode() for w in (*command, *flags, *libs)] + [machine]
+    # the architecture always (a home directory shared by x86-64 and aarch64 nodes), the CPU when tuned for it
+    parts = ([p.read_bytes() for p in sources] + [w.encode() for w in (*command, *flags, *libs)]
+             + [platform.machine().encode(), machine])
     tag = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     directory = directory or cache_dir()
     target = directory / f"{name}-{tag}.so"

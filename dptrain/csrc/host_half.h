@@ -3,9 +3,11 @@
 // qualifiers as nothing. Included by update.cu when it is not compiled by NVRTC or nvcc
 // (dptrain/kernels/native.py builds it with the system C++ compiler as the CPU update).
 //
-// The conversions give torch's CPU bits: float -> bfloat16 rounds to nearest even and turns
-// a NaN into the quiet NaN 0x7fc0 (c10::BFloat16); float -> half rounds to nearest even,
-// with the F16C instruction where the compiler targets it, else in integer arithmetic here.
+// The conversions give torch's CPU bits for every number: float -> bfloat16 rounds to nearest
+// even (a NaN becomes the quiet NaN 0x7fc0, as c10::BFloat16's scalar conversion makes it; torch's
+// vectorised cast can give another NaN payload), float -> half rounds to nearest even, with the
+// F16C instruction where the compiler targets it, else in integer arithmetic here (the same bits
+// as F16C for every fp32 input).
 #pragma once
 
 #include <cmath>

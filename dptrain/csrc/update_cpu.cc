@@ -8,7 +8,8 @@
 // the reference's torch ops do. No fast-math: IEEE division, sqrtf and subnormals. -fno-math-errno
 // only lets sqrtf vectorise (its value is the same; errno is never read). The result is the
 // reference's bits (kernels.spec.reference): tests/unit/test_native_update.py checks every rule,
-// dtype, decay mode and table, and kernels.native checks again once per process before use.
+// dtype, decay mode and table variant (selfcheck.cases), and kernels.native checks again once per
+// process before use.
 //
 // The loop is this file's, not dpt::update_thread: that one walks a GPU grid in packs of V, this
 // one walks [0, n) with the loop-invariant choices (decay mode, tables) as template arguments and
@@ -98,10 +99,11 @@ void by_tables(const dpt::Args<T, M>& a, const typename R::Scalars& c) {
 template <typename R, typename T, typename M>
 int run(void* grads, float* master, void* params, void* s0, void* s1, const float* lr_scale, const float* decay_scale,
         const float* grad_coef, const float* found_inf, const float* bias_correction, const float* floats,
-        int decay_mode, long long n) {
+        int n_floats, int decay_mode, long long n) {
   using S = typename R::Scalars;
   constexpr std::size_t kFloats = sizeof(S) / sizeof(float) - 1;
   static_assert(sizeof(S) == (kFloats + 1) * sizeof(float), "scalars are floats then one int");
+  if (n_floats != static_cast<int>(kFloats)) return -1;  // spec.py's scalars and this struct disagree
   if ((params == nullptr) != std::is_same<T, float>::value) return -1;
   if (s0 == nullptr || (R::kStates > 1) != (s1 != nullptr)) return -1;
   const dpt::Args<T, M> a{static_cast<T*>(grads), master, static_cast<T*>(params),
@@ -118,22 +120,22 @@ int run(void* grads, float* master, void* params, void* s0, void* s1, const floa
 
 template <typename R, typename T>
 int by_state(int state, void* g, float* w, void* p, void* s0, void* s1, const float* ls, const float* ds,
-             const float* coef, const float* inf, const float* bc, const float* f, int mode, long long n) {
-  if (state == 0) return run<R, T, float>(g, w, p, s0, s1, ls, ds, coef, inf, bc, f, mode, n);
+             const float* coef, const float* inf, const float* bc, const float* f, int nf, int mode, long long n) {
+  if (state == 0) return run<R, T, float>(g, w, p, s0, s1, ls, ds, coef, inf, bc, f, nf, mode, n);
   if constexpr (R::kStates == 1) {  // the momentum rules also keep an fp16 history
-    if (state == 1) return run<R, T, __half>(g, w, p, s0, s1, ls, ds, coef, inf, bc, f, mode, n);
+    if (state == 1) return run<R, T, __half>(g, w, p, s0, s1, ls, ds, coef, inf, bc, f, nf, mode, n);
   }
   return -1;
 }
 
 template <typename R>
 int by_storage(int storage, int state, void* g, float* w, void* p, void* s0, void* s1, const float* ls,
-               const float* ds, const float* coef, const float* inf, const float* bc, const float* f, int mode,
-               long long n) {
+               const float* ds, const float* coef, const float* inf, const float* bc, const float* f, int nf,
+               int mode, long long n) {
   switch (storage) {
-    case 0: return by_state<R, float>(state, g, w, p, s0, s1, ls, ds, coef, inf, bc, f, mode, n);
-    case 1: return by_state<R, __half>(state, g, w, p, s0, s1, ls, ds, coef, inf, bc, f, mode, n);
-    case 2: return by_state<R, __nv_bfloat16>(state, g, w, p, s0, s1, ls, ds, coef, inf, bc, f, mode, n);
+    case 0: return by_state<R, float>(state, g, w, p, s0, s1, ls, ds, coef, inf, bc, f, nf, mode, n);
+    case 1: return by_state<R, __half>(state, g, w, p, s0, s1, ls, ds, coef, inf, bc, f, nf, mode, n);
+    case 2: return by_state<R, __nv_bfloat16>(state, g, w, p, s0, s1, ls, ds, coef, inf, bc, f, nf, mode, n);
     default: return -1;
   }
 }
@@ -147,25 +149,30 @@ extern "C" {
 //   storage   dtype of grads and params: 0 fp32, 1 fp16, 2 bf16
 //   state     dtype of the rule's state: 0 fp32, 1 fp16 (sgd and nesterov only)
 //   params    nullptr when the params are the master (fp32 storage); s1 nullptr for one-state rules
-//   floats    the rule's fp32 scalars in update.cu's struct order; decay_mode the int after them
-// Returns 0, or -1 for a combination update.cu does not define.
+//   floats    the rule's fp32 scalars in update.cu's struct order, n_floats of them; decay_mode the int
+//             after them
+// Returns 0, or -1 for a combination update.cu does not define or a scalar count that is not the
+// rule's.
 int dptrain_cpu_update(int rule, int storage, int state, void* grads, float* master, void* params, void* s0,
                        void* s1, const float* lr_scale, const float* decay_scale, const float* grad_coef,
-                       const float* found_inf, const float* bias_correction, const float* floats, int decay_mode,
-                       long long n) {
+                       const float* found_inf, const float* bias_correction, const float* floats, int n_floats,
+                       int decay_mode, long long n) {
   switch (rule) {
     case 0: return by_storage<dpt::MomentumRule<false>>(storage, state, grads, master, params, s0, s1, lr_scale,
                                                          decay_scale, grad_coef, found_inf, bias_correction, floats,
-                                                         decay_mode, n);
+                                                         n_floats, decay_mode, n);
     case 1: return by_storage<dpt::MomentumRule<true>>(storage, state, grads, master, params, s0, s1, lr_scale,
                                                         decay_scale, grad_coef, found_inf, bias_correction, floats,
-                                                        decay_mode, n);
+                                                        n_floats, decay_mode, n);
     case 2: return by_storage<dpt::AdamRule>(storage, state, grads, master, params, s0, s1, lr_scale, decay_scale,
-                                             grad_coef, found_inf, bias_correction, floats, decay_mode, n);
+                                             grad_coef, found_inf, bias_correction, floats, n_floats, decay_mode,
+                                             n);
     case 3: return by_storage<dpt::LambRule>(storage, state, grads, master, params, s0, s1, lr_scale, decay_scale,
-                                             grad_coef, found_inf, bias_correction, floats, decay_mode, n);
+                                             grad_coef, found_inf, bias_correction, floats, n_floats, decay_mode,
+                                             n);
     case 4: return by_storage<dpt::RmspropRule>(storage, state, grads, master, params, s0, s1, lr_scale, decay_scale,
-                                                grad_coef, found_inf, bias_correction, floats, decay_mode, n);
+                                                grad_coef, found_inf, bias_correction, floats, n_floats, decay_mode,
+                                                n);
     default: return -1;
   }
 }

@@ -132,10 +132,12 @@ def _cuda_backend(tensors: tuple[torch.Tensor, ...], choice: str) -> Literal["cu
 
 
 def update_backend(*tensors: torch.Tensor, cpu_fused: bool = False) -> str:
-    """What :func:`update` runs on these tensors: :func:`kernel_backend`'s choice, or "compiled"
-    where ``cpu_fused`` replaces a CPU one (bench records it)."""
-    backend = kernel_backend(*tensors)
-    return "compiled" if cpu_fused and backend in ("native", "inplace") else backend
+    """What :func:`update` runs on these tensors (bench records it): "compiled" on the CPU when
+    ``cpu_fused`` asks for inductor's pass (unless ``DPTRAIN_KERNELS`` forces the reference; the
+    host library is then neither built nor warned about), else :func:`kernel_backend`'s choice."""
+    if cpu_fused and not any(t.is_cuda for t in tensors) and _choice() not in ("torch", "cupy"):
+        return "compiled"
+    return kernel_backend(*tensors)
 
 
 _UPDATES = {"compiled": cpu.update_compiled, "native": native.update, "inplace": cpu.update_inplace,
@@ -158,6 +160,6 @@ def update(a: UpdateArgs, *, cpu_fused: bool = False) -> None:
 def grad_norm(grads: torch.Tensor) -> torch.Tensor:
     """L2 norm of one flat gradient buffer in fp32 ([] on its device); the CUDA kernel sums
     per block, then the block sums, so it equals the reference up to fp32 summation order."""
-    if kernel_backend(grads) == "cupy":
+    if grads.is_cuda and kernel_backend(grads) == "cupy":  # on the CPU always the reference
         return cuda.grad_norm(grads)
     return grad_norm_reference(grads)

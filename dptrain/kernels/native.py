@@ -15,8 +15,8 @@ vectorise (its value is the same; errno, which nothing reads, is no longer set).
 On x86-64 it is tuned for the host CPU (``-march=native``), which is part of the cache key.
 
 Before first use in a process, :func:`unusable` runs :func:`dptrain.kernels.selfcheck.compare`
-on it (every rule, storage and state dtype, tables, decay modes, subnormals, a skipped
-step) against the torch reference, bit for bit; a build failure or a mismatch makes the
+on it (every rule, storage and state dtype, each table alone and both, every decay mode,
+subnormals, a skipped step) against the torch reference, bit for bit; a build failure or a mismatch makes the
 dispatch (:func:`dptrain.kernels.kernel_backend`) use :mod:`.cpu`'s in-place passes, with
 one warning.
 
@@ -91,7 +91,7 @@ def load(path: Path) -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int,  # rule, storage, state
                    *[ctypes.c_void_p] * 11,  # grads, master, params, s0, s1, lr_scale, decay_scale,
                    # grad_coef, found_inf, bias_correction, floats
-                   ctypes.c_int, ctypes.c_longlong]  # decay_mode, n
+                   ctypes.c_int, ctypes.c_int, ctypes.c_longlong]  # n_floats, decay_mode, n
     fn.restype = ctypes.c_int
     return lib
 
@@ -104,15 +104,27 @@ def self_check(lib: ctypes.CDLL) -> str | None:
     return selfcheck.compare(functools.partial(update, lib=lib), grad_norm_reference, torch.device("cpu"))
 
 
+def _build_tuned_or_not() -> Path:
+    """:func:`build`, tuned for this CPU; untuned when the tuned build fails (a compiler that
+    refuses ``-march=native``)."""
+    try:
+        return build()
+    except RuntimeError as e:
+        if not TUNE_FLAGS or _compiler() is None:
+            raise
+        log.debug("tuned build failed (%s); building without %s", first_line(e), " ".join(TUNE_FLAGS))
+        return build(tune=False)
+
+
 def unusable() -> str | None:
     """Why the CPU update library cannot be used in this process, or None when it built, loaded
     and passed :func:`self_check` (decided once per process)."""
     with _lock:
         if not _state:
             try:
-                lib = load(build())
+                lib = load(_build_tuned_or_not())
                 why = self_check(lib)
-            except (OSError, RuntimeError, AttributeError) as e:  # AttributeError: a library without the symbol
+            except Exception as e:  # noqa: BLE001 - build, load or check failure: any of them means "not usable"
                 lib, why = None, f"{type(e).__name__}: {first_line(e)}"
             _state.update({"lib": lib, "why": why} if why is None else {"why": why})
     return _state["why"]  # type: ignore[return-value]
@@ -181,7 +193,7 @@ def update(a: UpdateArgs, *, lib: ctypes.CDLL | None = None) -> None:
             RULE_CODES[rule.name], DTYPE_CODES[a.grads.dtype], DTYPE_CODES[a.state[0].dtype], _ptr(a.grads, start),
             _ptr(a.master, start), _ptr(params, start), _ptr(a.state[0], start), _ptr(s1, start),
             _ptr(a.lr_scale, start), _ptr(a.decay_scale, start), _ptr(a.grad_coef), _ptr(a.found_inf),
-            _ptr(a.bias_correction), scalars.ctypes.data, int(decay_mode), stop - start)
+            _ptr(a.bias_correction), scalars.ctypes.data, len(scalars), int(decay_mode), stop - start)
 
     ranges = _ranges(n)
     codes: list[int | BaseException] = [-1] * len(ranges)
@@ -204,7 +216,8 @@ def update(a: UpdateArgs, *, lib: ctypes.CDLL | None = None) -> None:
         if isinstance(c, BaseException):
             raise c
     if any(codes):
-        raise RuntimeError(f"dptrain_cpu_update refused rule {rule.name} with storage {a.grads.dtype} and state "
-                           f"{a.state[0].dtype} (not a combination update.cu defines)")
+        raise RuntimeError(f"dptrain_cpu_update refused rule {rule.name} with storage {a.grads.dtype}, state "
+                           f"{a.state[0].dtype} and {len(scalars)} scalars (a combination update.cu does not define, "
+                           f"or spec.py's scalars and update.cu's struct disagree)")
     if separate and params is None and not bool(a.found_inf.reshape(())):
         a.params.copy_(a.master)  # fp32 storage with its own weights buffer (the flat buffers never have one)

@@ -1,13 +1,14 @@
-"""First-use self-check of the CUDA kernels against the torch reference, on the device itself.
+"""First-use self-check of the update kernels against the torch reference, on the device itself.
 
-The first time a process asks for the CuPy kernels on a device (``kernels.kernel_backend``)
-it compiles them and runs every rule over small buffers that cover each storage dtype,
-each state dtype, the vector path and the scalar tail (aligned and misaligned starts),
-per-element lr and decay multipliers, Adam's bias corrections, both decay modes, fp32 subnormals
-and an overflow (skipped)
-step, comparing the kernel's bits with the reference's. It costs a few milliseconds after
-the compile. A mismatch or a failure makes the dispatch fall back to the reference with
-one warning (``DPTRAIN_KERNELS=auto``) or stop (``DPTRAIN_KERNELS=cupy``).
+The first time a process asks for the CuPy kernels on a device (``kernels.kernel_backend``),
+or for the host build of ``update.cu`` on the CPU (``kernels.native``), it compiles them and
+runs every rule over small buffers that cover each storage dtype, each state dtype, the
+vector path and the scalar tail (aligned and misaligned starts), per-element lr and decay
+multipliers (each alone and both), Adam's bias corrections, both decay modes and none, fp32
+subnormals and an overflow (skipped) step, comparing the kernel's bits with the
+reference's. It costs a few milliseconds after the compile. A mismatch or a failure makes
+the dispatch fall back (CUDA: to the reference; CPU: to the in-place passes) with one
+warning (``DPTRAIN_KERNELS=auto``) or stop (``DPTRAIN_KERNELS=cupy`` / ``native``).
 
 :func:`compare` takes the kernel as an argument, so the check itself runs on the CPU in the
 tests with a deliberately wrong kernel.
@@ -42,6 +43,13 @@ def _placed(values: torch.Tensor, dtype: torch.dtype, device: torch.device, offs
     return full[offset:]
 
 
+VARIANTS = ((0, "l2", False, False, False), (1, "decoupled", True, True, False), (0, "decoupled", True, True, True),
+            (0, "no decay", True, False, False), (1, "l2", False, True, False))
+"""(start offset, weight decay, lr table, decay table, skipped) of the cases run for every rule and
+dtype: both decay modes and none, each table alone and both (each a separately compiled variant of
+the host build), aligned and misaligned starts, and an overflow."""
+
+
 def cases(device: torch.device) -> Iterator[tuple[str, UpdateArgs]]:
     """(label, arguments) of every combination the self-check runs."""
     gen = torch.Generator().manual_seed(20261124)
@@ -49,8 +57,7 @@ def cases(device: torch.device) -> Iterator[tuple[str, UpdateArgs]]:
     for rule in RULES.values():
         for storage in STORAGE:
             for state_dtype in rule.state_dtypes:
-                for offset, decoupled, scaled, skip in ((0, False, False, False), (1, True, True, False),
-                                                        (0, True, True, True)):
+                for offset, decay, lr_table, decay_table, skip in VARIANTS:
                     mag = torch.exp2(torch.randint(-30, 12, (n,), generator=gen).float())
                     grads = torch.randn(n, generator=gen) * mag
                     grads[::11] = 0.0  # with a tiny history: fp32 subnormal intermediates (m*h < 2^-126)
@@ -67,16 +74,17 @@ def cases(device: torch.device) -> Iterator[tuple[str, UpdateArgs]]:
                         state=tuple(_placed(s, state_dtype, device, offset) for s in state),
                         grad_coef=torch.tensor([0.37 / 4096], device=device),
                         found_inf=torch.tensor([1.0 if skip else 0.0], device=device),
-                        hyper=Hyper(lr=0.9137, momentum=0.9, weight_decay=0.7, decoupled=decoupled),
+                        hyper=Hyper(lr=0.9137, momentum=0.9, weight_decay=0.0 if decay == "no decay" else 0.7,
+                                    decoupled=decay == "decoupled"),
                         lr_scale=_placed(torch.rand(n, generator=gen) * 2, torch.float32, device, offset)
-                        if scaled else None,
+                        if lr_table else None,
                         decay_scale=_placed((torch.rand(n, generator=gen) * 2).round(), torch.float32, device, offset)
-                        if scaled else None,  # 0, 1 and 2: no_decay, plain and doubled decay
+                        if decay_table else None,  # 0, 1 and 2: no_decay, plain and doubled decay
                         bias_correction=torch.tensor([1 - 0.9**3, (1 - 0.999**3) ** 0.5], device=device)
                         if rule.bias_correction else None,
                     )
                     label = (f"{rule.name} storage {str(storage)[6:]} state {str(state_dtype)[6:]} offset {offset} "
-                             f"{'decoupled' if decoupled else 'l2'}{' lr_scale decay_scale' if scaled else ''}"
+                             f"{decay}{' lr_scale' if lr_table else ''}{' decay_scale' if decay_table else ''}"
                              f"{' skipped' if skip else ''}")
                     yield label, args
 

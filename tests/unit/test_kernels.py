@@ -24,7 +24,7 @@ import torch
 from benchmark_scripts import load_benchmark
 from dptrain import kernels
 from dptrain.errors import ConfigError, SetupError
-from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, reference
+from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, native, reference
 from dptrain.kernels.spec import RULES, bias_corrections, sqrt_rn
 
 # ----------------------------------------------------------------------------- helpers
@@ -335,9 +335,10 @@ def test_bandwidth_benchmark_on_cpu_reports_the_host_kernel_the_fallback_and_the
                                    "--device", "cpu"])
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line == json.loads(json.dumps(record))
-    for side in ("kernel", "inplace", "reference"):
+    sides = ("inplace", "reference") if native._compiler() is None else ("kernel", "inplace", "reference")
+    for side in sides:  # the host kernel only where a C++ compiler builds it
         assert line[side]["update_ms"] > 0 and line[side]["norm_ms"] > 0, side
-    assert line["kernel_speedup"] > 0
+    assert (line["kernel_speedup"] is None) == (line["kernel"] is None)
     assert line["numel"] == 4096 and line["update_bytes_per_elem"] == 22
 
 

@@ -22,22 +22,39 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
+NO_CXX = native._compiler() is None
+needs_cxx = pytest.mark.skipif(NO_CXX, reason="no C++ compiler (c++/g++ or $CXX): the host library cannot be built")
+
+
 @pytest.fixture(scope="module")
 def tuned():
     """The library as solvers build it (tuned for this CPU: on x86-64 with F16C, hardware fp16 conversions)."""
+    if NO_CXX:
+        pytest.skip("no C++ compiler (c++/g++ or $CXX): the host library cannot be built")
     return native.load(native.build())
 
 
 @pytest.fixture(scope="module")
 def generic(tmp_path_factory):
-    """Built without -march: on x86-64 the baseline has no F16C, so fp16 converts in host_half.h's integer code."""
-    return native.load(native.build(tmp_path_factory.mktemp("generic"), tune=False))
+    """Built without -march, and on x86-64 without F16C: fp16 converts in host_half.h's integer code."""
+    if NO_CXX:
+        pytest.skip("no C++ compiler (c++/g++ or $CXX): the host library cannot be built")
+    no_f16c = ("-mno-f16c",) if native.TUNE_FLAGS else ()
+    return native.load(native_build.build_library(
+        name="update_cpu", main=native.SOURCE, sources=native.SOURCES, command=native._compiler(),
+        flags=(*native.CXXFLAGS, *no_f16c), directory=tmp_path_factory.mktemp("generic")))
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
 
 
 @pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """A process that has not yet decided whether it can use the library, with its own cache."""
-    monkeypatch.setenv("DPTRAIN_CACHE", str(tmp_path / "cache"))
+def fresh(monkeypatch, shared_cache):
+    """A process that has not yet decided whether it can use the library (the library itself is
+    built once for these tests, in a cache of their own)."""
+    monkeypatch.setenv("DPTRAIN_CACHE", str(shared_cache))
     monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
     native.reset()
     kernels._warn_native_fallback.cache_clear()
@@ -71,7 +88,7 @@ def test_every_selfcheck_case_matches_the_reference_bit_exactly(build, request):
         native.update(got, lib=lib)
         _assert_same_bits(got, want, label)
         count += 1
-    assert count == sum(3 * len(r.state_dtypes) * 3 for r in RULES.values())
+    assert count == sum(3 * len(r.state_dtypes) * len(selfcheck.VARIANTS) for r in RULES.values())
     assert native.self_check(lib) is None
 
 
@@ -150,12 +167,34 @@ def test_bad_layouts_are_refused_before_the_call(tuned):
         native.update(replace(good, rule="adam", state=(torch.zeros(n, dtype=torch.float16),) * 2), lib=tuned)
 
 
+def test_a_scalar_count_that_is_not_the_rules_is_refused(tuned):
+    n = 4
+    g, w, p, h = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n)
+    one, zero = torch.ones(1), torch.zeros(1)
+    floats = np.zeros(4, dtype=np.float32)  # sgd has 4 fp32 scalars (lr, momentum, weight_decay, wd_lr)
+    args = (0, 2, 0, g.data_ptr(), w.data_ptr(), p.data_ptr(), h.data_ptr(), None, None, None, one.data_ptr(),
+            zero.data_ptr(), None, floats.ctypes.data)
+    assert tuned.dptrain_cpu_update(*args, 4, 0, n) == 0
+    assert tuned.dptrain_cpu_update(*args, 5, 0, n) == -1 and tuned.dptrain_cpu_update(*args, 3, 0, n) == -1
+
+
+@needs_cxx
 def test_cpu_tensors_dispatch_to_the_library_unless_told_otherwise(fresh, monkeypatch):
     t = torch.zeros(4)
     assert kernels.kernel_backend(t) == "native"
     for choice, backend in (("inplace", "inplace"), ("torch", "torch"), ("cupy", "torch"), ("native", "native")):
         monkeypatch.setenv(kernels.KERNELS_ENV, choice)
         assert kernels.kernel_backend(t) == backend, choice
+
+
+def test_the_compiled_pass_and_the_gradient_norm_never_build_the_library(fresh, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    monkeypatch.setenv(kernels.KERNELS_ENV, "native")
+    t = torch.ones(4)
+    with caplog.at_level(logging.WARNING, logger="dptrain.kernels"):
+        assert kernels.update_backend(t, cpu_fused=True) == "compiled"
+        assert float(kernels.grad_norm(t)) == 2.0  # the reference, whatever DPTRAIN_KERNELS says
+    assert not caplog.records and not native._state
 
 
 def test_no_compiler_falls_back_to_the_in_place_passes_with_one_warning(fresh, monkeypatch, caplog):
@@ -171,6 +210,15 @@ def test_no_compiler_falls_back_to_the_in_place_passes_with_one_warning(fresh, m
         kernels.kernel_backend(torch.zeros(4))
 
 
+@needs_cxx
+def test_a_compiler_that_refuses_the_tuning_flag_builds_untuned(fresh, monkeypatch):
+    monkeypatch.setattr(native, "TUNE_FLAGS", ("-march=no-such-cpu",))
+    with pytest.raises(RuntimeError, match="could not build update_cpu.cc"):
+        native.build()
+    assert native.unusable() is None and kernels.kernel_backend(torch.zeros(4)) == "native"
+
+
+@needs_cxx
 def test_a_library_that_fails_its_self_check_is_not_used(fresh, monkeypatch, caplog):
     monkeypatch.setattr(native, "self_check",
                         lambda lib: "sgd storage bfloat16 ...: master differs from the torch reference")
@@ -208,19 +256,34 @@ def test_solvers_starting_together_build_once(tmp_path, monkeypatch):
     assert len(calls) == 1 and len(results) == 2 and results[0] == results[1] == calls[0]
 
 
-def test_build_is_cached_and_keyed_by_every_source_and_the_cpu(tuned, tmp_path, monkeypatch):
-    first = native.build(tmp_path / "c")
+def test_build_is_cached_and_keyed_by_every_source_the_architecture_and_the_cpu(tmp_path, monkeypatch):
+    compiled = []
+
+    def fake_compile(target, **kw):  # keying and caching only: no compiler run
+        compiled.append(target)
+        target.write_bytes(b"library")
+        target.chmod(0o755)
+
+    monkeypatch.setattr(native_build, "_compile", fake_compile)
+    monkeypatch.setenv("CXX", "sh")  # any command on PATH
+    cache = tmp_path / "c"
+    first = native.build(cache)
     mtime = first.stat().st_mtime_ns
-    assert native.build(tmp_path / "c") == first and first.stat().st_mtime_ns == mtime
+    assert native.build(cache) == first and first.stat().st_mtime_ns == mtime and len(compiled) == 1
     assert first.stat().st_mode & 0o755 == 0o755
-    if native.TUNE_FLAGS:  # another node's CPU sharing the cache builds its own
-        monkeypatch.setattr(native_build, "host_cpu", lambda: b"model name : another cpu")
-        assert native.build(tmp_path / "c") != first
-        monkeypatch.undo()
-    header = tmp_path / "host_half.h"
+    untuned = native.build(cache, tune=False)
+    with monkeypatch.context() as m:  # another architecture sharing the cache builds its own, tuned or not
+        m.setattr(native_build.platform, "machine", lambda: "riscv64")
+        assert native.build(cache, tune=False) not in (untuned, first)
+    if native.TUNE_FLAGS:  # another CPU of this architecture builds its own tuned library
+        with monkeypatch.context() as m:
+            m.setattr(native_build, "host_cpu", lambda: b"model name : another cpu")
+            assert native.build(cache) not in (first, untuned)
+    header = tmp_path / "host_half.h"  # an edited source
     header.write_text(native.SOURCES[2].read_text() + "\n// edited\n")
     monkeypatch.setattr(native, "SOURCES", (*native.SOURCES[:2], header))
-    assert native.build(tmp_path / "c") != first
+    assert native.build(cache) not in compiled[:-1]
+    assert len(compiled) == len(set(compiled)) == (5 if native.TUNE_FLAGS else 4)
 
 
 def test_update_cu_still_holds_the_cuda_kernels_behind_its_guard():
