@@ -16,9 +16,9 @@ On x86-64 it is tuned for the host CPU (``-march=native``), which is part of the
 
 Before first use in a process, :func:`unusable` runs :func:`dptrain.kernels.selfcheck.compare`
 on it (every rule, storage and state dtype, each table alone and both, every decay mode,
-subnormals, a skipped step) against the torch reference, bit for bit; a build failure or a mismatch makes the
-dispatch (:func:`dptrain.kernels.kernel_backend`) use :mod:`.cpu`'s in-place passes, with
-one warning.
+subnormals, a skipped step) against the torch reference, bit for bit; a build failure or a
+mismatch makes the dispatch (:func:`dptrain.kernels.kernel_backend`) use :mod:`.cpu`'s
+in-place passes, with one warning.
 
 Measured on the native-bf16 2-core VM, one thread, 2.8 M parameters (ResNet-18 CIFAR width
 32), SGD with bf16 storage and fp32 momentum, caches evicted before each update as a

@@ -169,7 +169,8 @@ def test_bad_layouts_are_refused_before_the_call(tuned):
 
 def test_a_scalar_count_that_is_not_the_rules_is_refused(tuned):
     n = 4
-    g, w, p, h = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n)
+    g, p = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    w, h = torch.zeros(n), torch.zeros(n)
     one, zero = torch.ones(1), torch.zeros(1)
     floats = np.zeros(4, dtype=np.float32)  # sgd has 4 fp32 scalars (lr, momentum, weight_decay, wd_lr)
     args = (0, 2, 0, g.data_ptr(), w.data_ptr(), p.data_ptr(), h.data_ptr(), None, None, None, one.data_ptr(),
