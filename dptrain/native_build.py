@@ -60,12 +60,12 @@ def host_cpu() -> bytes:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         text = ""
-    keep = []
+    found: dict[str, str] = {}
     for line in text.splitlines():
         key = line.split(":", 1)[0].strip()
-        if key in ("model name", "flags", "Features", "CPU part", "CPU implementer") and key not in dict(keep):
-            keep.append((key, line))
-    return "\n".join(line for _, line in keep).encode() or f"{platform.machine()} {platform.processor()}".encode()
+        if key in ("model name", "flags", "Features", "CPU part", "CPU implementer"):
+            found.setdefault(key, line)
+    return "\n".join(found.values()).encode() or f"{platform.machine()} {platform.processor()}".encode()
 
 
 def build_library(*, name: str, main: Path, sources: Sequence[Path], command: list[str], flags: Sequence[str],

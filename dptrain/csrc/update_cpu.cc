@@ -52,7 +52,8 @@ template <typename T> __forceinline__ T cooked(typename Raw<T>::type x) {
 template <typename R, typename T, typename M, int Mode, bool HasLr, bool HasDecay>
 void run_range(const dpt::Args<T, M>& a, typename R::Scalars c) {
   constexpr int K = R::kStates;
-  constexpr bool kWriteParams = !std::is_same<T, float>::value;  // fp32 storage: the params are the master
+  // fp32 storage: the params are the master (nullptr), unless given a buffer of their own
+  const bool write_params = !std::is_same<T, float>::value || a.params != nullptr;
   using RT = typename Raw<T>::type;
   using RM = typename Raw<M>::type;
   c.decay_mode = Mode;
@@ -83,7 +84,7 @@ void run_range(const dpt::Args<T, M>& a, typename R::Scalars c) {
     s0[i] = raw(h[0]);
     if (K > 1) s1[i] = raw(h[K - 1]);
     grads[i] = zero;
-    if (kWriteParams) params[i] = raw(p);
+    if (write_params) params[i] = raw(p);
   }
 }
 
@@ -96,21 +97,37 @@ void by_tables(const dpt::Args<T, M>& a, const typename R::Scalars& c) {
   else run_range<R, T, M, Mode, false, false>(a, c);
 }
 
+// The C entry's arguments, as they arrive: untyped until the storage and state codes are read.
+struct Call {
+  void* grads;
+  float* master;
+  void* params;
+  void* s0;
+  void* s1;
+  const float* lr_scale;
+  const float* decay_scale;
+  const float* grad_coef;
+  const float* found_inf;
+  const float* bias_correction;
+  const float* floats;
+  int n_floats;
+  int decay_mode;
+  long long n;
+};
+
 template <typename R, typename T, typename M>
-int run(void* grads, float* master, void* params, void* s0, void* s1, const float* lr_scale, const float* decay_scale,
-        const float* grad_coef, const float* found_inf, const float* bias_correction, const float* floats,
-        int n_floats, int decay_mode, long long n) {
+int run(const Call& k) {
   using S = typename R::Scalars;
   constexpr std::size_t kFloats = sizeof(S) / sizeof(float) - 1;
   static_assert(sizeof(S) == (kFloats + 1) * sizeof(float), "scalars are floats then one int");
-  if (n_floats != static_cast<int>(kFloats)) return -1;  // spec.py's scalars and this struct disagree
-  if ((params == nullptr) != std::is_same<T, float>::value) return -1;
-  if (s0 == nullptr || (R::kStates > 1) != (s1 != nullptr)) return -1;
-  const dpt::Args<T, M> a{static_cast<T*>(grads), master, static_cast<T*>(params),
-                          {static_cast<M*>(s0), static_cast<M*>(s1)}, lr_scale, decay_scale, grad_coef, found_inf,
-                          bias_correction, n};
-  const S c = make_scalars<S>(floats, decay_mode, std::make_index_sequence<kFloats>{});
-  switch (decay_mode) {
+  if (k.n_floats != static_cast<int>(kFloats)) return -1;  // spec.py's scalars and this struct disagree
+  if (k.params == nullptr && !std::is_same<T, float>::value) return -1;  // only fp32 weights can be the master
+  if (k.s0 == nullptr || (R::kStates > 1) != (k.s1 != nullptr)) return -1;
+  const dpt::Args<T, M> a{static_cast<T*>(k.grads), k.master, static_cast<T*>(k.params),
+                          {static_cast<M*>(k.s0), static_cast<M*>(k.s1)}, k.lr_scale, k.decay_scale, k.grad_coef,
+                          k.found_inf, k.bias_correction, k.n};
+  const S c = make_scalars<S>(k.floats, k.decay_mode, std::make_index_sequence<kFloats>{});
+  switch (k.decay_mode) {
     case dpt::kDecayNone: by_tables<R, T, M, dpt::kDecayNone>(a, c); return 0;
     case dpt::kDecayL2: by_tables<R, T, M, dpt::kDecayL2>(a, c); return 0;
     case dpt::kDecayDecoupled: by_tables<R, T, M, dpt::kDecayDecoupled>(a, c); return 0;
@@ -118,24 +135,19 @@ int run(void* grads, float* master, void* params, void* s0, void* s1, const floa
   }
 }
 
-template <typename R, typename T>
-int by_state(int state, void* g, float* w, void* p, void* s0, void* s1, const float* ls, const float* ds,
-             const float* coef, const float* inf, const float* bc, const float* f, int nf, int mode, long long n) {
-  if (state == 0) return run<R, T, float>(g, w, p, s0, s1, ls, ds, coef, inf, bc, f, nf, mode, n);
+template <typename R, typename T> int by_state(int state, const Call& k) {
+  if (state == 0) return run<R, T, float>(k);
   if constexpr (R::kStates == 1) {  // the momentum rules also keep an fp16 history
-    if (state == 1) return run<R, T, __half>(g, w, p, s0, s1, ls, ds, coef, inf, bc, f, nf, mode, n);
+    if (state == 1) return run<R, T, __half>(k);
   }
   return -1;
 }
 
-template <typename R>
-int by_storage(int storage, int state, void* g, float* w, void* p, void* s0, void* s1, const float* ls,
-               const float* ds, const float* coef, const float* inf, const float* bc, const float* f, int nf,
-               int mode, long long n) {
+template <typename R> int by_storage(int storage, int state, const Call& k) {
   switch (storage) {
-    case 0: return by_state<R, float>(state, g, w, p, s0, s1, ls, ds, coef, inf, bc, f, nf, mode, n);
-    case 1: return by_state<R, __half>(state, g, w, p, s0, s1, ls, ds, coef, inf, bc, f, nf, mode, n);
-    case 2: return by_state<R, __nv_bfloat16>(state, g, w, p, s0, s1, ls, ds, coef, inf, bc, f, nf, mode, n);
+    case 0: return by_state<R, float>(state, k);
+    case 1: return by_state<R, __half>(state, k);
+    case 2: return by_state<R, __nv_bfloat16>(state, k);
     default: return -1;
   }
 }
@@ -148,7 +160,7 @@ extern "C" {
 //   rule      0 sgd, 1 nesterov, 2 adam, 3 lamb, 4 rmsprop (kernels.native.RULE_CODES)
 //   storage   dtype of grads and params: 0 fp32, 1 fp16, 2 bf16
 //   state     dtype of the rule's state: 0 fp32, 1 fp16 (sgd and nesterov only)
-//   params    nullptr when the params are the master (fp32 storage); s1 nullptr for one-state rules
+//   params    nullptr when the params are the master (fp32 storage only); s1 nullptr for one-state rules
 //   floats    the rule's fp32 scalars in update.cu's struct order, n_floats of them; decay_mode the int
 //             after them
 // Returns 0, or -1 for a combination update.cu does not define or a scalar count that is not the
@@ -157,22 +169,14 @@ int dptrain_cpu_update(int rule, int storage, int state, void* grads, float* mas
                        void* s1, const float* lr_scale, const float* decay_scale, const float* grad_coef,
                        const float* found_inf, const float* bias_correction, const float* floats, int n_floats,
                        int decay_mode, long long n) {
+  const Call k{grads,     master,    params,          s0,     s1,       lr_scale,   decay_scale,
+               grad_coef, found_inf, bias_correction, floats, n_floats, decay_mode, n};
   switch (rule) {
-    case 0: return by_storage<dpt::MomentumRule<false>>(storage, state, grads, master, params, s0, s1, lr_scale,
-                                                         decay_scale, grad_coef, found_inf, bias_correction, floats,
-                                                         n_floats, decay_mode, n);
-    case 1: return by_storage<dpt::MomentumRule<true>>(storage, state, grads, master, params, s0, s1, lr_scale,
-                                                        decay_scale, grad_coef, found_inf, bias_correction, floats,
-                                                        n_floats, decay_mode, n);
-    case 2: return by_storage<dpt::AdamRule>(storage, state, grads, master, params, s0, s1, lr_scale, decay_scale,
-                                             grad_coef, found_inf, bias_correction, floats, n_floats, decay_mode,
-                                             n);
-    case 3: return by_storage<dpt::LambRule>(storage, state, grads, master, params, s0, s1, lr_scale, decay_scale,
-                                             grad_coef, found_inf, bias_correction, floats, n_floats, decay_mode,
-                                             n);
-    case 4: return by_storage<dpt::RmspropRule>(storage, state, grads, master, params, s0, s1, lr_scale, decay_scale,
-                                                grad_coef, found_inf, bias_correction, floats, n_floats, decay_mode,
-                                                n);
+    case 0: return by_storage<dpt::MomentumRule<false>>(storage, state, k);
+    case 1: return by_storage<dpt::MomentumRule<true>>(storage, state, k);
+    case 2: return by_storage<dpt::AdamRule>(storage, state, k);
+    case 3: return by_storage<dpt::LambRule>(storage, state, k);
+    case 4: return by_storage<dpt::RmspropRule>(storage, state, k);
     default: return -1;
   }
 }

@@ -181,7 +181,7 @@ def check_flat(name: str, t: torch.Tensor, n: int, dtypes: tuple[torch.dtype, ..
         raise RuntimeError(f"{name} must be a contiguous 1-D tensor of {n} elements on {device}, "
                            f"got shape {tuple(t.shape)} strides {t.stride()} on {t.device}")
     if t.dtype not in dtypes:
-        raise RuntimeError(f"{name} has dtype {t.dtype}; the CUDA kernel supports {dtypes}")
+        raise RuntimeError(f"{name} has dtype {t.dtype}; update.cu supports {dtypes}")
 
 
 def check_scalar(name: str, t: torch.Tensor, device: torch.device, count: int = 1) -> None:
@@ -196,14 +196,21 @@ def kernel_scalars(scalars: tuple) -> tuple:
     return tuple(np.int32(v) if isinstance(v, int) else np.float32(v) for v in scalars)
 
 
-def update_args(a: UpdateArgs, rule: Rule) -> tuple:
-    """The kernel argument tuple of one update (see the module docstring); checks every layout."""
+def check_update_args(a: UpdateArgs, rule: Rule) -> None:
+    """Every layout update.cu's entry points assume (its kernels here, its host build in
+    :mod:`.native`): per-element tensors 1-D, contiguous, of one length, on the gradient's
+    device; a storage dtype update.cu has; one state dtype, one the rule keeps; fp32 masters,
+    tables and device scalars."""
     n, dev = a.numel, a.grads.device
     check_flat("grads", a.grads, n, STORAGE_DTYPES, dev)
     check_flat("master", a.master, n, (torch.float32,), dev)
     check_flat("params", a.params, n, (a.grads.dtype,), dev)
+    state_dtype = a.state[0].dtype
+    if state_dtype not in rule.state_dtypes or any(t.dtype != state_dtype for t in a.state):
+        raise RuntimeError(f"rule {rule.name} keeps its state in {rule.state_dtypes}, one dtype for all of it; got "
+                           f"{[t.dtype for t in a.state]}")
     for name, t in zip(rule.state_names, a.state):
-        check_flat(name, t, n, rule.state_dtypes, dev)
+        check_flat(name, t, n, (state_dtype,), dev)
     check_scalar("grad_coef", a.grad_coef, dev)
     check_scalar("found_inf", a.found_inf, dev)
     for name in ("lr_scale", "decay_scale"):
@@ -211,18 +218,20 @@ def update_args(a: UpdateArgs, rule: Rule) -> tuple:
             check_flat(name, getattr(a, name), n, (torch.float32,), dev)
     if a.bias_correction is not None:
         check_scalar("bias_correction", a.bias_correction, dev, count=2)
+
+
+def update_args(a: UpdateArgs, rule: Rule) -> tuple:
+    """The kernel argument tuple of one update (see the module docstring); checks every layout."""
+    check_update_args(a, rule)
     params = None if a.params.data_ptr() == a.master.data_ptr() else a.params  # fp32: written once, as the master
     return (_ptr(a.grads), _ptr(a.master), _ptr(params), *(_ptr(t) for t in a.state), _ptr(a.lr_scale),
             _ptr(a.decay_scale), _ptr(a.grad_coef), _ptr(a.found_inf), _ptr(a.bias_correction),
-            *kernel_scalars(rule.scalars(a.hyper)), np.int64(n))
+            *kernel_scalars(rule.scalars(a.hyper)), np.int64(a.numel))
 
 
 def update(a: UpdateArgs) -> None:
     """Launch the rule's fused kernel over one flat group on the current stream."""
     rule = rule_of(a)
-    if len({t.dtype for t in a.state}) > 1:
-        raise RuntimeError(f"rule {rule.name}: the CUDA kernel takes one state dtype, got "
-                           f"{[t.dtype for t in a.state]}")
     args = update_args(a, rule)
     vec = vector_width([t for t in (a.grads, a.master, a.params, *a.state, a.lr_scale, a.decay_scale) if t is not None])
     expr = update_kernel_name(rule, a.grads.dtype, a.state[0].dtype, vec)

@@ -33,6 +33,7 @@ import logging
 import os
 import platform
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ import torch
 
 from dptrain import native_build
 from dptrain.errors import first_line
+from dptrain.kernels.cuda import check_update_args  # update.cu's layout rules, on either device
 from dptrain.kernels.spec import UpdateArgs, rule_of
 
 log = logging.getLogger(__name__)
@@ -110,7 +112,7 @@ def _build_tuned_or_not() -> Path:
     try:
         return build()
     except RuntimeError as e:
-        if not TUNE_FLAGS or _compiler() is None:
+        if not TUNE_FLAGS:
             raise
         log.debug("tuned build failed (%s); building without %s", first_line(e), " ".join(TUNE_FLAGS))
         return build(tune=False)
@@ -140,27 +142,6 @@ def _ptr(t: torch.Tensor | None, offset: int = 0) -> int | None:
     return None if t is None else t.data_ptr() + offset * t.element_size()
 
 
-def _check(a: UpdateArgs) -> None:
-    """Every per-element tensor 1-D, contiguous, of a's length, on the CPU, in the dtypes the rule takes."""
-    from dptrain.kernels.cuda import check_flat, check_scalar  # the same layout rules as the GPU kernels
-
-    rule, n, cpu = rule_of(a), a.numel, torch.device("cpu")
-    check_flat("grads", a.grads, n, tuple(DTYPE_CODES), cpu)
-    check_flat("master", a.master, n, (torch.float32,), cpu)
-    check_flat("params", a.params, n, (a.grads.dtype,), cpu)
-    for name, t in zip(rule.state_names, a.state):
-        check_flat(name, t, n, (a.state[0].dtype,), cpu)
-    if a.state[0].dtype not in rule.state_dtypes:
-        raise RuntimeError(f"rule {rule.name} keeps its state in {rule.state_dtypes}, got {a.state[0].dtype}")
-    for name in ("lr_scale", "decay_scale"):
-        if getattr(a, name) is not None:
-            check_flat(name, getattr(a, name), n, (torch.float32,), cpu)
-    check_scalar("grad_coef", a.grad_coef, cpu)
-    check_scalar("found_inf", a.found_inf, cpu)
-    if a.bias_correction is not None:
-        check_scalar("bias_correction", a.bias_correction, cpu, count=2)
-
-
 def _ranges(n: int) -> list[tuple[int, int]]:
     """[start, stop) per thread: torch's intra-op thread count, at least MIN_ELEMS_PER_THREAD each."""
     parts = max(1, min(torch.get_num_threads(), n // MIN_ELEMS_PER_THREAD))
@@ -177,15 +158,14 @@ def update(a: UpdateArgs, *, lib: ctypes.CDLL | None = None) -> None:
     On a skipped step only the gradient is zeroed, as on the GPU.
     """
     lib = lib or _state["lib"]  # type: ignore[assignment]
-    _check(a)
     rule = rule_of(a)
+    check_update_args(a, rule)
     n = a.numel
     if n == 0:
         return
     *floats, decay_mode = rule.scalars(a.hyper)
     scalars = np.asarray(floats, dtype=np.float32)  # the fp32 scalars in update.cu's struct order
-    separate = a.params.data_ptr() != a.master.data_ptr()
-    params = a.params if a.grads.dtype != torch.float32 else None  # fp32: the kernel writes the master only
+    params = None if a.params.data_ptr() == a.master.data_ptr() else a.params  # fp32: written once, as the master
     s1 = a.state[1] if len(a.state) > 1 else None
 
     def run(start: int, stop: int) -> int:
@@ -196,28 +176,13 @@ def update(a: UpdateArgs, *, lib: ctypes.CDLL | None = None) -> None:
             _ptr(a.bias_correction), scalars.ctypes.data, len(scalars), int(decay_mode), stop - start)
 
     ranges = _ranges(n)
-    codes: list[int | BaseException] = [-1] * len(ranges)
-
-    def run_part(i: int) -> None:
-        try:
-            codes[i] = run(*ranges[i])
-        except BaseException as e:  # noqa: BLE001 - handed to the calling thread below
-            codes[i] = e
-
-    # threads started per call (a few tens of microseconds against a millisecond or more of work
-    # each), so no idle pool outlives the update
-    helpers = [threading.Thread(target=run_part, args=(i,), name=f"dptrain-update-{i}") for i in range(1, len(ranges))]
-    for t in helpers:
-        t.start()
-    run_part(0)
-    for t in helpers:
-        t.join()
-    for c in codes:
-        if isinstance(c, BaseException):
-            raise c
+    if len(ranges) == 1:
+        codes = [run(0, n)]
+    else:  # a pool per call (tens of microseconds against a millisecond or more per range): none outlives it
+        with ThreadPoolExecutor(max_workers=len(ranges) - 1, thread_name_prefix="dptrain-update") as pool:
+            rest = [pool.submit(run, *r) for r in ranges[1:]]
+            codes = [run(*ranges[0]), *(f.result() for f in rest)]
     if any(codes):
         raise RuntimeError(f"dptrain_cpu_update refused rule {rule.name} with storage {a.grads.dtype}, state "
                            f"{a.state[0].dtype} and {len(scalars)} scalars (a combination update.cu does not define, "
                            f"or spec.py's scalars and update.cu's struct disagree)")
-    if separate and params is None and not bool(a.found_inf.reshape(())):
-        a.params.copy_(a.master)  # fp32 storage with its own weights buffer (the flat buffers never have one)

@@ -18,19 +18,18 @@ from dptrain.kernels import Hyper, UpdateArgs, native, reference, selfcheck
 from dptrain.kernels.spec import RULES
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
+_bits, _clone = selfcheck._bits, selfcheck._clone  # raw bits (tell -0.0 from +0.0), copies of an update's buffers
+NO_CXX_REASON = "no C++ compiler (c++/g++ or $CXX): the host library cannot be built"
 
 NO_CXX = native._compiler() is None
-needs_cxx = pytest.mark.skipif(NO_CXX, reason="no C++ compiler (c++/g++ or $CXX): the host library cannot be built")
+needs_cxx = pytest.mark.skipif(NO_CXX, reason=NO_CXX_REASON)
 
 
 @pytest.fixture(scope="module")
 def tuned():
     """The library as solvers build it (tuned for this CPU: on x86-64 with F16C, hardware fp16 conversions)."""
     if NO_CXX:
-        pytest.skip("no C++ compiler (c++/g++ or $CXX): the host library cannot be built")
+        pytest.skip(NO_CXX_REASON)
     return native.load(native.build())
 
 
@@ -38,7 +37,7 @@ def tuned():
 def generic(tmp_path_factory):
     """Built without -march, and on x86-64 without F16C: fp16 converts in host_half.h's integer code."""
     if NO_CXX:
-        pytest.skip("no C++ compiler (c++/g++ or $CXX): the host library cannot be built")
+        pytest.skip(NO_CXX_REASON)
     no_f16c = ("-mno-f16c",) if native.TUNE_FLAGS else ()
     return native.load(native_build.build_library(
         name="update_cpu", main=native.SOURCE, sources=native.SOURCES, command=native._compiler(),
@@ -61,12 +60,6 @@ def fresh(monkeypatch, shared_cache):
     yield
     native.reset()
     kernels._warn_native_fallback.cache_clear()
-
-
-def _clone(a: UpdateArgs) -> UpdateArgs:
-    master = a.master.clone()
-    return replace(a, grads=a.grads.clone(), master=master, params=master if a.params is a.master else a.params.clone(),
-                   state=tuple(t.clone() for t in a.state))
 
 
 def _assert_same_bits(got: UpdateArgs, want: UpdateArgs, label: str) -> None:
@@ -152,6 +145,20 @@ def test_threads_split_the_update_without_changing_a_bit(tuned, monkeypatch):
     want = _clone(big)
     reference(want)
     _assert_same_bits(split, want, "reference")
+
+
+def test_fp32_weights_in_a_buffer_of_their_own_get_the_master(tuned):
+    """The flat buffers make fp32 weights the master itself; a separate buffer is written as on the GPU."""
+    args = next(a for label, a in selfcheck.cases(torch.device("cpu"))
+                if label.startswith("sgd storage float32 state float32 offset 0 l2"))
+    for skip in (0.0, 1.0):
+        a = replace(_clone(args), params=args.master.clone(), found_inf=torch.tensor([skip]))
+        before = a.params.clone()
+        want = _clone(replace(args, found_inf=torch.tensor([skip])))
+        reference(want)
+        native.update(a, lib=tuned)
+        assert torch.equal(_bits(a.master), _bits(want.master))
+        assert torch.equal(_bits(a.params), _bits(before if skip else want.master)), skip
 
 
 def test_bad_layouts_are_refused_before_the_call(tuned):
