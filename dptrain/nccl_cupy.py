@@ -17,7 +17,7 @@ caching allocator cannot hand its memory to another tensor while NCCL still read
 
 Failure: NCCL via CuPy has no watchdog, so this module keeps one: a collective that has
 not completed ``timeout_s`` after launch aborts the NCCL communicator (which unblocks the
-device) and the next ``wait()`` or launch raises RuntimeError naming the rank.
+device) and the next ``wait()`` or launch raises ``RankFailure`` naming the rank.
 """
 from __future__ import annotations
 

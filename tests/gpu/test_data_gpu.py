@@ -1,11 +1,17 @@
-"""GPU input-path checks: the pinned batch ring with copy events, and the mean image on CUDA
-(run with `pytest -m gpu` on a CUDA machine)."""
+"""Input-path checks for the device feeder: the batch ring with copy events, and the mean image on CUDA.
+
+The ring test takes ``device`` from tests/devices.py: on the CPU (`make test`) it checks the
+feeder's order and labels through a ring that is rewritten many times, on CUDA the same with
+pinned slots reused only after their copy event. The mean-image test compares the CUDA form
+with the CPU one, so it is GPU-only (run with `pytest -m gpu` on a CUDA machine).
+"""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
+from devices import DEVICES, gpu_only
 from dptrain.data.lmdb_source import LmdbSource
 from dptrain.data.sampling import ShardPlan, rank_batch_indices
 from lmdb_helpers import NUM_CLASSES, H, W, input_threads, make_cfg, raw_value, write_db
@@ -16,17 +22,17 @@ def db29(tmp_path_factory) -> str:
     return write_db(tmp_path_factory.mktemp("db") / "train", [raw_value(i) for i in range(29)])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned ring, copy events)")
-def test_device_feeder_reuses_pinned_slots_only_after_their_copy(db29):
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_feeder_reuses_ring_slots_only_after_their_copy(db29, device):
     from dptrain.data.base import DeviceFeeder
 
+    pinned = device == "cuda"  # as build_source does
     src = LmdbSource(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=2),
-                      num_classes=NUM_CLASSES, seed=2, pin_memory=True)  # as build_source does for CUDA
+                      num_classes=NUM_CLASSES, seed=2, pin_memory=pinned)
     plan = ShardPlan(0, 1, 4, seed=2)
     stream = src.train_batches(plan, 0)
-    assert stream._ring.images.is_pinned()
-    feeder = DeviceFeeder(stream, device=torch.device("cuda"), dtype=torch.float32, mean=(0.0,), scale=1.0,
+    assert stream._ring.images.is_pinned() == pinned
+    feeder = DeviceFeeder(stream, device=torch.device(device), dtype=torch.float32, mean=(0.0,), scale=1.0,
                           channels_last=False)
     try:
         for step in range(30):  # 3 ring slots, so every slot is rewritten many times
@@ -40,8 +46,7 @@ def test_device_feeder_reuses_pinned_slots_only_after_their_copy(db29):
     assert input_threads() == []
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (side-stream copy of the windows)")
+@gpu_only()
 def test_mean_image_on_cuda_equals_the_cpu_feeder(tmp_path):
     from dptrain.data.base import DeviceFeeder
 

@@ -1,53 +1,63 @@
-"""CuPy kernels vs their torch references on the GPU, and the step with no host sync.
+"""CUDA kernels vs their torch references, and the solver step: no skip, a falling loss, no host sync.
 
 The update is compared bit-for-bit: the kernel is compiled with --fmad=false --ftz=false and
 rounds its scalars as the spec does (see update.cu), so no tolerance is needed. The norm sums
 in a different order than torch, so it gets a relative tolerance (see there).
+
+The solver-step, skip and kernel-vs-reference-over-steps tests take ``device`` from
+tests/devices.py: on the CPU (`make test`) they run the same steps through the host build of
+update.cu (dptrain.kernels.native, the CPU default), on CUDA through the CuPy kernels. The
+kernel-level comparisons, the stream test and the self-check stay GPU-only: they test the
+CuPy kernels themselves (the host build has its own in tests/unit/test_native_update.py).
 """
 from __future__ import annotations
 
-import importlib.util
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
+from devices import cuda_param, gpu_only, requires_cupy
 from dptrain import kernels
 from dptrain.config import LossScaleConfig, ParamGroup, SolverConfig
 from dptrain.flat import FlatParams
-from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, reference, selfcheck
+from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, native, reference, selfcheck
 from dptrain.kernels.spec import RULES, bias_corrections
 from dptrain.optimizer import MasterOptimizer, rule_for
 from dptrain.param_groups import resolve_multipliers
 from dptrain.precision import LossScaler
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU, torch.cuda.is_available() is False"),
-    pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
-                       reason="needs CuPy (pip install dptrain[cuda12]) for the CUDA kernels"),
-]
+cupy_kernels = gpu_only(requires_cupy())
+"""A test of the CuPy kernels themselves: GPU-only."""
+DEVICES = ["cpu", cuda_param(requires_cupy())]
+"""The CPU always; CUDA where there is a GPU and CuPy (DPTRAIN_KERNELS=cupy makes its absence an error)."""
 
 STORAGE = [torch.float16, torch.bfloat16, torch.float32]
 MOMENTUM = [torch.float32, torch.float16]
 
 
 @pytest.fixture(autouse=True)
-def _force_cupy(monkeypatch):
-    """Make the dispatcher raise instead of silently comparing the reference with itself."""
-    monkeypatch.setenv(kernels.KERNELS_ENV, "cupy")
+def _kernels_env(request, monkeypatch):
+    """On CUDA, make the dispatcher raise instead of silently comparing the reference with itself;
+    on the CPU, leave it the default (the host build of update.cu, else the in-place passes)."""
+    callspec = getattr(request.node, "callspec", None)
+    device = callspec.params.get("device", "cuda") if callspec is not None else "cuda"
+    monkeypatch.setenv(kernels.KERNELS_ENV, "cupy" if device == "cuda" else "auto")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def _case(storage: torch.dtype, mom: torch.dtype, n: int, offset: int, seed: int) -> dict[str, torch.Tensor]:
-    """Flat buffers on the GPU; ``offset`` elements into a larger allocation (1 breaks 4-element alignment)."""
+def _case(storage: torch.dtype, mom: torch.dtype, n: int, offset: int, seed: int,
+          device: str = "cuda") -> dict[str, torch.Tensor]:
+    """Flat buffers on ``device``; ``offset`` elements into a larger allocation (1 breaks 4-element alignment)."""
     gen = torch.Generator().manual_seed(seed)
 
     def buf(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        full = torch.zeros(n + offset, dtype=dtype, device="cuda")
+        full = torch.zeros(n + offset, dtype=dtype, device=device)
         full[offset:] = values.to(dtype)
         return full[offset:]
 
@@ -73,20 +83,22 @@ def _clone(case: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _scalars(skip: float) -> dict[str, torch.Tensor]:
+def _scalars(skip: float, device: str = "cuda") -> dict[str, torch.Tensor]:
     """grad_coef and found_inf as [1] fp32 device tensors. Creating them is a blocking host-to-device
     copy (the host waits for the current stream), so callers that must not sync make them beforehand."""
-    return {"grad_coef": torch.tensor([0.37 / 4096], device="cuda"), "found_inf": torch.tensor([skip], device="cuda")}
+    return {"grad_coef": torch.tensor([0.37 / 4096], device=device), "found_inf": torch.tensor([skip], device=device)}
 
 
 def _update(fn, c: dict[str, torch.Tensor], *, with_scale: bool, skip: float = 0.0,
             scalars: dict[str, torch.Tensor] | None = None, lr: float, momentum_coef: float, weight_decay: float,
             decoupled: bool) -> None:
+    scalars = scalars if scalars is not None else _scalars(skip, c["grads"].device.type)
     fn(UpdateArgs(rule="sgd", grads=c["grads"], master=c["master"], params=c["params"], state=(c["momentum"],),
-                  lr_scale=c["lr_scale"] if with_scale else None, **(scalars if scalars is not None else _scalars(skip)),
+                  lr_scale=c["lr_scale"] if with_scale else None, **scalars,
                   hyper=Hyper(lr=lr, momentum=momentum_coef, weight_decay=weight_decay, decoupled=decoupled)))
 
 
+@cupy_kernels
 @pytest.mark.parametrize("storage", STORAGE)
 @pytest.mark.parametrize("mom", MOMENTUM)
 @pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
@@ -112,6 +124,7 @@ RULE_CASES = [(r, s, m) for r in ("nesterov", "adam", "lamb", "rmsprop") for s i
               for m in RULES[r].state_dtypes]
 
 
+@cupy_kernels
 @pytest.mark.parametrize("rule,storage,state_dtype", RULE_CASES,
                          ids=[f"{r}-{str(s)[6:]}-{str(m)[6:]}" for r, s, m in RULE_CASES])
 @pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
@@ -140,9 +153,11 @@ def test_every_rule_kernel_bit_exact(rule, storage, state_dtype, decay, offset):
             assert torch.equal(_bits(got), _bits(want)), f"tables={tables}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("flag", [1.0, float("nan")], ids=["one", "nan"])
-def test_sgd_kernel_skip_leaves_state_bit_identical(flag):
-    case = _case(torch.float16, torch.float32, 4096, 0, seed=2)
+def test_sgd_kernel_skip_leaves_state_bit_identical(device, flag):
+    case = _case(torch.float16, torch.float32, 4096, 0, seed=2, device=device)
+    assert kernels.kernel_backend(case["grads"]) in (("cupy",) if device == "cuda" else ("native", "inplace"))
     got = _clone(case)
     _update(kernels.update, got, with_scale=True, skip=flag, lr=0.1, momentum_coef=0.9, weight_decay=5e-4,
             decoupled=False)
@@ -151,6 +166,7 @@ def test_sgd_kernel_skip_leaves_state_bit_identical(flag):
     assert torch.count_nonzero(got["grads"]) == 0
 
 
+@cupy_kernels
 def test_sgd_kernel_runs_on_torch_current_stream():
     """The producer of the grads is delayed on a side stream; a kernel launched on any other stream
     would read the old grads and differ from the reference."""
@@ -177,6 +193,7 @@ def test_sgd_kernel_runs_on_torch_current_stream():
     assert torch.equal(_bits(got["master"]), _bits(want["master"]))
 
 
+@cupy_kernels
 @pytest.mark.parametrize("dtype", STORAGE)
 @pytest.mark.parametrize("n", [1, 1000, (1 << 22) + 3])
 def test_norm_kernel_matches_reference(dtype, n):
@@ -190,6 +207,7 @@ def test_norm_kernel_matches_reference(dtype, n):
     assert torch.equal(_bits(kernels.grad_norm(x)), _bits(got))  # deterministic for a given n
 
 
+@cupy_kernels
 @pytest.mark.parametrize("bad, check", [(float("inf"), torch.isinf), (float("nan"), torch.isnan)])
 def test_norm_kernel_propagates_non_finite(bad, check):
     x = torch.randn(10_000, device="cuda").half()
@@ -197,60 +215,104 @@ def test_norm_kernel_propagates_non_finite(bad, check):
     assert check(kernels.grad_norm(x))
 
 
-def _toy_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).cuda().half()
+def _toy_model(device: str) -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).to(device).half()
 
 
-def _solver(model: nn.Module, **solver_kw) -> MasterOptimizer:
-    cfg = SolverConfig(base_lr=0.1, **solver_kw)
+def _solver(model: nn.Module, device: str, base_lr: float = 0.1, **solver_kw) -> MasterOptimizer:
+    cfg = SolverConfig(base_lr=base_lr, **solver_kw)
     flat = FlatParams(model, state_names=rule_for(cfg).state_names, state_dtype=torch.float32)
-    scaler = LossScaler(LossScaleConfig(init_scale=1024.0, growth_interval=3), "dynamic", torch.device("cuda"))
+    scaler = LossScaler(LossScaleConfig(init_scale=1024.0, growth_interval=3), "dynamic", torch.device(device))
     return MasterOptimizer(flat, cfg, scaler, grad_divisor=1,
                            multipliers=resolve_multipliers(model, cfg.param_groups, cfg.no_decay))
 
 
-def _backward(model: nn.Module, solver: MasterOptimizer, seed: int) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(32, 64, device="cuda", generator=gen).half()
-    loss = model(x).float().square().mean()
-    solver.scaler.scale_loss(loss).backward()
+def _batch(device: str, seed: int, rows: int = 32) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(rows, 64, device=device, generator=gen).half()  # [rows, 64] fp16
 
 
-@pytest.mark.parametrize("solver_kw", [{}, {"clip_gradients": 1.0}, {"larc": True, "larc_policy": "clip"},
-                                       {"type": "adamw", "no_decay": ["bias"],
-                                        "param_groups": [ParamGroup(match="2.*", lr_mult=2.0)]},
-                                       {"type": "lamb", "no_decay": ["bias"]}, {"type": "rmsprop"}],
-                         ids=["plain", "clip", "larc", "adamw-groups", "lamb", "rmsprop"])
-def test_step_has_no_host_sync(solver_kw):
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The toy objective: drive the outputs to zero (fp32 mean of squares)."""
+    return model(x).float().square().mean()
+
+
+def _backward(model: nn.Module, solver: MasterOptimizer, seed: int, device: str) -> None:
+    solver.scaler.scale_loss(_loss(model, _batch(device, seed))).backward()
+
+
+@contextlib.contextmanager
+def _no_host_sync(device: str) -> Iterator[None]:
+    """On CUDA, any host sync inside raises (torch's sync-debug mode); the CPU has no such mode."""
+    if device != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+SOLVER_CASES = [
+    ("plain", {}, 0.1),
+    ("clip", {"clip_gradients": 1.0}, 0.1),
+    ("larc", {"larc": True, "larc_policy": "clip"}, 0.1),
+    ("adamw-groups", {"type": "adamw", "no_decay": ["bias"], "param_groups": [ParamGroup(match="2.*", lr_mult=2.0)]},
+     1e-3),
+    ("lamb", {"type": "lamb", "no_decay": ["bias"]}, 0.03),
+    ("rmsprop", {"type": "rmsprop"}, 3e-4),
+]
+"""(id, solver settings, base_lr that trains the fp16 toy model). Adam's and RMSProp's first
+step is about lr (RMSProp: 10x lr) per element, so they need far smaller rates than SGD: on
+the CPU, 4 steps at lr 0.1 take the held-out loss from 0.064 to 280 (adamw) and to 5e5
+(rmsprop, 3 of 4 steps skipped); at lr 0.01 RMSProp skips none but still reaches 480."""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("solver_kw, base_lr", [c[1:] for c in SOLVER_CASES], ids=[c[0] for c in SOLVER_CASES])
+def test_step_has_no_host_sync(device, solver_kw, base_lr):
+    """Four steps of each rule train the fp16 toy model: no step is skipped and the loss on a
+    held-out batch falls; on CUDA, no step syncs with the host."""
     torch.manual_seed(0)
-    model = _toy_model()
-    solver = _solver(model, **solver_kw)
-    _backward(model, solver, 0)
+    model = _toy_model(device)
+    held_out = _batch(device, seed=1000, rows=256)
+    with torch.no_grad():
+        before = float(_loss(model, held_out))
+    solver = _solver(model, device, base_lr=base_lr, **solver_kw)
+    _backward(model, solver, 0, device)
     solver.step(0)  # warm-up: compiles and loads the kernels, caches device properties
     for it in range(1, 4):
-        _backward(model, solver, it)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # any host sync inside step() raises
-        try:
+        _backward(model, solver, it, device)
+        with _no_host_sync(device):
             solver.step(it)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    assert solver.scaler.stats()["skipped_steps"] == 0
+    with torch.no_grad():
+        after = float(_loss(model, held_out))
+    trained = f"held-out loss {before:.4g} -> {after:.4g} after 4 steps at base_lr {base_lr}"
+    assert solver.scaler.stats()["skipped_steps"] == 0, trained
+    assert after < before, trained
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["sgd", "adamw", "lamb"])
-def test_solver_kernel_and_reference_agree_over_steps(monkeypatch, kind):
+def test_solver_kernel_and_reference_agree_over_steps(monkeypatch, device, kind):
     """Several full steps (dynamic scaler, no clipping: the norm only feeds the overflow flag) give
-    bit-identical masters, state and fp16 weights with the kernels and with the references (LAMB's
-    trust ratio comes from the same torch ops on both sides)."""
+    bit-identical masters, state and fp16 weights with the kernels (CuPy on CUDA, the host build
+    of update.cu on the CPU) and with the references (LAMB's trust ratio comes from the same
+    torch ops on both sides)."""
+    kernel = "cupy" if device == "cuda" else "native"
+    if kernel == "native" and native.unusable() is not None:
+        pytest.skip(f"the host build of update.cu cannot be used here: {native.unusable()}")
     states = []
-    for backend in ("cupy", "torch"):
+    for backend in (kernel, "torch"):
         monkeypatch.setenv(kernels.KERNELS_ENV, backend)
         torch.manual_seed(0)
-        model = _toy_model()
-        solver = _solver(model, type=kind, momentum=0.9, weight_decay=5e-4, no_decay=["bias"])
+        model = _toy_model(device)
+        solver = _solver(model, device, type=kind, momentum=0.9, weight_decay=5e-4, no_decay=["bias"])
+        assert kernels.kernel_backend(solver.flat.groups[0].grads) == backend
         for it in range(5):
-            _backward(model, solver, it)
+            _backward(model, solver, it, device)
             solver.step(it)
         g = solver.flat.groups[0]
         states.append([_bits(t).clone() for t in (g.master, *g.state.values(), g.params)])
@@ -258,12 +320,14 @@ def test_solver_kernel_and_reference_agree_over_steps(monkeypatch, kind):
         assert torch.equal(a, b)
 
 
+@cupy_kernels
 def test_self_check_passes_on_this_gpu():
     """What a solver runs at first use: every rule, dtype, alignment, subnormals and a skip."""
     assert selfcheck.run(torch.cuda.current_device()) is None
     assert kernels.cuda_unusable(torch.cuda.current_device()) is None
 
 
+@cupy_kernels
 def test_kernels_keep_fp32_subnormals_like_the_reference():
     """CuPy would add -ftz=true; dptrain compiles with its own NVRTC call, so a momentum that decays
     below 2^-126 on a parameter whose gradient is 0 stays equal to torch's."""

@@ -1,7 +1,10 @@
 """Reducer on CUDA: NCCL (torch backend) and cupy-nccl, stream ordering, watchdog.
 
 One-GPU tests exercise the cupy-nccl communicator over a one-rank NCCL clique; the
-multi-rank tests need two GPUs (one NCCL rank per device).
+multi-rank tests need two GPUs (one NCCL rank per device: NCCL refuses two ranks on one GPU).
+The watchdog's error (type and message) is also checked on the CPU, with a stand-in for
+CuPy's communicator; the averaging, launch order and plan agreement of the two-GPU tests
+run on gloo in tests/dist/test_reducer.py and tests/dist/test_bucket_auto.py.
 """
 from __future__ import annotations
 
@@ -12,17 +15,15 @@ import torch
 from dist_harness import run_ranks
 from torch import nn
 
-from dptrain.comm import Communicator
+from devices import cuda_param, requires_gpus
+from dptrain.comm import Communicator, CompletionWatcher
 from dptrain.config import ReducerConfig
+from dptrain.errors import RankFailure
 from dptrain.flat import FlatParams
+from dptrain.flight import FlightRecorder
 from dptrain.reducer import Reducer
 from dptrain.topology import Topology
 from dptrain.trace import Tracer
-
-
-def requires_gpus(n: int) -> pytest.MarkDecorator:
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return pytest.mark.skipif(count < n, reason=f"needs {n} GPUs, found {count}")
 
 
 def requires_cupy_nccl() -> pytest.MarkDecorator:
@@ -37,7 +38,7 @@ def requires_cupy_nccl() -> pytest.MarkDecorator:
     return pytest.mark.skipif(not ok, reason=f"needs CuPy with NCCL: {why}")
 
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 KIB = 1 / 1024
 SLEEP_CYCLES = 200_000_000
 """torch.cuda._sleep spin length (~0.1 s on a 1.5-2 GHz GPU): long enough that a missing
@@ -51,6 +52,7 @@ def _one_rank_cupy():
     return CupyNcclCommunicator(comm, timeout_s=30)
 
 
+@gpu
 @requires_gpus(1)
 @requires_cupy_nccl()
 def test_cupy_comm_orders_against_torch_streams_on_a_high_priority_stream():
@@ -75,28 +77,70 @@ def test_cupy_comm_orders_against_torch_streams_on_a_high_priority_stream():
         cc.close()
 
 
+WATCHDOG_TIMEOUT_S = 0.05
+
+
+def _expect_watchdog_failure(work, launch) -> None:
+    """After the watchdog fired, the wait and any later launch raise RankFailure (a peer's
+    failure: the CLI's one line and exit code 1) naming the rank and the timeout."""
+    with pytest.raises(RankFailure, match=r"^rank 0: cupy-nccl allreduce did not complete within "
+                                          r"reducer.timeout_s = 0.05 s; a peer rank probably died or hung, see its log$"):
+        work.wait()
+    with pytest.raises(RankFailure, match="did not complete"):
+        launch()  # nothing more is launched on the aborted communicator
+
+
 def _watchdog_rank(rank: int, world: int) -> None:
     from dptrain.nccl_cupy import CupyNcclCommunicator
 
     comm = Communicator(Topology(), device=torch.device("cuda", 0), backend=None)
-    cc = CupyNcclCommunicator(comm, timeout_s=0.05)
+    cc = CupyNcclCommunicator(comm, timeout_s=WATCHDOG_TIMEOUT_S)
     x = torch.ones(1024, device="cuda")
     torch.cuda._sleep(SLEEP_CYCLES * 10)  # the allreduce cannot complete within 0.05 s
     work = cc.allreduce_async(x)
     time.sleep(0.5)
-    with pytest.raises(RuntimeError, match=r"rank 0: cupy-nccl allreduce did not complete within "
-                                           r"reducer.timeout_s = 0.05 s; a peer rank probably died"):
-        work.wait()
-    with pytest.raises(RuntimeError, match="did not complete"):
-        cc.allreduce_async(x)  # and nothing more is launched on the aborted communicator
+    _expect_watchdog_failure(work, lambda: cc.allreduce_async(x))
     torch.cuda.synchronize()
 
 
-@requires_gpus(1)
-@requires_cupy_nccl()
-def test_cupy_watchdog_aborts_a_collective_past_the_timeout():
-    # in its own process: an aborted communicator must not leave this test process's CUDA context in doubt
-    run_ranks(1, _watchdog_rank)
+class _NeverDoneNccl:
+    """Stands in for CuPy's NcclCommunicator on the CPU: counts abort() calls."""
+
+    def __init__(self) -> None:
+        self.aborts = 0
+
+    def abort(self) -> None:
+        self.aborts += 1
+
+
+def _watchdog_on_cpu() -> None:
+    """The watchdog's part that needs no GPU: a collective whose completion never comes is
+    aborted by the CompletionWatcher at its deadline, and the communicator fails from then on."""
+    from dptrain.nccl_cupy import CupyNcclCommunicator, CupyWork
+
+    cc = CupyNcclCommunicator.__new__(CupyNcclCommunicator)  # __init__ creates a CUDA stream and NCCL clique
+    cc.rank, cc.world_size, cc.device, cc.timeout_s = 0, 1, torch.device("cpu"), WATCHDOG_TIMEOUT_S
+    cc._nccl, cc._error, cc.flight = _NeverDoneNccl(), None, FlightRecorder(0, 1)
+    cc.watcher = CompletionWatcher("test-cupy-watchdog")
+    try:
+        # armed as allreduce_async arms it, for a done event that never fires
+        cc.watcher.watch(lambda: False, lambda _t: None, deadline_s=time.monotonic() + cc.timeout_s,
+                         on_timeout=cc._abort)
+        deadline = time.monotonic() + 5
+        while cc._nccl.aborts == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cc._nccl.aborts == 1, "the watchdog never aborted the communicator"
+        _expect_watchdog_failure(CupyWork(cc, done=None, seq=0), lambda: cc.allreduce_async(torch.ones(4)))
+    finally:
+        cc.watcher.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", cuda_param(requires_cupy_nccl())])
+def test_cupy_watchdog_aborts_a_collective_past_the_timeout(device):
+    if device == "cpu":
+        _watchdog_on_cpu()
+    else:  # in its own process: an aborted communicator must not leave this process's CUDA context in doubt
+        run_ranks(1, _watchdog_rank)
 
 
 class Tiny(nn.Module):
@@ -142,11 +186,13 @@ def _nccl_rank(rank: int, world: int, backend: str) -> None:
             reducer.close()
 
 
+@gpu
 @requires_gpus(2)
 def test_nccl_reducer_averages_and_overlaps_on_two_gpus():
     run_ranks(2, _nccl_rank, "torch", backend="nccl")
 
 
+@gpu
 @requires_gpus(2)
 @requires_cupy_nccl()
 def test_cupy_nccl_reducer_averages_and_overlaps_on_two_gpus():
@@ -183,6 +229,7 @@ def _auto_rank(rank: int, world: int) -> None:
     reducer.close()
 
 
+@gpu
 @requires_gpus(2)
 def test_auto_bucket_plan_on_two_gpus():
     run_ranks(2, _auto_rank, backend="nccl")
