@@ -340,6 +340,31 @@ def test_bandwidth_benchmark_on_cpu_reports_the_host_kernel_the_fallback_and_the
         assert line[side]["update_ms"] > 0 and line[side]["norm_ms"] > 0, side
     assert (line["kernel_speedup"] is None) == (line["kernel"] is None)
     assert line["numel"] == 4096 and line["update_bytes_per_elem"] == 22
+    # the yardstick: a copy moving each pass's bytes, in the same run; fractions by wall time on the CPU
+    assert line["copy"]["update_bytes"] == 4096 * 22 and line["copy"]["norm_bytes"] == 4096 * 2
+    assert line["copy"]["update_ms"] > 0 and line["copy"]["norm_ms"] > 0
+    for side in sides:
+        assert line[side]["update_fraction_of_copy"] > 0 and line[side]["norm_fraction_of_copy"] > 0, side
+        assert "update_kernel_ms" not in line[side], side  # CUDA events only on CUDA
+    assert line["timing"]["fraction_of_copy_from"] == "wall time" and line["goals_met"] is None
+    assert line["goals"] == {"update_fraction_of_copy": 0.9, "norm_fraction_of_copy": 0.75}
+
+
+def test_bandwidth_fractions_come_from_kernel_time_where_there_is_one():
+    timing = load_benchmark("update_bandwidth").Timing
+    gb = 10**9
+    copy = timing(nbytes=gb, wall_ms=2000.0, kernel_ms=1000.0, dispatch_hidden=True)  # 1 GB/s by kernel time
+    # host-bound: 4 s per call by wall clock, 1.25 s of kernel time: 0.8 of the copy, and of a 1 GB/s peak
+    norm = timing(nbytes=gb, wall_ms=4000.0, kernel_ms=1250.0, dispatch_hidden=True)
+    assert norm.figures("norm", 1e9, copy) == {
+        "norm_ms": 4000.0, "norm_gb_per_s": 0.25, "norm_kernel_ms": 1250.0, "norm_kernel_gb_per_s": 0.8,
+        "norm_dispatch_hidden": True, "norm_wall_over_kernel": 3.2, "norm_fraction_of_peak": 0.8,
+        "norm_fraction_of_copy": 0.8}
+    # on the CPU: wall time against the copy's wall time, no kernel fields
+    cpu_copy = timing(nbytes=gb, wall_ms=2000.0, kernel_ms=None, dispatch_hidden=None)
+    on_cpu = timing(nbytes=gb, wall_ms=4000.0, kernel_ms=None, dispatch_hidden=None).figures("norm", None, cpu_copy)
+    assert on_cpu == {"norm_ms": 4000.0, "norm_gb_per_s": 0.25, "norm_fraction_of_peak": None,
+                      "norm_fraction_of_copy": 0.5}
 
 
 # ----------------------------------------------------------------------------- CUDA source on the host
