@@ -2,15 +2,29 @@
 
 The consumer takes each batch and releases it at once, like a trainer whose step is
 free, so the number is the pipeline's ceiling on this machine. It prints one JSON line.
+
+Beside images/s it reports what limits one process on a bigger host:
+
+* ``cpu_ms_per_image``: CPU time of the whole pipeline per image (every thread of this process;
+  the pipeline has no worker processes);
+* ``python_calls_per_image``: Python function calls plus calls from Python into C per image,
+  counted by a profile hook on every pipeline thread over a window after warm-up (a separate,
+  slower pass: the hook costs time). Each runs under the GIL, so together with the GIL hand-offs
+  they cap one process's rate whatever its core count (``shared/tools/calls_per_image.py``
+  counts the same from outside).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import platform
 import statistics
+import sys
+import threading
 import time
+from types import FrameType
 from typing import Any
 
 import PIL
@@ -25,18 +39,58 @@ from dptrain.provenance import git_commit
 from dptrain.topology import Topology
 
 
+class _CallCounter:
+    """A profile hook that counts Python calls and Python-to-C calls on every thread it is set on."""
+
+    def __init__(self) -> None:
+        self.count = itertools.count()
+        self.total = 0
+
+    def __call__(self, frame: FrameType, event: str, arg: object) -> None:
+        if event == "call" or event == "c_call":
+            next(self.count)
+
+    def read(self) -> int:
+        """Events so far (itertools.count's next is atomic under the GIL; reading it costs one)."""
+        return next(self.count)
+
+
+def count_python_calls(src: LmdbSource, plan: ShardPlan, *, batches: int, warmup: int) -> float:
+    """Python calls per image of a fresh stream of ``src`` over ``batches`` batches after ``warmup``."""
+    counter = _CallCounter()
+    threading.setprofile(counter)  # the stream's threads start with the hook
+    sys.setprofile(counter)
+    try:
+        stream = src.train_batches(plan, 0)
+        try:
+            for _ in range(warmup):
+                next(stream).release(None)
+            start = counter.read()
+            for _ in range(batches):
+                next(stream).release(None)
+            calls = counter.read() - start - 1
+        finally:
+            stream.close()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    return calls / (batches * plan.batch_size)
+
+
 def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: int, warmup: int,
-                     repeats: int, render: RenderOptions = RenderOptions()) -> dict[str, Any]:
+                     repeats: int, render: RenderOptions = RenderOptions(), count_calls: bool = True) -> dict[str, Any]:
     """Median images/s over ``repeats`` windows of ``batches`` batches, after ``warmup`` batches.
 
     ``cpu_ms_per_image`` is the process's CPU time (all threads) per image over the same
-    windows: it shows the pipeline's cost even on a machine shared with other work.
+    windows: it shows the pipeline's cost even on a machine shared with other work. With
+    ``count_calls``, a second stream counts the Python calls per image (:func:`count_python_calls`).
     """
     topology = Topology.from_env()
     cfg = dataclasses.replace(cfg, test_path="")  # the training stream alone: the test DB need not exist here
     src = LmdbSource(cfg, num_classes=num_classes, seed=seed, render=render, rank=topology.rank,
                      cores=topology.cores_per_process)
-    stream = src.train_batches(ShardPlan(0, 1, cfg.batch_size, seed, cfg.shuffle == "epoch"), 0)
+    plan = ShardPlan(0, 1, cfg.batch_size, seed, cfg.shuffle == "epoch")
+    stream = src.train_batches(plan, 0)
     rates, cpu_ms = [], []
     try:
         for _ in range(warmup):
@@ -50,10 +104,13 @@ def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: i
             cpu_ms.append(1e3 * (time.process_time() - cpu_start) / images)
     finally:
         stream.close()
+    calls = count_python_calls(src, plan, batches=batches, warmup=max(1, warmup)) if count_calls else None
     return {
         "images_per_s": round(statistics.median(rates), 1),
         "images_per_s_runs": [round(r, 1) for r in rates],
         "cpu_ms_per_image": round(statistics.median(cpu_ms), 3),
+        "python_calls_per_image": None if calls is None else round(calls, 1),
+        "native_render": src.native, "cores": topology.cores_per_process,
         "parser_threads": src.parsers, "transformer_threads": src.transformers,
         "batch_size": cfg.batch_size, "sample_shape": list(src.sample_shape), "num_train": src.num_train,
         "draft": render.draft, "torch_resize": render.torch_resize,
@@ -75,6 +132,8 @@ def add_data_bench_args(p: argparse.ArgumentParser) -> None:
                    help="resample with Pillow instead of torch's vectorised kernel (for comparisons)")
     p.add_argument("--no-crop-decode", action="store_true",
                    help="decode whole JPEGs with Pillow instead of only the crop box (for comparisons)")
+    p.add_argument("--no-count-calls", action="store_true",
+                   help="skip the pass that counts Python calls per image (it runs after the timed windows)")
 
 
 def run_data_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,9 +148,10 @@ def run_data_bench(args: argparse.Namespace) -> dict[str, Any]:
     record = measure_pipeline(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed,
                               batches=args.batches, warmup=args.warmup, repeats=args.repeats,
                               render=RenderOptions(draft=not args.no_draft, torch_resize=not args.pillow_resize,
-                                                  crop_decode=not args.no_crop_decode))
+                                                  crop_decode=not args.no_crop_decode),
+                              count_calls=not args.no_count_calls)
     record.update({
-        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(), "host_cores": os.cpu_count(),
         "python": platform.python_version(), "pillow": PIL.__version__, "git_commit": git_commit(),
         "data": config_to_dict(cfg.data),
     })

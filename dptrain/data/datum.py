@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory, unknown_fields
 
 from dptrain.errors import ConfigError, DataError
 
@@ -88,13 +88,35 @@ def encode_datum(*, label: int, data: bytes, channels: int = 0, height: int = 0,
     return d.SerializeToString()
 
 
+_WIRE_TYPES = {0: "varint", 1: "64-bit", 2: "length-delimited (bytes)", 3: "group start", 4: "group end",
+               5: "32-bit (float)"}
+_DATUM_FIELDS = {f.number: f for f in Datum.DESCRIPTOR.fields}
+
+
+def _expected_wire(f) -> str:
+    if f.type == f.TYPE_FLOAT:  # float_data, repeated: one 32-bit value each, or packed
+        return "32-bit (float) or length-delimited (packed)"
+    return _WIRE_TYPES[2 if f.type == f.TYPE_BYTES else 0]
+
+
 def parse_datum(value: bytes) -> DatumLike:
-    """Parse one Datum; raises DataError on bytes that are not a Datum."""
+    """Parse one Datum; raises DataError on bytes that are not a Datum.
+
+    A field of the Datum sent with another wire type (a label written as bytes or as a float)
+    is a bad record: protobuf would keep it as an unknown field and leave the field at its
+    default, so the record would train as class 0 without a word.
+    """
     d = Datum()
     try:
         d.ParseFromString(value)
     except message.DecodeError as e:
         raise DataError(f"unparsable record: not a Caffe Datum ({e})") from e
+    for u in unknown_fields.UnknownFieldSet(d):
+        f = _DATUM_FIELDS.get(u.field_number)
+        if f is not None:
+            raise DataError(f"unparsable record: Datum field {f.name} (number {f.number}) holds a "
+                            f"{_WIRE_TYPES.get(u.wire_type, str(u.wire_type))} value, expected "
+                            f"{_expected_wire(f)}; re-create the DB with dptrain make-lmdb")
     return d
 
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from dptrain.config import DataConfig
-from dptrain.data import jpeg_crop
+from dptrain.data import jpeg_crop, native_render
 from dptrain.data.datum import parse_datum, read_mean_file
 from dptrain.data.geometry import ExpectSize, SampleSpec, build_stages, check_chain
 from dptrain.data.pipeline import EmptyStream, PipelineStream
@@ -64,6 +64,9 @@ PROBE_RECORDS = 16
 """Records, spread over the training DB, whose colour decides the samples' channels at open."""
 MAX_PARSERS_DEFAULT = 3
 """NVCaffe's default parser count; parsers are cheap, so a few per solver suffice."""
+CHUNK_ROWS_MAX = 16
+"""Most rows a parser reads and a transformer renders at once: the per-chunk Python work is spread
+over this many images, and each transformer still gets two chunks or more of a batch."""
 _PREFIX = re.compile(rb"^(\d{8})_")
 
 _envs: dict[str, tuple[int, lmdb.Environment]] = {}
@@ -101,32 +104,75 @@ def _open_env(path: str, rank: int) -> lmdb.Environment:
 
 
 class _Handle:
-    """One thread's read transaction and cursor."""
+    """One thread's read transaction and cursor.
+
+    After any lmdb error the transaction is aborted and a new one begun before the next read:
+    LMDB marks a transaction that met a damaged page as failed (every later read on it would
+    fail with MDB_BAD_TXN), so without the renewal one bad page would poison every good record
+    after it. The damaged record itself is a bad record like any other (data.max_bad_records).
+    """
 
     def __init__(self, reader: LmdbReader) -> None:
         self.path, self._reader = reader.path, reader
-        self._txn = reader.env.begin(buffers=False)
+        self._begin()
+
+    def _begin(self) -> None:
+        self._txn = self._reader.env.begin(buffers=False)
         self._cursor = self._txn.cursor()
+
+    def _failed(self, e: lmdb.Error) -> DataError:
+        """The DataError for ``e``, after renewing the transaction; a renewal that fails is raised."""
+        self._txn.abort()
+        try:
+            self._begin()
+        except lmdb.Error as again:
+            raise damaged(again, path=self.path, rank=self._reader.rank) from again
+        if isinstance(e, DAMAGED_ERRORS):
+            return damaged(e)
+        return DataError(f"LMDB read failed ({e})")
 
     def get(self, index: int) -> tuple[bytes, bytes]:
         """(key, value) of record ``index``; DataError if it cannot be read."""
+        keys, values, errors = self.get_many([index])
+        if errors:
+            raise errors[0]
+        return keys[0], values[0]
+
+    def get_many(self, indices: list[int]) -> tuple[list[bytes], list[bytes], dict[int, DataError]]:
+        """(keys, values, errors) of records ``indices``: a record that cannot be read has key
+        ``#index``, value b"" and its DataError under its place in the list. One loop for the
+        whole list, with as few Python calls per record as the lookup allows (the parser's share
+        of the per-image Python work)."""
         r = self._reader
-        try:
-            if r.key_blob is None:
-                prefix = b"%08d_" % index
-                if not self._cursor.set_range(prefix) or not self._cursor.key().startswith(prefix):
-                    raise DataError(f"no record with key prefix {prefix.decode()!r}; the DB's keys are "
-                                    f"not a dense %08d_ sequence (re-create it with dptrain make-lmdb)")
-                return self._cursor.key(), self._cursor.value()
-            key = r.key(index)
-            value = self._txn.get(key)
-        except DAMAGED_ERRORS as e:
-            raise damaged(e) from e
-        except lmdb.Error as e:
-            raise DataError(f"LMDB read failed ({e})") from e
-        if value is None:
-            raise DataError("record vanished from the DB; was it modified while training? Keep LMDBs frozen")
-        return key, value
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        errors: dict[int, DataError] = {}
+        for i in indices:
+            try:
+                if r.key_blob is None:
+                    prefix = b"%08d_" % i
+                    if self._cursor.set_range(prefix):
+                        key, value = self._cursor.item()
+                        if key.startswith(prefix):
+                            keys.append(key)
+                            values.append(value)
+                            continue
+                    error = DataError(f"no record with key prefix {prefix.decode()!r}; the DB's keys are not a "
+                                      f"dense %08d_ sequence (re-create it with dptrain make-lmdb)")
+                else:
+                    key = r.key(i)
+                    value = self._txn.get(key)
+                    if value is not None:
+                        keys.append(key)
+                        values.append(value)
+                        continue
+                    error = DataError("record vanished from the DB; was it modified while training? Keep LMDBs frozen")
+            except lmdb.Error as e:
+                error = self._failed(e)
+            errors[len(values)] = error
+            keys.append(f"#{i}".encode())
+            values.append(b"")
+        return keys, values, errors
 
     def close(self) -> None:
         self._txn.abort()
@@ -182,8 +228,8 @@ def default_threads(cfg: DataConfig, cores: int) -> tuple[int, int]:
     """(parsers, transformers) per solver; 0 in the config means: derive from ``cores``, the
     cores this solver may use (``Topology.cores_per_process``).
 
-    Decoding dominates, and Pillow decodes without the GIL, so T = cores. Parsers only seek
-    and parse a Datum: one per 4 cores, at most NVCaffe's 3.
+    Rendering dominates and runs without the GIL (natively, or in Pillow's and torch's C code),
+    so T = cores. Parsers only seek and copy the records: one per 4 cores, at most NVCaffe's 3.
     """
     parsers = cfg.parser_threads or min(MAX_PARSERS_DEFAULT, max(1, cores // 4))
     return parsers, cfg.transformer_threads or cores
@@ -219,8 +265,11 @@ class LmdbSource:
         crop = "off"
         if render.crop_decode:  # built (or found in the cache) now, not in the first batch's time
             crop = "on" if jpeg_crop.library() is not None else "unavailable"
-        log.info("LMDB input: %d parser + %d transformer threads per solver, samples %s, prefetch %d, "
-                 "JPEG crop decode %s", self.parsers, self.transformers, self.sample_shape, cfg.prefetch, crop)
+        # the native path renders what the default options do; other options measure the Python path
+        self.native = render == RenderOptions() and native_render.library() is not None
+        log.info("LMDB input: %d parser + %d transformer threads per solver (%d cores), samples %s, prefetch %d, "
+                 "JPEG crop decode %s, %s path", self.parsers, self.transformers, cores, self.sample_shape,
+                 cfg.prefetch, crop, "native" if self.native else "Python")
 
     def _probe(self, cfg: DataConfig, rank: int) -> tuple[int, tuple[int, int]]:
         """(channels, (height, width) of the first good record) from up to PROBE_RECORDS records.
@@ -299,12 +348,13 @@ class LmdbSource:
         p, t = self.parsers, self.transformers
         parts = StreamParts(
             reader=reader, sequence=sequence,
-            queues=QueueSet(p, t, capacity=max(2, math.ceil(batch_size / (p * t)))),
+            queues=QueueSet(p, t, capacity=2),
             ring=BatchRing(self._cfg.prefetch + 2, batch_size, self.sample_shape, pin=self._pin),
             budget=BadRecordBudget(self._cfg.max_bad_records, rank, substitutes=train),
             stages=self._stages[train], channels=self.channels, batch_size=batch_size,
             num_classes=self._num_classes, seed=self._seed, rank=rank, render=self._render,
             windows=self.mean_image is not None, drop_bad=not train,
+            chunk_rows=min(CHUNK_ROWS_MAX, max(1, math.ceil(batch_size / (2 * t)))), native=self.native,
         )
         return PipelineStream(parts, parsers=p, transformers=t)
 

@@ -4,8 +4,14 @@ Sample ``pos`` of a stream (0, 1, 2, ... from the stream's first batch) lands in
 ``pos // B``, row ``pos % B``; batch b lives in ring slot ``b % R`` with R = prefetch + 2.
 Which record sits at ``pos`` comes from :mod:`dptrain.data.sampling` alone (the sequences
 here), so the bytes of every batch are a pure function of (seed, epoch, rank,
-world_size, batch_size) and do not depend on the parser count P, the transformer count T
-or thread timing.
+world_size, batch_size) and do not depend on the parser count P, the transformer count T,
+the chunk size K or thread timing.
+
+The threads move *chunks*: chunk c is rows ``[(c % m) * K, ...)`` of batch ``c // m``, at most
+K rows, with m = ceil(B / K) chunks per batch (:meth:`StreamParts.chunk_span`). A parser reads
+a chunk's records, a transformer renders the chunk into its rows of the ring slot in one
+native call (:mod:`dptrain.data.native_render`), so the Python work per image is a share of
+a chunk's bookkeeping plus the LMDB reads.
 
 The parser and transformer threads (:mod:`dptrain.data.parser`,
 :mod:`dptrain.data.transformer`) and the consumer (:mod:`dptrain.data.pipeline`) import
@@ -38,6 +44,7 @@ class RecordHandle(Protocol):
     path: str
 
     def get(self, index: int) -> tuple[bytes, bytes]: ...
+    def get_many(self, indices: list[int]) -> tuple[list[bytes], list[bytes], dict[int, DataError]]: ...
     def close(self) -> None: ...
 
 
@@ -53,6 +60,22 @@ class ParsedRecord:
     key: bytes
     datum: DatumLike | None
     error: DataError | None = None
+
+
+@dataclass(slots=True)
+class ParsedChunk:
+    """One chunk's records on their way from a parser to a transformer (see the module docstring)."""
+
+    c: int
+    """Chunk index in the stream."""
+    epoch: int
+    indices: np.ndarray
+    """[rows] int64 record indices (0-based, in key order)."""
+    keys: list[bytes]
+    values: list[bytes]
+    """The records' bytes; b"" where the read failed (then in ``errors``)."""
+    errors: dict[int, DataError]
+    """Row in the chunk -> why its record could not be read."""
 
 
 class RecordReader(Protocol):
@@ -92,6 +115,13 @@ class TrainSequence:
         offset = k * b + pos % b
         return epoch, int(self._shard(epoch)[(offset + attempt) % self.span])
 
+    def rows(self, batch: int, row0: int, rows: int) -> tuple[int, np.ndarray]:
+        """(epoch, [rows] int64 record indices) of rows ``row0 ...`` of stream batch ``batch``:
+        :meth:`index` (attempt 0) of those positions at once."""
+        epoch, k = divmod(self._start + batch, self._per_epoch)
+        start = k * self._plan.batch_size + row0
+        return epoch, self._shard(epoch)[start:start + rows]
+
 
 class TestSequence:
     """Position -> (0, record index) over this rank's contiguous test range."""
@@ -102,6 +132,10 @@ class TestSequence:
 
     def index(self, pos: int, attempt: int = 0) -> tuple[int, int]:
         return 0, self._range.start + (pos + attempt) % self.span
+
+    def rows(self, pos: int, rows: int) -> tuple[int, np.ndarray]:
+        """(0, [rows] int64 record indices) from position ``pos`` on: :meth:`index` of each."""
+        return 0, np.arange(self._range.start + pos, self._range.start + pos + rows, dtype=np.int64)
 
 
 class BadRecordBudget:
@@ -184,11 +218,11 @@ class BatchRing:
             event.synchronize()  # the consumer's device copy out of this slot must finish before we overwrite it
         return self._images_np[s], self._labels_np[s], self._windows_np[s]
 
-    def complete(self, b: int, rows: int, bad: int) -> None:
-        """Worker side: one row of batch b is written (``bad`` records were skipped for it)."""
+    def complete(self, b: int, rows: int, done: int, bad: int) -> None:
+        """Worker side: ``done`` more of batch b's ``rows`` rows are written (``bad`` records were skipped for them)."""
         s = b % self.slots
         with self.cond:
-            self.filled[s] += 1
+            self.filled[s] += done
             self.bad[s] += bad
             if self.filled[s] == rows:
                 self.cond.notify_all()
@@ -212,8 +246,8 @@ class StreamParts:
     """The DB; every parser, and a transformer that needs a substitute, opens its own handle."""
     sequence: TrainSequence | TestSequence
     """Position -> (epoch, record index)."""
-    queues: QueueSet[ParsedRecord]
-    """Parser -> transformer routing of the parsed records."""
+    queues: QueueSet[ParsedChunk]
+    """Parser -> transformer routing of the chunks (a chunk index plays the position's part)."""
     ring: BatchRing
     """Where the transformers write and the consumer reads."""
     budget: BadRecordBudget
@@ -234,8 +268,38 @@ class StreamParts:
     drop_bad: bool = False
     """Test streams: a skipped bad record leaves its row empty with label ``DROPPED_LABEL``
     (scored by nobody) instead of a substitute, so every test sample counts once."""
+    chunk_rows: int = 1
+    """K: rows of a batch that one parser reads and one transformer renders together."""
+    native: bool = False
+    """Render with :mod:`dptrain.data.native_render` (else the Python path, sample by sample)."""
 
     def batch_rows(self, b: int) -> int:
         """Rows of batch b: batch_size, or fewer in the last batch of a finite stream."""
         n = self.sequence.length
         return self.batch_size if n is None else min(self.batch_size, n - b * self.batch_size)
+
+    @property
+    def chunks_per_batch(self) -> int:
+        return -(-self.batch_size // self.chunk_rows)
+
+    def chunk_span(self, c: int) -> tuple[int, int, int]:
+        """(batch, first row, rows) of chunk c; rows <= 0 past the end of a finite stream."""
+        b, j = divmod(c, self.chunks_per_batch)
+        row0 = j * self.chunk_rows
+        return b, row0, min(self.chunk_rows, self.batch_rows(b) - row0)
+
+    def chunk_records(self, c: int) -> tuple[int, np.ndarray]:
+        """(epoch, record indices) of chunk c's rows."""
+        b, row0, rows = self.chunk_span(c)
+        if isinstance(self.sequence, TrainSequence):
+            return self.sequence.rows(b, row0, rows)
+        return self.sequence.rows(b * self.batch_size + row0, rows)
+
+    @property
+    def num_chunks(self) -> int | None:
+        """Chunks of a finite stream (None: endless). Every chunk below it has rows."""
+        n = self.sequence.length
+        if n is None:
+            return None
+        full, last = divmod(n, self.batch_size)
+        return full * self.chunks_per_batch + -(-last // self.chunk_rows)

@@ -1,9 +1,11 @@
-"""Transformer threads: take parsed records from their queues, render them into the batch ring.
+"""Transformer threads: take chunks of records from their queues, render them into the batch ring.
 
-Transformer t decodes the positions :class:`~dptrain.data.queues.QueueSet` routes to it,
-plans each sample's geometry (:mod:`dptrain.data.geometry`) and renders it
-(:mod:`dptrain.data.render`) straight into its row of the ring slot. A bad record is
-handled here (:func:`_fill_row`): counted against ``data.max_bad_records`` and replaced
+Transformer t renders the chunks :class:`~dptrain.data.queues.QueueSet` routes to it
+straight into their rows of the ring slot: in one native call per chunk
+(:mod:`dptrain.data.native_render`: Datum parse, geometry, decode, resample, mirror, label
+and crop window, without the GIL), and record by record in Python for what that call leaves
+and when it is off (:mod:`dptrain.data.geometry`, :mod:`dptrain.data.render`). A bad record
+is handled here (:func:`_fill_row`): counted against ``data.max_bad_records`` and replaced
 by a substitute in training, dropped in a test stream.
 """
 from __future__ import annotations
@@ -13,11 +15,12 @@ import threading
 import numpy as np
 import torch
 
+from dptrain.data import native_render
 from dptrain.data.base import DROPPED_LABEL
 from dptrain.data.geometry import SampleRng
-from dptrain.data.parser import parse_record
+from dptrain.data.parser import parse_record, parse_value
 from dptrain.data.render import transform_datum
-from dptrain.data.stream import ParsedRecord, RecordHandle, StreamParts
+from dptrain.data.stream import ParsedChunk, ParsedRecord, RecordHandle, StreamParts
 from dptrain.errors import DataError
 
 
@@ -107,29 +110,61 @@ def single_threaded_torch_in_this_thread() -> None:
         helper.join()
 
 
+def _python_rows(chunk: ParsedChunk, rows: list[int], row0: int, slot: tuple[np.ndarray, np.ndarray, np.ndarray],
+                 parts: StreamParts, subs: _SubstituteReader) -> int:
+    """Render ``rows`` of ``chunk`` (row numbers within it) with the Python path; the bad records met."""
+    images, labels, windows = slot
+    bad = 0
+    for i in rows:
+        row = row0 + i
+        pos = chunk.c // parts.chunks_per_batch * parts.batch_size + row
+        index = int(chunk.indices[i])
+        error = chunk.errors.get(i)
+        if error is not None:
+            rec = ParsedRecord(pos, chunk.epoch, index, chunk.keys[i], None,
+                               error.located(path=parts.reader.path, key=chunk.keys[i], rank=parts.rank))
+        else:
+            rec = parse_value(chunk.keys[i], chunk.values[i], pos=pos, epoch=chunk.epoch, index=index,
+                              num_classes=parts.num_classes, path=parts.reader.path, rank=parts.rank)
+        labels[row], n_bad = _fill_row(rec, images[row], windows[row] if parts.windows else None, parts, subs)
+        bad += n_bad
+    return bad
+
+
 def run_transformer(t: int, parts: StreamParts, stop: threading.Event) -> None:
-    """Transformer thread t: take its positions from its P queues, decode into the ring."""
+    """Transformer thread t: take its chunks from its P queues, render them into the ring."""
     single_threaded_torch_in_this_thread()
     subs = _SubstituteReader(parts)
-    batch = parts.batch_size
+    lib = native_render.library() if parts.native else None
+    renderer = None if lib is None else native_render.Renderer(
+        lib, stages=parts.stages, channels=parts.channels, sample_shape=parts.ring.images.shape[2:],
+        num_classes=parts.num_classes, seed=parts.seed, draft=parts.render.draft, windows=parts.windows,
+        max_rows=parts.chunk_rows)
     try:
-        for pos in parts.queues.transformer_positions(t, parts.sequence.length):
-            rec = parts.queues.get(pos, stop)
-            if rec is None:
+        for c in parts.queues.transformer_positions(t, parts.num_chunks):
+            chunk = parts.queues.get(c, stop)
+            if chunk is None:
                 return
-            assert rec.pos == pos, f"queue order broken: expected position {pos}, got {rec.pos}"
-            b, row = divmod(pos, batch)
+            assert chunk.c == c, f"queue order broken: expected chunk {c}, got {chunk.c}"
+            b, row0, n = parts.chunk_span(c)
             slot = parts.ring.acquire(b, stop)
             if slot is None:
                 return
             images, labels, windows = slot
             try:
-                labels[row], bad = _fill_row(rec, images[row], windows[row] if parts.windows else None, parts, subs)
+                if renderer is None:
+                    left = list(range(n))
+                else:
+                    end = row0 + n
+                    renderer.render(chunk.values, chunk.epoch, chunk.indices, images[row0:end], labels[row0:end],
+                                    windows[row0:end] if parts.windows else None)
+                    left = np.flatnonzero(renderer.status[:n]).tolist()
+                bad = _python_rows(chunk, left, row0, slot, parts, subs) if left else 0
             except DataError:
                 raise
             except Exception as e:  # a broken invariant, not a bad record: stop the stream
-                raise RuntimeError(f"rank {parts.rank}: transformer {t} failed on key "
-                                   f"{rec.key.decode('utf-8', 'replace')!r} of {parts.reader.path!r}: {e!r}") from e
-            parts.ring.complete(b, parts.batch_rows(b), bad)
+                raise RuntimeError(f"rank {parts.rank}: transformer {t} failed on chunk {c} (records "
+                                   f"{chunk.indices.tolist()}) of {parts.reader.path!r}: {e!r}") from e
+            parts.ring.complete(b, parts.batch_rows(b), n, bad)
     finally:
         subs.close()

@@ -38,6 +38,17 @@ from lmdb_helpers import (
 )
 
 
+@pytest.fixture
+def python_render(monkeypatch):
+    """The Python rendering path (DPTRAIN_RENDER=python), for tests of its parts."""
+    from dptrain.data import native_render
+
+    monkeypatch.setenv(native_render.RENDER_ENV, "python")
+    native_render.reset()
+    yield
+    native_render.reset()
+
+
 @pytest.fixture(scope="module")
 def db29(tmp_path_factory) -> str:
     return write_db(tmp_path_factory.mktemp("db") / "train", [raw_value(i) for i in range(29)])
@@ -468,7 +479,7 @@ def test_jpeg_random_resized_crop_is_deterministic_across_threads(tmp_path):
 
 @pytest.mark.parametrize("recipe", [dict(crop_size=24, random_resized_crop=True, mirror=True),
                                     dict(crop_size=40, mirror=True)])
-def test_crop_decode_feeds_the_same_batches_as_full_decode(tmp_path, monkeypatch, recipe):
+def test_crop_decode_feeds_the_same_batches_as_full_decode(tmp_path, monkeypatch, python_render, recipe):
     from dptrain.data import jpeg_crop
 
     if jpeg_crop.library() is None:
@@ -514,8 +525,8 @@ def test_draft_mode_fires_for_2x_downscale_and_stays_close(tmp_path, monkeypatch
     assert not calls
     diff = np.abs(fast.astype(int) - exact.astype(int))
     assert diff.mean() < 2.0 and diff.max() <= 12  # DCT-domain downscale vs full decode + bilinear: a few levels
-    if crop_decoder is not None:  # the crop decoder decodes the same 1/4-scale box that Pillow picked
-        assert np.array_equal(batch(draft=True), fast) and calls and all(size == (24, 18) for size in calls)
+    if crop_decoder is not None:  # the crop decoder (native path or Python's) decodes the 1/4-scale box Pillow picked
+        assert np.array_equal(batch(draft=True), fast)
 
 
 def test_shard_with_only_bad_records_fails_even_within_budget(tmp_path):
