@@ -627,3 +627,40 @@ def test_batch_ring_pins_only_when_asked():
     from dptrain.data.stream import BatchRing
 
     assert not BatchRing(2, 3, (4, 4, 3)).images.is_pinned()
+
+
+def _damage_a_middle_leaf_page(path: str) -> None:
+    """Mark the middle leaf page of ``path``/data.mdb as something else: a real damaged page,
+    which LMDB meets as MDB_CORRUPTED and after which it fails the whole read transaction."""
+    import struct
+
+    data = bytearray(open(f"{path}/data.mdb", "rb").read())
+    page = 4096
+    flags_at = 10  # MDB_page: pgno (8 bytes), pad (2), flags (2)
+    leaves = [p for p in range(2, len(data) // page)
+              if struct.unpack_from("<H", data, p * page + flags_at)[0] == 0x02]  # P_LEAF
+    assert len(leaves) >= 5, f"want a DB of several leaf pages, found {len(leaves)}"
+    struct.pack_into("<H", data, leaves[len(leaves) // 2] * page + flags_at, 0x10)  # P_DIRTY: not a leaf
+    open(f"{path}/data.mdb", "wb").write(bytes(data))
+
+
+def test_a_damaged_leaf_page_costs_only_its_own_records_under_a_skip_budget(tmp_path, caplog):
+    """After an lmdb error the thread's read transaction is renewed, so the good records after a
+    damaged page read normally; only the records on that page count against the budget."""
+    from dptrain.data.lmdb_source import LmdbReader
+
+    n = 240
+    path = write_db(tmp_path / "db", [raw_value(i) for i in range(n)])
+    _damage_a_middle_leaf_page(path)
+    handle = LmdbReader(path).handle()
+    keys, _, errors = handle.get_many(list(range(n)))
+    handle.close()
+    bad = {keys[i].decode() for i in errors}
+    assert 0 < len(bad) < n // 3 and all("LMDB is damaged" in str(e) for e in errors.values()), (len(bad), errors)
+    src = LmdbSource(make_cfg(path, shuffle="none", max_bad_records=len(bad)), num_classes=NUM_CLASSES, seed=1)
+    with caplog.at_level(logging.WARNING, logger="dptrain.data.stream"):
+        batches = collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), n // 4)
+    named = {m.split("key '")[1].split("'")[0] for m in caplog.messages if "skipping bad record" in m}
+    assert named == bad  # warned once each, and no other record
+    seen = set(ids(np.concatenate([b[0] for b in batches])))
+    assert seen == set(range(n)) - {int(k[1:]) for k in bad}  # every good record was read (bad ones substituted)
