@@ -1,33 +1,72 @@
 #!/usr/bin/env bash
-# Every GPU check in one device call, on a machine whose image already has a CUDA torch and
-# CuPy (the lent H100/H200: Python 3.12, torch 2.11 cu130, cupy-cuda13x, nvcc) but no network.
+# Every GPU check in one device call that fits its window, on a machine whose image already has a
+# CUDA torch and CuPy (the lent H100/H200: Python 3.12, torch 2.11 cu130, cupy-cuda13x) but no network.
 #
-#   benchmarks/gpu_session.sh          # all stages below (~10 min on one H100)
-#   STAGES="tests selfcheck" benchmarks/gpu_session.sh
-#   BANDWIDTH_ARGS="--numel 1000000" ...    # options for the bandwidth stage
+#   benchmarks/gpu_session.sh                        # the default stages, <= 8 min together
+#   STAGES="selfcheck tests" benchmarks/gpu_session.sh
+#   STAGES="sweep" LIMIT_SWEEP_S=400 benchmarks/gpu_session.sh
 #
-# Stages, each logged to $OUT/<stage>.log with its exit status in $OUT/status.tsv:
-#   tests      pytest -m gpu (kernels vs reference bit for bit, no host sync per step, NCCL/cupy-nccl
-#              overlap, fp16/bf16 loss parity)
-#   selfcheck  the first-use kernel self-check a solver runs (dptrain.kernels.selfcheck), by itself
-#   bandwidth  the fused update's effective bandwidth against the HBM peak (benchmarks/update_bandwidth.py)
-#   resnet50   ResNet-50 fp16 `dptrain bench` against torch AMP + channels_last, same process order,
-#              alternated (benchmarks/throughput.py --suite gpu)
-#   nosync     the training step under torch.cuda.set_sync_debug_mode("error") (tests/gpu, -k no_host_sync)
-# The script exits with the worst stage status, so a failed stage never reads as success.
+# Stages run in the order STAGES gives, each under its own time limit (LIMIT_<STAGE>_S seconds),
+# printed as it starts. A stage past its limit is killed with its whole process group (children
+# too) and reported as "timeout", status 124. Default stages and limits (470 s together):
+#   selfcheck  40 s   the kernels' first-use self-check a solver runs (dptrain.kernels.selfcheck)
+#   tests     110 s   pytest -m gpu tests/gpu: kernels vs reference bit for bit, no host sync per step,
+#                     cupy-nccl, fp16/bf16 loss parity; each test under pytest-timeout (PYTEST_TIMEOUT_S,
+#                     default 60) where the plugin is installed, else under the stage limit alone
+#   bandwidth  45 s   the update and grad-norm kernels against a same-size device copy (update_bandwidth.py;
+#                     BANDWIDTH_ARGS adds options)
+#   data      145 s   ResNet-50 fp16 from an LMDB of photo-like JPEGs vs synthetic (data_stage.py): DATA_IMAGES
+#                     (1500) JPEGs of DATA_SIZE (500) px, data-bench at the defaults, bench from the LMDB and
+#                     bench --synthetic; DATA_ARGS adds options (e.g. "--no-train --set data.batch_size=8")
+#   resnet50  130 s   dptrain bench vs torch AMP + channels_last, fp16 and bf16, alternated
+#                     (throughput.py --suite gpu; RESNET50_ARGS, default "--repeats 1 --steps 30 --warmup 10")
+# Opt-in stages (name them in STAGES):
+#   sweep     300 s   ResNet-50 fp16 `dptrain bench --synthetic` at each batch of SWEEP_BATCHES (64 128 256 384)
+#   sleep             sleeps GPU_SESSION_TEST_SLEEP_S seconds in a child process, under LIMIT_SLEEP_S (default 2):
+#                     only for tests of the limits (tests/unit/test_gpu_session.py); unknown unless that is set
 #
-# Wheels the image lacks (lmdb, nvidia-cuda-nvrtc/-runtime if CuPy brought none, ...) travel in .whl/
-# and are installed into /tmp/site first; fetch them where pip has network, e.g.:
+# Output: three files in $OUT (default gpu_out/; the device tool brings back at most 8), rewritten
+# after every stage, so a run cut off from outside still leaves the stages so far:
+#   summary.txt           one screen: each stage's status and time, the figures against their goals
+#                         (benchmarks/session_summary.py), the exit code
+#   status.tsv            stage, status, seconds, limit; one line per stage
+#   gpu_session.tar.gz    session/: env.txt, status.tsv, summary.txt, each <stage>.log, result tables
+# Everything else (the session folder while it fills, the data stage's JPEGs and LMDB) lives in a new
+# folder under SCRATCH (default $TMPDIR or /tmp), removed at the end. The exit code is the worst stage
+# status, so a failed stage never reads as success; a SIGTERM or SIGINT to the script kills the
+# running stage's group, packs what is done, and exits 143.
+#
+# Wheels the image lacks (lmdb, nvidia-cuda-nvrtc/-runtime if CuPy brought none, pytest-timeout) travel
+# in .whl/ and are installed into /tmp/site first; fetch them where pip has network, e.g.:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 -d .whl lmdb nvidia-cuda-nvrtc nvidia-cuda-runtime
-# Everything it writes goes under $OUT (default gpu_out/): logs, JSON lines, result tables.
+#       --platform manylinux2014_x86_64 -d .whl lmdb nvidia-cuda-nvrtc nvidia-cuda-runtime pytest-timeout
 set -uo pipefail
 OUT=${OUT:-gpu_out}
-STAGES=${STAGES:-"tests selfcheck bandwidth resnet50 nosync"}
-mkdir -p "$OUT"
+STAGES=${STAGES:-"selfcheck tests bandwidth data resnet50"}
 PY=${PYTHON:-python3}
-: > "$OUT/status.tsv"
+KILL_AFTER_S=${KILL_AFTER_S:-10}  # SIGKILL this long after the SIGTERM of a timed-out stage
+declare -A LIMIT=([selfcheck]=40 [tests]=110 [bandwidth]=45 [data]=145 [resnet50]=130 [sweep]=300 [sleep]=2)
+
+for stage in $STAGES; do
+    if [ -z "${LIMIT[$stage]:-}" ] || { [ "$stage" = sleep ] && [ -z "${GPU_SESSION_TEST_SLEEP_S:-}" ]; }; then
+        echo "unknown stage '$stage' in STAGES; known: ${!LIMIT[*]} (sleep needs GPU_SESSION_TEST_SLEEP_S)" >&2
+        exit 2
+    fi
+    var="LIMIT_${stage^^}_S"
+    LIMIT[$stage]=${!var:-${LIMIT[$stage]}}
+done
+
+rm -f "$OUT/summary.txt" "$OUT/status.tsv" "$OUT/gpu_session.tar.gz"
+mkdir -p "$OUT"
+SCRATCH_DIR=$(mktemp -d "${SCRATCH:-${TMPDIR:-/tmp}}/gpu_session.XXXXXX") || exit 1
+WORK="$SCRATCH_DIR/session"
+mkdir -p "$WORK"
+: > "$WORK/status.tsv"
 worst=0
+total=0
+for stage in $STAGES; do total=$((total + LIMIT[$stage])); done
+limits=$(for stage in $STAGES; do printf '%s %s s, ' "$stage" "${LIMIT[$stage]}"; done)
+echo "gpu_session: stages '$STAGES'; limits ${limits}$total s together"
 
 if compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -37,11 +76,11 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout itself, no install step
 export PYTHONUNBUFFERED=1
 
-"$PY" - <<'EOF' 2>&1 | tee "$OUT/env.txt"
+timeout -k 5 60 "$PY" - <<'EOF' 2>&1 | tee "$WORK/env.txt"
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu",
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-for m in ("cupy", "lmdb", "PIL", "google.protobuf", "tqdm"):
+for m in ("cupy", "lmdb", "PIL", "google.protobuf", "tqdm", "pytest_timeout"):
     try:
         mod = importlib.import_module(m)
         print(m, getattr(mod, "__version__", "ok"))
@@ -55,31 +94,107 @@ except Exception as e:  # report, the stages will fail with the details
     print("nvrtc MISSING:", e)
 EOF
 
-# run_stage NAME COMMAND...: run it with its output in $OUT/NAME.log; record and keep the worst status.
-run_stage() {
-    local name=$1
-    shift
-    case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
-    echo "== $name: $*" | tee "$OUT/$name.log"
-    "$@" >> "$OUT/$name.log" 2>&1
-    local rc=$?
-    printf '%s\t%d\n' "$name" "$rc" | tee -a "$OUT/status.tsv"
-    tail -n 5 "$OUT/$name.log"
-    [ "$rc" -gt "$worst" ] && worst=$rc
-    return 0
+# pack: the summary and the archive in $OUT, from what the session folder holds now.
+pack() {
+    "$PY" benchmarks/session_summary.py "$WORK" --stages "$STAGES" > "$WORK/summary.txt" 2>&1 \
+        || echo "session_summary.py failed; see status.tsv" >> "$WORK/summary.txt"
+    cp "$WORK/summary.txt" "$WORK/status.tsv" "$OUT/"
+    tar -czf "$OUT/gpu_session.tar.gz.tmp" -C "$SCRATCH_DIR" session \
+        && mv "$OUT/gpu_session.tar.gz.tmp" "$OUT/gpu_session.tar.gz"
 }
 
-run_stage tests "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/gpu
-run_stage selfcheck "$PY" -c "
+# run_stage NAME COMMAND...: run it under its limit with its output in session/NAME.log; record
+# status, seconds and limit; a timeout is status 124 whichever signal ended it.
+run_stage() {
+    local name=$1 limit=${LIMIT[$1]}
+    shift
+    local log="$WORK/$name.log" rc
+    stage_start=$SECONDS
+    echo "== $name: limit $limit s: $*" | tee "$log"
+    # timeout runs the command in a process group of its own and signals the whole group;
+    # the kill afterwards takes whatever the stage left running in it (orphaned children)
+    timeout --kill-after="$KILL_AFTER_S" "$limit" "$@" >> "$log" 2>&1 < /dev/null &
+    stage_pid=$! stage_name=$name
+    wait "$stage_pid"
+    rc=$?
+    kill -KILL -- "-$stage_pid" 2> /dev/null
+    stage_pid=
+    local secs=$((SECONDS - stage_start))
+    if [ "$rc" -eq 124 ] || { [ "$rc" -eq 137 ] && [ "$secs" -ge "$limit" ]; }; then
+        rc=124
+        echo "== $name: timeout after $secs s (limit $limit s); killed with its process group" | tee -a "$log"
+    fi
+    printf '%s\t%d\t%d\t%d\n' "$name" "$rc" "$secs" "$limit" | tee -a "$WORK/status.tsv"
+    tail -n 5 "$log"
+    [ "$rc" -gt "$worst" ] && worst=$rc
+    pack
+}
+
+# A signal to the script (the device call's own limit): end the running stage, record it as
+# interrupted (status 143), and keep what is done.
+stage_pid=
+stage_name=
+stage_start=0
+on_signal() {
+    if [ -n "$stage_pid" ]; then
+        kill -TERM -- "-$stage_pid" 2> /dev/null
+        sleep 1
+        kill -KILL -- "-$stage_pid" 2> /dev/null
+        printf '%s\t%d\t%d\t%d\n' "$stage_name" 143 $((SECONDS - stage_start)) "${LIMIT[$stage_name]}" \
+            | tee -a "$WORK/status.tsv"
+    fi
+    echo "worst stage status: 143 (interrupted)" >> "$WORK/status.tsv"
+    pack
+    rm -rf "$SCRATCH_DIR"
+    exit 143
+}
+trap on_signal TERM INT
+
+pytest_timeout=()
+if "$PY" -c "import pytest_timeout" 2> /dev/null; then
+    pytest_timeout=(--timeout="${PYTEST_TIMEOUT_S:-60}" --timeout-method=thread)
+else
+    echo "pytest-timeout is not installed: the tests stage runs under its stage limit alone"
+fi
+
+for stage in $STAGES; do
+    case $stage in
+    selfcheck)
+        run_stage selfcheck "$PY" -c "
 import torch
 from dptrain.kernels import selfcheck
 why = selfcheck.run(torch.cuda.current_device())
 print('self-check:', why or 'kernels match the torch reference')
-raise SystemExit(1 if why else 0)"
-# shellcheck disable=SC2086  # BANDWIDTH_ARGS is a list of options (the tests shrink the buffer on a CPU)
-run_stage bandwidth "$PY" benchmarks/update_bandwidth.py ${BANDWIDTH_ARGS:-}
-run_stage resnet50 "$PY" benchmarks/throughput.py --suite gpu --repeats 2 --steps 30 --warmup 10 --out "$OUT"
-run_stage nosync "$PY" -m pytest -q -m gpu -p no:cacheprovider -k no_host_sync tests/gpu
+raise SystemExit(1 if why else 0)" ;;
+    tests)
+        run_stage tests "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs ${pytest_timeout[@]+"${pytest_timeout[@]}"} \
+            tests/gpu ;;
+    bandwidth)
+        # shellcheck disable=SC2086  # BANDWIDTH_ARGS is a list of options (the tests shrink the buffer on a CPU)
+        run_stage bandwidth "$PY" benchmarks/update_bandwidth.py ${BANDWIDTH_ARGS:-} ;;
+    data)
+        # shellcheck disable=SC2086  # DATA_ARGS is a list of options
+        run_stage data "$PY" benchmarks/data_stage.py --work "$SCRATCH_DIR/data" --images "${DATA_IMAGES:-1500}" \
+            --size "${DATA_SIZE:-500}" ${DATA_ARGS:-} ;;
+    resnet50)
+        # shellcheck disable=SC2086  # RESNET50_ARGS is a list of options
+        run_stage resnet50 "$PY" benchmarks/throughput.py --suite gpu \
+            ${RESNET50_ARGS:---repeats 1 --steps 30 --warmup 10} --out "$WORK" ;;
+    sweep)
+        run_stage sweep bash -c 'for b in ${SWEEP_BATCHES:-64 128 256 384}; do
+            "$0" -m dptrain bench --config launch/configs/resnet50_imagenet.toml --synthetic --steps 30 --warmup 10 \
+                --set data.batch_size=$b --set "train.run_dir=\"$1/sweep_$b\"" || exit; done' "$PY" "$SCRATCH_DIR" ;;
+    sleep)
+        run_stage sleep "$PY" -c "
+import subprocess, sys, time
+child = subprocess.Popen(['sleep', sys.argv[1]])
+print('child pid', child.pid, flush=True)
+time.sleep(float(sys.argv[1]))" "$GPU_SESSION_TEST_SLEEP_S" ;;
+    esac
+done
 
-echo "worst stage status: $worst" | tee -a "$OUT/status.tsv"
+echo "worst stage status: $worst" >> "$WORK/status.tsv"
+pack
+rm -rf "$SCRATCH_DIR"
+cat "$OUT/summary.txt"
 exit "$worst"

@@ -1,32 +1,184 @@
-"""benchmarks/gpu_session.sh reports a failed stage in its exit code (a lent GPU's only verdict)."""
+"""benchmarks/gpu_session.sh on the CPU: stage limits, the exit code (a lent GPU's only verdict), summary, archive."""
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
+from benchmark_scripts import load_benchmark
+
 REPO = Path(__file__).resolve().parents[2]
+OUT_FILES = {"summary.txt", "status.tsv", "gpu_session.tar.gz"}
+"""What $OUT holds after a run; the device tool brings back at most 8 files."""
 
 
-def _run(tmp_path: Path, stages: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "STAGES": stages, "PYTHON": sys.executable,
-           "BANDWIDTH_ARGS": "--numel 4096 --iters 1 --repeats 1 --warmup 0 --device cpu"}
-    return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+def _env(tmp_path: Path, stages: str, **env: str) -> dict[str, str]:
+    return {**os.environ, "OUT": str(tmp_path / "out"), "STAGES": stages, "PYTHON": sys.executable,
+            "SCRATCH": str(tmp_path), "BANDWIDTH_ARGS": "--numel 4096 --iters 1 --repeats 1 --warmup 0 --device cpu",
+            **env}
+
+
+def _run(tmp_path: Path, stages: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh")], cwd=REPO,
+                          env=_env(tmp_path, stages, **env), capture_output=True, text=True, timeout=300)
+
+
+def _dead(pid: int) -> bool:
+    """The process is gone, or a zombie waiting for init to reap it."""
+    state = Path(f"/proc/{pid}/stat")
+    try:
+        return state.read_text().split(") ")[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+def _status(tmp_path: Path) -> dict[str, tuple[int, int, int]]:
+    """stage -> (status, seconds, limit), from $OUT/status.tsv."""
+    rows = [line.split("\t") for line in (tmp_path / "out" / "status.tsv").read_text().splitlines()]
+    return {r[0]: (int(r[1]), int(r[2]), int(r[3])) for r in rows if len(r) == 4}
+
+
+def _archived(tmp_path: Path, name: str) -> str:
+    """session/<name> from the archive."""
+    with tarfile.open(tmp_path / "out" / "gpu_session.tar.gz") as tar:
+        member = tar.extractfile(f"session/{name}")
+        assert member is not None, name
+        return member.read().decode()
 
 
 def test_a_failing_stage_makes_the_session_fail_even_when_a_later_one_passes(tmp_path):
     # no GPU here: the self-check stage fails; the bandwidth stage then passes on the CPU
     proc = _run(tmp_path, "selfcheck bandwidth")
-    status = dict(line.split("\t") for line in (tmp_path / "out" / "status.tsv").read_text().splitlines()
-                  if "\t" in line)
-    assert status["selfcheck"] != "0" and status["bandwidth"] == "0", status
-    assert proc.returncode == int(status["selfcheck"]) != 0, proc.stdout[-2000:]
-    assert (tmp_path / "out" / "selfcheck.log").is_file() and (tmp_path / "out" / "env.txt").is_file()
+    status = _status(tmp_path)
+    assert status["selfcheck"][0] != 0 and status["bandwidth"][0] == 0, status
+    assert proc.returncode == status["selfcheck"][0] != 0, proc.stdout[-2000:]
+    assert "self-check" in _archived(tmp_path, "selfcheck.log") and "torch" in _archived(tmp_path, "env.txt")
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "selfcheck   failed" in summary and "update kernel / device copy bandwidth" in summary, summary
 
 
 def test_all_stages_passing_exits_0(tmp_path):
     proc = _run(tmp_path, "bandwidth")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "worst stage status: 0" in (tmp_path / "out" / "status.tsv").read_text()
+    assert "exit code: 0 (worst stage status)" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def test_a_stage_past_its_limit_is_killed_with_its_children_and_reported_as_timeout(tmp_path):
+    # then the tests stage (pytest -m gpu: all skipped here) runs on, each test under pytest-timeout
+    proc = _run(tmp_path, "sleep tests", GPU_SESSION_TEST_SLEEP_S="120", LIMIT_SLEEP_S="2", KILL_AFTER_S="2",
+                PYTEST_TIMEOUT_S="30")
+    status, said = _status(tmp_path), proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert status["sleep"][0] == 124 and 2 <= status["sleep"][1] < 20 and status["sleep"][2] == 2, said
+    assert status["tests"][0] == 0, said
+    assert proc.returncode == 124, said
+    assert "== sleep: limit 2 s" in proc.stdout  # the allowance is printed as the stage starts
+    log = _archived(tmp_path, "sleep.log")
+    assert _dead(int(log.split("child pid ")[1].split()[0])), "the stage's child outlived it"
+    header = _archived(tmp_path, "tests.log").splitlines()[0]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        assert "--timeout=30 --timeout-method=thread" in header, header
+    else:
+        assert "--timeout" not in header and "pytest-timeout is not installed" in proc.stdout
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "sleep       timeout" in summary and "exit code: 124" in summary, summary
+    assert "skipped" in summary  # pytest's counts on the tests line (no GPU: all skipped)
+    assert {p.name for p in (tmp_path / "out").iterdir()} == OUT_FILES
+    assert not any(p.name.startswith("gpu_session.") for p in tmp_path.iterdir()), "the scratch folder is left"
+
+
+def _started_child(tmp_path: Path, timeout_s: float) -> int | None:
+    """The pid the sleep stage's log names once it has started its child, or None after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for log in tmp_path.glob("gpu_session.*/session/sleep.log"):
+            text = log.read_text()
+            if "child pid " in text:
+                return int(text.split("child pid ")[1].split()[0])
+        time.sleep(0.1)
+    return None
+
+
+def test_a_signal_to_the_session_ends_the_running_stage_and_packs_what_is_done(tmp_path):
+    proc = subprocess.Popen(["bash", str(REPO / "benchmarks" / "gpu_session.sh")], cwd=REPO, text=True,
+                            env=_env(tmp_path, "sleep", GPU_SESSION_TEST_SLEEP_S="120", LIMIT_SLEEP_S="100"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        child = _started_child(tmp_path, 60)
+    finally:
+        proc.send_signal(signal.SIGTERM)  # as the device call's own limit would; a cleanup if the wait failed
+        try:
+            said = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert child is not None, f"the sleep stage never started: {said[-3000:]}"
+    assert proc.returncode == 143, said[-3000:]
+    assert _dead(child) and _status(tmp_path)["sleep"][0] == 143
+    assert "sleep       interrupted" in (tmp_path / "out" / "summary.txt").read_text()
+    assert "child pid" in _archived(tmp_path, "sleep.log")
+    assert {p.name for p in (tmp_path / "out").iterdir()} == OUT_FILES
+
+
+def test_an_unknown_stage_is_refused_before_anything_runs(tmp_path):
+    proc = _run(tmp_path, "bandwidth sleep")  # sleep exists only for these tests, with GPU_SESSION_TEST_SLEEP_S
+    assert proc.returncode == 2 and "unknown stage 'sleep'" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out" / "status.tsv").exists()
+
+
+def test_the_data_stage_writes_photos_into_an_lmdb_and_benches_the_pipeline(tmp_path):
+    proc = _run(tmp_path, "data", DATA_IMAGES="64", DATA_SIZE="256",
+                DATA_ARGS="--no-train --workers 1 --set data.batch_size=8 --bench-batches 2 --bench-warmup 1 "
+                          "--bench-repeats 1")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    log = _archived(tmp_path, "data.log")
+    assert '"records": 64' in log and '"encoded": true' in log  # make-lmdb's record
+    assert '"stage": "data", "images": 64' in log
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "data-bench images/s" in summary and "train from LMDB / bench --synthetic" in summary, summary
+
+
+def test_the_summary_puts_each_figure_against_its_goal(tmp_path):
+    """GPU-shaped stage logs (no GPU here): bandwidth by kernel time, the data ratio, dptrain over its
+    peer from the runs a cut-off stage finished, pytest's counts, and the exit code."""
+    (tmp_path / "status.tsv").write_text("selfcheck\t0\t17\t40\ntests\t0\t45\t110\nbandwidth\t0\t21\t40\n"
+                                         "data\t0\t97\t150\nresnet50\t124\t130\t130\nworst stage status: 124\n")
+    (tmp_path / "env.txt").write_text("torch 2.11.0+cu130 cuda 13.0 gpu NVIDIA H200\n")
+    (tmp_path / "tests.log").write_text("== tests\n===== 158 passed, 3 skipped in 38.55s =====\n")
+    side = {"update_fraction_of_copy": 0.872, "norm_fraction_of_copy": 0.61}
+    for name in ("update", "norm"):
+        side.update({f"{name}_ms": 0.3, f"{name}_kernel_ms": 0.1, f"{name}_wall_over_kernel": 3.0,
+                     f"{name}_dispatch_hidden": True, f"{name}_kernel_gb_per_s": 3000.0})
+    record = {"bench": "update_bandwidth", "kernel": side, "copy": {"update_kernel_gb_per_s": 4300.0},
+              "goals": {"update_fraction_of_copy": 0.9, "norm_fraction_of_copy": 0.75},
+              "goals_met": {"update": False, "norm": False}}
+    (tmp_path / "bandwidth.log").write_text("== bandwidth\n" + json.dumps(record) + "\n")
+    (tmp_path / "data.log").write_text(json.dumps(
+        {"stage": "data", "images": 1500, "mean_kb": 47.1, "size_px": 500, "data_bench_images_per_s": 8100.0,
+         "lmdb_train_images_per_s": 1351.2, "synthetic_images_per_s": 5827.0, "lmdb_over_synthetic": 0.232,
+         "goals": {"data_bench_images_per_s": 8000.0, "lmdb_over_synthetic": 0.95}}) + "\n")
+    case = "ResNet-50 fp16 vs torch AMP (autocast + GradScaler)"
+    (tmp_path / "resnet50.log").write_text("\n".join(json.dumps(r) for r in (
+        {"case": case, "dptrain": 5900.0}, {"case": case, "peer": 6000.0},
+        {"case": "ResNet-50 bf16 vs torch autocast bf16", "dptrain": 4600.0})) + "\n")  # cut off before its peer
+    lines = load_benchmark("session_summary").render(tmp_path, "selfcheck tests bandwidth data resnet50".split())
+    lines = lines.splitlines()
+    assert len(lines) <= 24  # one screen
+
+    def row(start: str) -> list[str]:
+        return next(line for line in lines if line.strip().startswith(start)).split()
+
+    assert row("tests")[1:5] == ["ok", "45s", "110s", "158"] and row("resnet50")[1] == "timeout"
+    assert row("update kernel / device copy")[-4:] == ["0.872", ">=", "0.900", "MISSED"]
+    assert row("norm kernel / device copy")[-4:] == ["0.610", ">=", "0.750", "MISSED"]
+    assert row("data-bench images/s")[-4:] == ["8100", ">=", "8000", "met"]
+    assert row("train from LMDB / bench --synthetic")[-4:] == ["0.232", ">=", "0.950", "MISSED"]
+    assert row("ResNet-50 fp16: dptrain / peer")[-4:] == ["0.983", ">=", "1.000", "MISSED"]
+    assert not any(line.strip().startswith("ResNet-50 bf16") for line in lines)  # no peer run: no ratio
+    assert lines[-1] == "exit code: 124 (worst stage status)"
