@@ -337,10 +337,114 @@ static inline unsigned char dpt_clip8(int32_t v) {
   return (unsigned char)(v < 0 ? 0 : v > 255 ? 255 : v);
 }
 
-/* One pass of the separable filter as a weighted sum of whole rows: out row yy = sum over the taps
- * of src rows ([*, row_len] bytes; src's row 0 is input row y_base). The vertical pass runs on the
- * image; the horizontal one on its transpose, so that both vectorise across a row (integer sums
- * are exact in any order, so the values are Pillow's). */
+#if defined(__SSE4_1__)
+#include <immintrin.h>
+/* One RGB pixel (a 4-byte load: one byte past it is read) as four int32 lanes. */
+static inline __m128i dpt_px(const unsigned char *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm_cvtepu8_epi32(_mm_cvtsi32_si128(v));
+}
+#endif
+#if defined(__AVX2__)
+/* The same pixel of two rows (p and p + stride) as eight int32 lanes: row 0 low, row 1 high. */
+static inline __m256i dpt_px2(const unsigned char *p, size_t stride) {
+  int32_t a, b;
+  memcpy(&a, p, 4);
+  memcpy(&b, p + stride, 4);
+  return _mm256_cvtepu8_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1));
+}
+
+/* RGB rows y, y + 1 of the horizontal pass (see dpt_pass_h), two output pixels at a time. */
+static void dpt_pass_h_rows2(const unsigned char *in, size_t stride, int x_base, const dpt_coeffs *h, int out_w,
+                             int flip, unsigned char *out0, unsigned char *out1) {
+  const int32_t half = 1 << (PRECISION_BITS - 1);
+  const int ks = h->ksize;
+  for (int xx = 0; xx < out_w; xx += 2) {
+    int two = xx + 1 < out_w;
+    int xb = two ? xx + 1 : xx;
+    const int32_t *ka = h->k + (size_t)xx * ks, *kb = h->k + (size_t)xb * ks;
+    const unsigned char *pa = in + (size_t)(h->bounds[xx * 2] - x_base) * 3;
+    const unsigned char *pb = in + (size_t)(h->bounds[xb * 2] - x_base) * 3;
+    int n = h->bounds[xx * 2 + 1] > h->bounds[xb * 2 + 1] ? h->bounds[xx * 2 + 1] : h->bounds[xb * 2 + 1];
+    __m256i acc_a = _mm256_set1_epi32(half), acc_b = acc_a;
+    for (int x = 0; x < n; x++) {
+      acc_a = _mm256_add_epi32(acc_a, _mm256_mullo_epi32(dpt_px2(pa + 3 * x, stride), _mm256_set1_epi32(ka[x])));
+      acc_b = _mm256_add_epi32(acc_b, _mm256_mullo_epi32(dpt_px2(pb + 3 * x, stride), _mm256_set1_epi32(kb[x])));
+    }
+    int32_t va[8], vb[8];
+    _mm256_storeu_si256((__m256i *)va, acc_a);
+    _mm256_storeu_si256((__m256i *)vb, acc_b);
+    size_t oa = (size_t)(flip ? out_w - 1 - xx : xx) * 3, ob = (size_t)(flip ? out_w - 1 - xb : xb) * 3;
+    for (int c = 0; c < 3; c++) {
+      out0[oa + c] = dpt_clip8(va[c]);
+      out1[oa + c] = dpt_clip8(va[4 + c]);
+      if (two) {
+        out0[ob + c] = dpt_clip8(vb[c]);
+        out1[ob + c] = dpt_clip8(vb[4 + c]);
+      }
+    }
+  }
+}
+#endif
+
+/* Horizontal pass: rows [0, rows) of src ([rows, src_w, C]; its column 0 is input pixel x_base)
+ * into tmp [rows, out_w, C], mirrored if flip. src must have (ksize + 1) * C spare bytes at its end:
+ * for RGB, two output pixels are summed together over the longer of their tap counts (the
+ * weights past a pixel's own count are 0), each pixel's channels the lanes of one vector. */
+static void dpt_pass_h(const unsigned char *src, int rows, int src_w, int x_base, int C, const dpt_coeffs *h,
+                       int out_w, int flip, unsigned char *tmp) {
+  const int32_t half = 1 << (PRECISION_BITS - 1);
+  const int ks = h->ksize;
+  int y = 0;
+#if defined(__AVX2__)
+  for (; C == 3 && y + 1 < rows; y += 2)
+    dpt_pass_h_rows2(src + (size_t)y * src_w * 3, (size_t)src_w * 3, x_base, h, out_w, flip,
+                     tmp + (size_t)y * out_w * 3, tmp + (size_t)(y + 1) * out_w * 3);
+#endif
+  for (; y < rows; y++) {
+    const unsigned char *in = src + (size_t)y * src_w * C;
+    unsigned char *out = tmp + (size_t)y * out_w * C;
+    int xx = 0;
+#if defined(__SSE4_1__)
+    for (; C == 3 && xx + 1 < out_w; xx += 2) {
+      const int32_t *ka = h->k + (size_t)xx * ks, *kb = ka + ks;
+      const unsigned char *pa = in + (size_t)(h->bounds[xx * 2] - x_base) * 3;
+      const unsigned char *pb = in + (size_t)(h->bounds[xx * 2 + 2] - x_base) * 3;
+      int n = h->bounds[xx * 2 + 1] > h->bounds[xx * 2 + 3] ? h->bounds[xx * 2 + 1] : h->bounds[xx * 2 + 3];
+      __m128i acc_a = _mm_set1_epi32(half), acc_b = acc_a;
+      for (int x = 0; x < n; x++) {
+        acc_a = _mm_add_epi32(acc_a, _mm_mullo_epi32(dpt_px(pa + 3 * x), _mm_set1_epi32(ka[x])));
+        acc_b = _mm_add_epi32(acc_b, _mm_mullo_epi32(dpt_px(pb + 3 * x), _mm_set1_epi32(kb[x])));
+      }
+      int32_t va[4], vb[4];
+      _mm_storeu_si128((__m128i *)va, acc_a);
+      _mm_storeu_si128((__m128i *)vb, acc_b);
+      unsigned char *oa = out + (size_t)(flip ? out_w - 1 - xx : xx) * 3;
+      unsigned char *ob = out + (size_t)(flip ? out_w - 2 - xx : xx + 1) * 3;
+      for (int c = 0; c < 3; c++) {
+        oa[c] = dpt_clip8(va[c]);
+        ob[c] = dpt_clip8(vb[c]);
+      }
+    }
+#endif
+    for (; xx < out_w; xx++) {
+      const int32_t *k = h->k + (size_t)xx * ks;
+      const unsigned char *p = in + (size_t)(h->bounds[xx * 2] - x_base) * C;
+      int n = h->bounds[xx * 2 + 1];
+      unsigned char *o = out + (size_t)(flip ? out_w - 1 - xx : xx) * C;
+      for (int c = 0; c < C; c++) {
+        int32_t acc = half;
+        for (int x = 0; x < n; x++) acc += p[x * C + c] * k[x];
+        o[c] = dpt_clip8(acc);
+      }
+    }
+  }
+}
+
+/* Vertical pass: out row yy = sum over the taps of src rows ([*, row_len] bytes; src's row 0 is
+ * input row y_base), summed a whole row at a time so that it vectorises (integer sums are exact
+ * in any order, so the values are Pillow's). */
 static void dpt_pass_rows(const unsigned char *src, int row_len, int y_base, const dpt_coeffs *v, int out_h,
                        int32_t *acc, unsigned char *dst) {
   const int32_t half = 1 << (PRECISION_BITS - 1);
@@ -385,27 +489,6 @@ static void dpt_fetch(const dpt_pixels *px, int x0, int y0, int w, int h, int fl
   }
 }
 
-/* [rows, cols, C] -> [cols, rows, C]; if flip, each output row is mirrored (dst[j][rows-1-i] = src[i][j]).
- * In tiles of TILE x TILE pixels, so that reads and writes both stay within a few cache lines. */
-#define TILE 16
-static void dpt_transpose(const unsigned char *src, int rows, int cols, int C, int flip, unsigned char *dst) {
-  for (int i0 = 0; i0 < rows; i0 += TILE) {
-    int i1 = i0 + TILE < rows ? i0 + TILE : rows;
-    for (int j0 = 0; j0 < cols; j0 += TILE) {
-      int j1 = j0 + TILE < cols ? j0 + TILE : cols;
-      for (int j = j0; j < j1; j++) {
-        unsigned char *o = dst + (size_t)j * rows * C;
-        const unsigned char *in = src + (size_t)j * C;
-        for (int i = i0; i < i1; i++) {
-          unsigned char *q = o + (size_t)(flip ? rows - 1 - i : i) * C;
-          const unsigned char *p = in + (size_t)i * cols * C;
-          for (int c = 0; c < C; c++) q[c] = p[c];
-        }
-      }
-    }
-  }
-}
-
 /* Render the box (in px's pixels) into dst [out_h, out_w, C]. On whole pixels: a plain copy when
  * the box has the output size, else the box alone resampled (crop, then resize: what torchvision's
  * resized_crop and render.py's torch path compute, to within a grey level). Off whole pixels:
@@ -436,18 +519,15 @@ static int dpt_render_box(const dpt_pixels *px, const double box[4], int integra
   int ry0 = v.bounds[0], ry1 = v.bounds[(out_h - 1) * 2] + v.bounds[(out_h - 1) * 2 + 1];
   int rw = rx1 - rx0, rh = ry1 - ry0;
   if (rw <= 0 || rh <= 0) return DPT_GEOMETRY;
-  /* region [rh, rw, C] -> [rw, rh, C] -> horizontal pass [out_w, rh, C] -> [rh, out_w, C] (mirrored)
-   * -> vertical pass [out_h, out_w, C]: Pillow's order of passes, so its intermediate rounding too */
-  size_t big = (size_t)(rw > out_w ? rw : out_w) * (rh > out_h ? rh : out_h) * C;
-  unsigned char *region = (unsigned char *)dpt_grow(&work->region, big);
-  unsigned char *tmp = (unsigned char *)dpt_grow(&work->tmp, big);
-  int32_t *acc = (int32_t *)dpt_grow(&work->acc, (size_t)(rh > out_w ? rh : out_w) * C * sizeof(int32_t));
+  /* region [rh, rw, C] -> horizontal pass [rh, out_w, C] (mirrored) -> vertical pass [out_h, out_w, C]:
+   * Pillow's order of passes, so its intermediate rounding too */
+  unsigned char *region = (unsigned char *)dpt_grow(&work->region, (size_t)rw * rh * C + (size_t)(h.ksize + 1) * C);
+  unsigned char *tmp = (unsigned char *)dpt_grow(&work->tmp, (size_t)out_w * rh * C);
+  int32_t *acc = (int32_t *)dpt_grow(&work->acc, (size_t)out_w * C * sizeof(int32_t));
   if (region == NULL || tmp == NULL || acc == NULL) return DPT_MEMORY;
-  dpt_fetch(px, org_x + rx0, org_y + ry0, rw, rh, 0, tmp);
-  dpt_transpose(tmp, rh, rw, C, 0, region);
-  dpt_pass_rows(region, rh * C, rx0, &h, out_w, acc, tmp);
-  dpt_transpose(tmp, out_w, rh, C, flip, region);
-  dpt_pass_rows(region, out_w * C, ry0, &v, out_h, acc, dst);
+  dpt_fetch(px, org_x + rx0, org_y + ry0, rw, rh, 0, region);
+  dpt_pass_h(region, rh, rw, rx0, C, &h, out_w, flip, tmp);
+  dpt_pass_rows(tmp, out_w * C, ry0, &v, out_h, acc, dst);
   return DPT_OK;
 }
 
