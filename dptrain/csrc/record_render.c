@@ -259,6 +259,9 @@ static int dpt_plan(dpt_sample *s, const double *stages, int n_stages) {
 /* ---- 4. Pillow's bilinear resample (ImagingResample with a float box), our own code ---- */
 
 #define PRECISION_BITS 22 /* Pillow's 8-bit path: 32 - 8 - 2 */
+#define H_BITS 14         /* the horizontal pass's weights: int16 (a weight is at most 2^14), as torch's
+                             uint8 antialiased kernel keeps them; one rounding of each weight away from
+                             Pillow's 22 bits, so a pixel can differ from Pillow's by one grey level */
 
 /* Buffers that grow across the records of one call and are freed at its end, so that nothing is
  * allocated inside a decode that libjpeg may leave by longjmp. */
@@ -278,18 +281,22 @@ static void *dpt_grow(dpt_buf *b, size_t need) {
 }
 
 typedef struct {
-  dpt_buf region, tmp, acc, weights, k[2], bounds[2];
+  dpt_buf region, tmp, acc, weights, k[2], bounds[2], pairs[2];
 } dpt_work;
 
 static void dpt_work_free(dpt_work *w) {
-  dpt_buf *all[] = {&w->region, &w->tmp, &w->acc, &w->weights, &w->k[0], &w->k[1], &w->bounds[0], &w->bounds[1]};
+  dpt_buf *all[] = {&w->region, &w->tmp, &w->acc, &w->weights, &w->k[0], &w->k[1], &w->bounds[0], &w->bounds[1],
+                    &w->pairs[0], &w->pairs[1]};
   for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) free(all[i]->p);
 }
 
 typedef struct {
   int ksize;
-  int *bounds;    /* [out * 2]: first input pixel, taps */
-  int32_t *k;     /* [out * ksize] fixed-point weights */
+  int *bounds;      /* [out * 2]: first input pixel, taps */
+  int32_t *k;       /* [out * ksize] weights, PRECISION_BITS fixed point (Pillow's) */
+  int npairs;       /* ceil(ksize / 2) */
+  uint32_t *pairs;  /* [out * npairs] the same weights in H_BITS fixed point as int16 pairs (tap 2j low,
+                       2j + 1 high; 0 past the output's taps): the horizontal pass's, for pmaddwd */
 } dpt_coeffs;
 
 static double dpt_bilinear(double x) {
@@ -310,7 +317,9 @@ static int dpt_coeffs_make(dpt_coeffs *c, dpt_work *work, int which, int in_size
   c->ksize = ksize;
   c->bounds = (int *)dpt_grow(&work->bounds[which], (size_t)out_size * 2 * sizeof(int));
   c->k = (int32_t *)dpt_grow(&work->k[which], (size_t)out_size * (size_t)ksize * sizeof(int32_t));
-  if (w == NULL || c->bounds == NULL || c->k == NULL) return DPT_MEMORY;
+  c->npairs = (ksize + 1) / 2;
+  c->pairs = (uint32_t *)dpt_grow(&work->pairs[which], (size_t)out_size * (size_t)c->npairs * sizeof(uint32_t));
+  if (w == NULL || c->bounds == NULL || c->k == NULL || c->pairs == NULL || ksize > 63) return DPT_MEMORY;
   for (int xx = 0; xx < out_size; xx++) {
     double center = in0 + (xx + 0.5) * scale, sum = 0.0;
     int xmin = (int)(center - support + 0.5), xmax = (int)(center + support + 0.5);
@@ -322,10 +331,13 @@ static int dpt_coeffs_make(dpt_coeffs *c, dpt_work *work, int which, int in_size
       sum += w[x];
     }
     int32_t *k = c->k + (size_t)xx * ksize;
+    uint16_t h16[64] = {0}; /* ksize <= 2 * ceil(support) + 1; support <= 31 for any box this path takes */
     for (int x = 0; x < ksize; x++) {
       double v = x >= xmax ? 0.0 : sum != 0.0 ? w[x] / sum : w[x];
       k[x] = (int32_t)(v < 0 ? -0.5 + v * (1 << PRECISION_BITS) : 0.5 + v * (1 << PRECISION_BITS));
+      if (x < 64) h16[x] = (uint16_t)(int16_t)(0.5 + v * (1 << H_BITS)); /* bilinear weights are >= 0 */
     }
+    for (int j = 0; j < c->npairs; j++) c->pairs[(size_t)xx * c->npairs + j] = h16[2 * j] | ((uint32_t)h16[2 * j + 1] << 16);
     c->bounds[xx * 2] = xmin;
     c->bounds[xx * 2 + 1] = xmax;
   }
@@ -337,65 +349,63 @@ static inline unsigned char dpt_clip8(int32_t v) {
   return (unsigned char)(v < 0 ? 0 : v > 255 ? 255 : v);
 }
 
-#if defined(__SSE4_1__)
-#include <immintrin.h>
-/* One RGB pixel (a 4-byte load: one byte past it is read) as four int32 lanes. */
-static inline __m128i dpt_px(const unsigned char *p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return _mm_cvtepu8_epi32(_mm_cvtsi32_si128(v));
-}
-#endif
 #if defined(__AVX2__)
-/* The same pixel of two rows (p and p + stride) as eight int32 lanes: row 0 low, row 1 high. */
-static inline __m256i dpt_px2(const unsigned char *p, size_t stride) {
-  int32_t a, b;
-  memcpy(&a, p, 4);
-  memcpy(&b, p + stride, 4);
-  return _mm256_cvtepu8_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1));
+#include <immintrin.h>
+/* Bytes of two neighbouring RGB pixels, R0 G0 B0 R1 G1 B1, to int16 lanes R0 R1 G0 G1 B0 B1 0 0 (per
+ * 128-bit lane): pmaddwd with a pair of weights then gives three channel sums of two taps. */
+static inline __m256i dpt_pair_mask(void) {
+  return _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1,
+                          0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1);
+}
+
+/* Two RGB pixels at p of two rows (p and p + stride; 8-byte loads) as int16 pairs, row 0 low. */
+static inline __m256i dpt_pairs2(const unsigned char *p, size_t stride, __m256i mask) {
+  __m128i a = _mm_loadl_epi64((const __m128i *)p), b = _mm_loadl_epi64((const __m128i *)(p + stride));
+  return _mm256_shuffle_epi8(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1), mask);
 }
 
 /* RGB rows y, y + 1 of the horizontal pass (see dpt_pass_h), two output pixels at a time. */
 static void dpt_pass_h_rows2(const unsigned char *in, size_t stride, int x_base, const dpt_coeffs *h, int out_w,
                              int flip, unsigned char *out0, unsigned char *out1) {
-  const int32_t half = 1 << (PRECISION_BITS - 1);
-  const int ks = h->ksize;
+  const __m256i mask = dpt_pair_mask(), half = _mm256_set1_epi32(1 << (H_BITS - 1));
+  const int np = h->npairs;
   for (int xx = 0; xx < out_w; xx += 2) {
     int two = xx + 1 < out_w;
     int xb = two ? xx + 1 : xx;
-    const int32_t *ka = h->k + (size_t)xx * ks, *kb = h->k + (size_t)xb * ks;
+    const uint32_t *ka = h->pairs + (size_t)xx * np, *kb = h->pairs + (size_t)xb * np;
     const unsigned char *pa = in + (size_t)(h->bounds[xx * 2] - x_base) * 3;
     const unsigned char *pb = in + (size_t)(h->bounds[xb * 2] - x_base) * 3;
     int n = h->bounds[xx * 2 + 1] > h->bounds[xb * 2 + 1] ? h->bounds[xx * 2 + 1] : h->bounds[xb * 2 + 1];
-    __m256i acc_a = _mm256_set1_epi32(half), acc_b = acc_a;
-    for (int x = 0; x < n; x++) {
-      acc_a = _mm256_add_epi32(acc_a, _mm256_mullo_epi32(dpt_px2(pa + 3 * x, stride), _mm256_set1_epi32(ka[x])));
-      acc_b = _mm256_add_epi32(acc_b, _mm256_mullo_epi32(dpt_px2(pb + 3 * x, stride), _mm256_set1_epi32(kb[x])));
+    __m256i acc_a = half, acc_b = half;
+    for (int j = 0; 2 * j < n; j++) {
+      acc_a = _mm256_add_epi32(acc_a, _mm256_madd_epi16(dpt_pairs2(pa + 6 * j, stride, mask),
+                                                        _mm256_set1_epi32((int)ka[j])));
+      acc_b = _mm256_add_epi32(acc_b, _mm256_madd_epi16(dpt_pairs2(pb + 6 * j, stride, mask),
+                                                        _mm256_set1_epi32((int)kb[j])));
     }
-    int32_t va[8], vb[8];
-    _mm256_storeu_si256((__m256i *)va, acc_a);
-    _mm256_storeu_si256((__m256i *)vb, acc_b);
+    acc_a = _mm256_srai_epi32(acc_a, H_BITS);
+    acc_b = _mm256_srai_epi32(acc_b, H_BITS);
+    /* int32 -> uint8 with saturation (the clip to [0, 255]) */
+    __m256i packed = _mm256_packus_epi16(_mm256_packs_epi32(acc_a, acc_b), _mm256_setzero_si256());
+    uint8_t v[32];
+    _mm256_storeu_si256((__m256i *)v, packed); /* row 0: a at 0..2, b at 4..6; row 1: a at 16.., b at 20.. */
     size_t oa = (size_t)(flip ? out_w - 1 - xx : xx) * 3, ob = (size_t)(flip ? out_w - 1 - xb : xb) * 3;
-    for (int c = 0; c < 3; c++) {
-      out0[oa + c] = dpt_clip8(va[c]);
-      out1[oa + c] = dpt_clip8(va[4 + c]);
-      if (two) {
-        out0[ob + c] = dpt_clip8(vb[c]);
-        out1[ob + c] = dpt_clip8(vb[4 + c]);
-      }
+    memcpy(out0 + oa, v, 3);
+    memcpy(out1 + oa, v + 16, 3);
+    if (two) {
+      memcpy(out0 + ob, v + 4, 3);
+      memcpy(out1 + ob, v + 20, 3);
     }
   }
 }
 #endif
 
-/* Horizontal pass: rows [0, rows) of src ([rows, src_w, C]; its column 0 is input pixel x_base)
- * into tmp [rows, out_w, C], mirrored if flip. src must have (ksize + 1) * C spare bytes at its end:
- * for RGB, two output pixels are summed together over the longer of their tap counts (the
- * weights past a pixel's own count are 0), each pixel's channels the lanes of one vector. */
+/* Horizontal pass: rows [0, rows) of src ([rows, src_w, C]; its column 0 is input pixel x_base) into
+ * tmp [rows, out_w, C], mirrored if flip, with H_BITS weights (the same sums on every path, so the same
+ * bytes with or without AVX2). src must have (ksize + 2) * C + 8 spare bytes at its end: pixels are read
+ * in pairs of taps, the weights past an output's own taps being 0. */
 static void dpt_pass_h(const unsigned char *src, int rows, int src_w, int x_base, int C, const dpt_coeffs *h,
                        int out_w, int flip, unsigned char *tmp) {
-  const int32_t half = 1 << (PRECISION_BITS - 1);
-  const int ks = h->ksize;
   int y = 0;
 #if defined(__AVX2__)
   for (; C == 3 && y + 1 < rows; y += 2)
@@ -405,38 +415,16 @@ static void dpt_pass_h(const unsigned char *src, int rows, int src_w, int x_base
   for (; y < rows; y++) {
     const unsigned char *in = src + (size_t)y * src_w * C;
     unsigned char *out = tmp + (size_t)y * out_w * C;
-    int xx = 0;
-#if defined(__SSE4_1__)
-    for (; C == 3 && xx + 1 < out_w; xx += 2) {
-      const int32_t *ka = h->k + (size_t)xx * ks, *kb = ka + ks;
-      const unsigned char *pa = in + (size_t)(h->bounds[xx * 2] - x_base) * 3;
-      const unsigned char *pb = in + (size_t)(h->bounds[xx * 2 + 2] - x_base) * 3;
-      int n = h->bounds[xx * 2 + 1] > h->bounds[xx * 2 + 3] ? h->bounds[xx * 2 + 1] : h->bounds[xx * 2 + 3];
-      __m128i acc_a = _mm_set1_epi32(half), acc_b = acc_a;
-      for (int x = 0; x < n; x++) {
-        acc_a = _mm_add_epi32(acc_a, _mm_mullo_epi32(dpt_px(pa + 3 * x), _mm_set1_epi32(ka[x])));
-        acc_b = _mm_add_epi32(acc_b, _mm_mullo_epi32(dpt_px(pb + 3 * x), _mm_set1_epi32(kb[x])));
-      }
-      int32_t va[4], vb[4];
-      _mm_storeu_si128((__m128i *)va, acc_a);
-      _mm_storeu_si128((__m128i *)vb, acc_b);
-      unsigned char *oa = out + (size_t)(flip ? out_w - 1 - xx : xx) * 3;
-      unsigned char *ob = out + (size_t)(flip ? out_w - 2 - xx : xx + 1) * 3;
-      for (int c = 0; c < 3; c++) {
-        oa[c] = dpt_clip8(va[c]);
-        ob[c] = dpt_clip8(vb[c]);
-      }
-    }
-#endif
-    for (; xx < out_w; xx++) {
-      const int32_t *k = h->k + (size_t)xx * ks;
+    for (int xx = 0; xx < out_w; xx++) {
+      const uint32_t *k = h->pairs + (size_t)xx * h->npairs;
       const unsigned char *p = in + (size_t)(h->bounds[xx * 2] - x_base) * C;
       int n = h->bounds[xx * 2 + 1];
       unsigned char *o = out + (size_t)(flip ? out_w - 1 - xx : xx) * C;
       for (int c = 0; c < C; c++) {
-        int32_t acc = half;
-        for (int x = 0; x < n; x++) acc += p[x * C + c] * k[x];
-        o[c] = dpt_clip8(acc);
+        int32_t acc = 1 << (H_BITS - 1);
+        for (int x = 0; x < n; x++) acc += p[x * C + c] * (int32_t)(int16_t)(k[x / 2] >> (16 * (x % 2)));
+        acc >>= H_BITS;
+        o[c] = (unsigned char)(acc < 0 ? 0 : acc > 255 ? 255 : acc);
       }
     }
   }
@@ -520,8 +508,8 @@ static int dpt_render_box(const dpt_pixels *px, const double box[4], int integra
   int rw = rx1 - rx0, rh = ry1 - ry0;
   if (rw <= 0 || rh <= 0) return DPT_GEOMETRY;
   /* region [rh, rw, C] -> horizontal pass [rh, out_w, C] (mirrored) -> vertical pass [out_h, out_w, C]:
-   * Pillow's order of passes, so its intermediate rounding too */
-  unsigned char *region = (unsigned char *)dpt_grow(&work->region, (size_t)rw * rh * C + (size_t)(h.ksize + 1) * C);
+   * Pillow's order of passes */
+  unsigned char *region = (unsigned char *)dpt_grow(&work->region, (size_t)rw * rh * C + (size_t)(h.ksize + 2) * C + 8);
   unsigned char *tmp = (unsigned char *)dpt_grow(&work->tmp, (size_t)out_w * rh * C);
   int32_t *acc = (int32_t *)dpt_grow(&work->acc, (size_t)out_w * C * sizeof(int32_t));
   if (region == NULL || tmp == NULL || acc == NULL) return DPT_MEMORY;
