@@ -118,6 +118,33 @@ def _alive(pid: int) -> bool:
     return True
 
 
+DIVERGING_SUFFIX = ".diverging"
+"""A file ``snapshot_iter_<N>.pt.diverging`` beside a snapshot marks it as written while the run was
+diverging (:class:`dptrain.overflow.DivergenceWatch`): it is never offered as good."""
+
+
+def mark_diverging(path: Path, reason: str) -> None:
+    """Mark snapshot ``path`` as taken during a divergence (the marker holds the reason)."""
+    try:
+        path.with_name(path.name + DIVERGING_SUFFIX).write_text(reason + "\n")
+    except OSError as e:
+        log.warning("cannot mark %s as diverging (%s)", path, e)
+
+
+def unmark_diverging(path: Path) -> None:
+    path.with_name(path.name + DIVERGING_SUFFIX).unlink(missing_ok=True)
+
+
+def is_diverging(path: Path) -> bool:
+    return path.with_name(path.name + DIVERGING_SUFFIX).exists()
+
+
+def good_snapshots(run_dir: str | Path, before: int | None = None) -> list[tuple[int, Path]]:
+    """:func:`list_snapshots` without the ones marked diverging (and those at or after ``before``)."""
+    return [(it, p) for it, p in list_snapshots(run_dir)
+            if not is_diverging(p) and (before is None or it < before)]
+
+
 def list_snapshots(run_dir: str | Path) -> list[tuple[int, Path]]:
     """(iteration, path) of every snapshot in ``run_dir``, newest first."""
     d = Path(run_dir)
@@ -176,21 +203,35 @@ def _unpickler_detail(e: Exception) -> str:
 
 
 def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
-    """``--resume auto`` -> the newest readable snapshot in ``run_dir`` (None if none);
-    anything else is a path that must exist (checked now, before anything is built)."""
+    """``--resume auto`` -> the newest readable snapshot in ``run_dir`` not marked diverging (None if
+    the folder holds no snapshot at all); anything else is a path that must exist and load. Both
+    are checked now, before anything is built."""
     if resume != "auto":
         p = Path(resume)
         if not p.is_file():
             raise SnapshotError(f"--resume {resume!r}: no such snapshot file; pass an existing snapshot_iter_<N>.pt "
                                 f"or --resume auto")
+        load_snapshot(p)  # a torn or foreign file fails here, not after the model is built
         return p
-    for _, p in list_snapshots(run_dir):
+    found = list_snapshots(run_dir)
+    skipped = []
+    for _, p in found:
+        if is_diverging(p):
+            log.warning("skipping %s: written while the run was diverging (%s)", p,
+                        p.with_name(p.name + DIVERGING_SUFFIX).read_text().strip())
+            skipped.append(f"{p.name} (diverging)")
+            continue
         try:
             load_snapshot(p)
         except SnapshotError as e:
             log.warning("skipping unreadable snapshot %s: %s", p, e)
+            skipped.append(f"{p.name} (unreadable)")
             continue
         return p
+    if found:
+        raise SnapshotError(f"--resume auto: none of the {len(found)} snapshot(s) in {str(run_dir)!r} can be resumed "
+                            f"({', '.join(skipped[:3])}{' ...' if len(skipped) > 3 else ''}); pass one with --resume "
+                            f"PATH, or start afresh in another train.run_dir")
     return None
 
 

@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -332,7 +333,7 @@ def run() -> None:
     has printed its line would otherwise sit there until torchrun kills it. Everything worth
     keeping is written by then (snapshots atomically, metrics closed, the run_dir lock goes
     with the process)."""
-    code = main()
+    code = main(own_process=True)
     if code == EXIT_RANK_FAILURE:
         logging.shutdown()
         sys.stdout.flush()
@@ -341,7 +342,9 @@ def run() -> None:
     sys.exit(code)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """Run one ``dptrain`` command; its exit code. ``own_process``: the command owns this process
+    (the console script), so it may ignore signals on its way out."""
     setup_logging()
     args = build_parser().parse_args(argv)
     handlers = {"train": cmd_train, "test": cmd_test, "export": cmd_export, "bench": cmd_bench, "demo": cmd_demo,
@@ -360,7 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(record), flush=True)  # the command's result: one JSON line on stdout
         return 0
     except UserError as e:  # the input's fault, or another rank's: one line, no traceback
-        say(error_line(e))
+        if own_process:  # leaving with its own code: a launcher's SIGTERM, sent because another rank
+            # failed first, must not turn this into "killed by SIGTERM" and hide the line below
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if e.exit_code == 0:  # a stop before training began: not an error
+            logging.getLogger("dptrain").info("%s", e)
+        else:
+            say(error_line(e))
         return e.exit_code
     except RuntimeError as e:
         from torch.distributed import DistError

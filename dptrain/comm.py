@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.errors import RankFailure, SetupError, first_line
+from dptrain.errors import PeerStartupError, RankFailure, SetupError, StartupStopped, first_line
 from dptrain.flight import FlightRecorder, progress_store
 from dptrain.topology import Topology
 from dptrain.trace import now_us
@@ -192,6 +192,66 @@ def import_dynamo_first() -> None:
     import torch._dynamo  # noqa: F401
 
 
+STARTUP_POLL_S = 0.1
+"""How often a rank waiting for the others at start-up looks at the store and at its stop flag."""
+
+
+def join_store(topology: Topology, timeout_s: float) -> dist.Store | None:
+    """The rendezvous store torchrun describes (MASTER_ADDR/PORT; under torchrun the agent's own),
+    the one ``init_process_group`` would open; None for one solver.
+
+    Opened before the process group so that the ranks can agree to start (:func:`agree_to_start`)
+    without any of them blocking inside the group's rendezvous, where no signal is served.
+    """
+    if topology.world_size <= 1:
+        return None
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]  # torch's env:// rendezvous
+    if missing:
+        raise SetupError(f"WORLD_SIZE={topology.world_size} but {missing} are not set; start the solvers "
+                         f"with torchrun")
+    import_dynamo_first()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", topology.rank, topology.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return store
+
+
+def agree_to_start(store: dist.Store | None, topology: Topology, refusal: str | None, *,
+                   stopped: Callable[[], bool], timeout_s: float) -> None:
+    """Tell every rank whether this one can start (``refusal``: its one-line error, or None) and
+    wait until all can, before any rank joins the process group.
+
+    Rank 0 decides what only it checks (the run directory's lock) and the verdict travels
+    through the store, so ranks on other nodes need no shared filesystem to learn it. A rank
+    that refuses raises its own error after publishing it; the others raise
+    :class:`PeerStartupError` with its line, so a refused run exits 2 on every rank at once. The
+    wait polls every :data:`STARTUP_POLL_S`, so a SIGTERM ends it (:class:`StartupStopped`),
+    and it gives up after ``timeout_s``.
+    """
+    if store is None:
+        return
+    prefix = f"dptrain/start/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store.set(f"{prefix}{topology.rank}", refusal or "")
+    if refusal is not None:
+        return
+    pending = [r for r in range(topology.world_size) if r != topology.rank]
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        if stopped():
+            raise StartupStopped(f"rank {topology.rank}: stopped by a signal while waiting for ranks {pending} "
+                                 f"to start; nothing to snapshot yet")
+        for r in [r for r in pending if store.check([f"{prefix}{r}"])]:
+            line = store.get(f"{prefix}{r}").decode("utf-8", "replace")
+            if line:
+                raise PeerStartupError(f"rank {topology.rank}: rank {r} cannot start ({line})")
+            pending.remove(r)
+        if pending and time.monotonic() > deadline:
+            raise RankFailure(f"rank {topology.rank}: ranks {pending} did not start within "
+                              f"train.process_group_timeout_s = {timeout_s:g} s; see their logs")
+        if pending:
+            time.sleep(STARTUP_POLL_S)
+
+
 class Communicator:
     """Rank, world size and the collectives dptrain needs, over one process group."""
 
@@ -214,8 +274,9 @@ class Communicator:
 
     @classmethod
     def from_env(cls, topology: Topology, timeout_s: float, device: torch.device,
-                 pg_timeout_s: float = 600.0) -> Communicator:
-        """Join the process group torchrun describes (``topology``, MASTER_ADDR/PORT).
+                 pg_timeout_s: float = 600.0, store: dist.Store | None = None) -> Communicator:
+        """Join the process group torchrun describes (``topology``, MASTER_ADDR/PORT), through
+        ``store`` when the caller opened it already (:func:`join_store`).
 
         A bucket's collective that does not complete within ``timeout_s`` (any other within
         ``pg_timeout_s``) fails on every rank that waits for it, so a dead or stuck rank never
@@ -229,6 +290,8 @@ class Communicator:
                              f"with torchrun")
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=pg_timeout_s)}
+        if store is not None:
+            kwargs.update(store=store, rank=topology.rank, world_size=topology.world_size)
         if backend == "nccl":
             kwargs["device_id"] = device
         import_dynamo_first()

@@ -28,9 +28,10 @@ import torch
 
 from dptrain.comm import Communicator, Work
 
-FIELDS = ("stop", "nonfinite_loss")
-"""The control vector's entries, each summed over the ranks."""
-STOP, NONFINITE = 0, 1
+FIELDS = ("stop", "nonfinite_loss", "loss")
+"""The control vector's entries, each summed over the ranks: the loss so too, so that every rank
+sees every iteration's mean loss (for :class:`dptrain.overflow.DivergenceWatch`) without a host sync."""
+STOP, NONFINITE, LOSS = 0, 1, 2
 CUDA_LAG = 2
 """Iterations between a CUDA step and the host reading its flags: the device-to-host copy of
 iteration k is long done by the end of iteration k + 2, so the read never stalls the
@@ -101,14 +102,15 @@ class ControlChannel:
         self._pending: deque[_Pending] = deque()
 
     def vector(self, stop: bool, loss: torch.Tensor | None = None) -> torch.Tensor:
-        """This step's device vector: the local stop request and whether ``loss`` is non-finite.
-        Device ops only (``fill_`` takes the host flag as a kernel argument)."""
+        """This step's device vector: the local stop request, whether ``loss`` is non-finite, and
+        ``loss`` itself. Device ops only (``fill_`` takes the host flag as a kernel argument)."""
         v = self._vectors[self._slot]
         v[STOP].fill_(1.0 if stop else 0.0)
         if loss is None:
-            v[NONFINITE].zero_()
+            v[NONFINITE:].zero_()
         else:
             v[NONFINITE].copy_((~torch.isfinite(loss.detach())).float())
+            v[LOSS].copy_(loss.detach())
         return v
 
     def submit(self, step: int, *, reduce: bool) -> None:

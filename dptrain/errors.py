@@ -74,6 +74,17 @@ class DivergenceError(UserError):
     """The loss or the gradient norm stayed non-finite without loss scaling to skip it."""
 
 
+class PeerStartupError(UserError):
+    """Another rank refused to start (its own line says why, e.g. rank 0's run directory lock):
+    this rank exits 2 with it, before any rank waits in the process group."""
+
+
+class StartupStopped(UserError):
+    """A stop signal arrived before training began: nothing to snapshot, exit 0."""
+
+    exit_code = 0
+
+
 class RankFailure(UserError):
     """A collective failed or timed out: another rank probably died or hung. The message
     names this rank; the failed rank has its own error."""

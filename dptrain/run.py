@@ -13,10 +13,10 @@ import torch
 
 from dptrain.build import pick_device
 from dptrain.checkpoint import RunDir, resolve_resume
-from dptrain.comm import Communicator
+from dptrain.comm import Communicator, agree_to_start, join_store
 from dptrain.config import TrainConfig
 from dptrain.control import StopFlag
-from dptrain.errors import ConfigError, RankFailure, first_line
+from dptrain.errors import ConfigError, RankFailure, UserError, first_line
 from dptrain.hostmem import apply_host_malloc
 from dptrain.topology import Topology
 from dptrain.trace import Tracer
@@ -47,14 +47,15 @@ def stop_with_the_launcher(topology: Topology) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def open_communicator(cfg: TrainConfig, topology: Topology) -> Communicator:
+def open_communicator(cfg: TrainConfig, topology: Topology, store: Any = None) -> Communicator:
     """This solver's device (its CPU thread count and host allocator settings), and the process group
-    over every solver."""
+    over every solver (through ``store``, :func:`dptrain.comm.join_store`, when already open)."""
     device = pick_device(cfg.train.device, topology.local_rank)
     if device.type == "cpu":
         torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
     apply_host_malloc(cfg.train.host_malloc, device.type, topology.rank)
-    return Communicator.from_env(topology, cfg.reducer.timeout_s, device, cfg.train.process_group_timeout_s)
+    return Communicator.from_env(topology, cfg.reducer.timeout_s, device, cfg.train.process_group_timeout_s,
+                                 store=store)
 
 
 def _train(cfg: TrainConfig, comm: Communicator, stop: StopFlag, *, resume: str | None, resume_path: Path | None,
@@ -80,9 +81,11 @@ def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | No
     """``dptrain train``: check and lock the run directory, build this solver, train, test.
 
     Order matters for a user on a cluster: the run directory, the lock, ``--resume PATH`` and
-    ``--weights PATH`` are checked before anything slow is built; the stop handlers are
-    installed before the first build step, so a SIGTERM at startup ends in a snapshot at the
-    first iteration. ``--weights`` starts a fresh run (iteration 0, new optimizer state, the
+    ``--weights PATH`` are checked before anything slow is built, and every rank learns every
+    rank's verdict through the rendezvous store before any joins the process group
+    (:func:`dptrain.comm.agree_to_start`), so a refused run exits 2 on every rank at once. The stop
+    handlers are installed first: a SIGTERM while the ranks wait for each other ends the run (exit 0,
+    nothing to snapshot), one after that in a snapshot at the first iteration. ``--weights`` starts a fresh run (iteration 0, new optimizer state, the
     config's seed) from a model's weights, as ``caffe train -weights`` does.
     """
     if weights and resume:
@@ -93,17 +96,28 @@ def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | No
     topology = Topology.from_env()
     run_dir = RunDir(cfg.train.run_dir)
     run_dir.check_usable(writer=topology.rank == 0)
-    if topology.rank == 0:  # rank 0 writes config.toml, metrics.jsonl and the snapshots
-        run_dir.lock()
+    stop = StopFlag()
     try:
-        resume_path = resolve_resume(resume, run_dir.path) if resume else None
-        weights_path = check_weights_path(weights) if weights else None
-        if not resume:
-            run_dir.refuse_earlier_run()
-        stop = StopFlag()
         with stop.installed():
             stop_with_the_launcher(topology)
-            comm = open_communicator(cfg, topology)
+            store = join_store(topology, cfg.train.process_group_timeout_s)
+            refusal = None
+            try:
+                if topology.rank == 0:  # rank 0 writes config.toml, metrics.jsonl and the snapshots
+                    run_dir.lock()
+                resume_path = resolve_resume(resume, run_dir.path) if resume else None
+                weights_path = check_weights_path(weights) if weights else None
+                if not resume:
+                    run_dir.refuse_earlier_run()
+            except UserError as e:
+                refusal = e
+            # every rank learns every verdict (rank 0's lock above all) before any waits on another
+            # in the process group's rendezvous, where it would not even serve a SIGTERM
+            agree_to_start(store, topology, None if refusal is None else first_line(refusal),
+                           stopped=lambda: stop.requested, timeout_s=cfg.train.process_group_timeout_s)
+            if refusal is not None:
+                raise refusal
+            comm = open_communicator(cfg, topology, store)
             peer_failed = False
             try:
                 comm.attach_progress_store()

@@ -33,14 +33,18 @@ from dptrain.checkpoint import (
     StateParts,
     capture,
     check_same_start,
+    good_snapshots,
+    list_snapshots,
     load_snapshot,
+    mark_diverging,
     restore,
     save_snapshot,
     snapshot_path,
+    unmark_diverging,
 )
 from dptrain.comm import Communicator
 from dptrain.config import TrainConfig, config_to_dict, dump_toml
-from dptrain.control import NONFINITE, STOP, ControlChannel, StopFlag
+from dptrain.control import LOSS, NONFINITE, STOP, ControlChannel, StopFlag
 from dptrain.data import build_source
 from dptrain.data.base import DROPPED_LABEL, DeviceFeeder
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, eval_range
@@ -49,7 +53,7 @@ from dptrain.layout import resolve_channels_last
 from dptrain.metrics import MetricsWriter, TensorBoardWriter
 from dptrain.models import check_input
 from dptrain.optimizer import MasterOptimizer
-from dptrain.overflow import OverflowLocator, first_nonfinite_layer
+from dptrain.overflow import DivergenceWatch, OverflowLocator, first_nonfinite_layer
 from dptrain.param_groups import resolve_multipliers
 from dptrain.precision import DTYPES, LossScaler, warn_if_slow_on_cpu
 from dptrain.reducer import Reducer
@@ -108,6 +112,7 @@ class Trainer:
         self.control = ControlChannel(comm, self.device)
         self._stop_at: int | None = None
         self._nonfinite_since: int | None = None
+        self.divergence = DivergenceWatch()
         self._saved_at: int | None = None
         """Iteration of the snapshot last written or resumed from: a stop there writes nothing new."""
         self._feeder: DeviceFeeder | None = None
@@ -200,6 +205,7 @@ class Trainer:
         for step, sums in flags:
             if sums[STOP] > 0 and self._stop_at is None:
                 self._stop_at = step + self.control.lag
+            self._watch_loss(step, float(sums[LOSS]) / self.world_size)
             if self.scaler.enabled:  # a non-finite loss is an overflow there: the scaler skips the step
                 continue
             if sums[NONFINITE] == 0:
@@ -213,6 +219,19 @@ class Trainer:
                                        f"{self.cfg.solver.max_nonfinite}; those steps were skipped); first "
                                        f"non-finite layer: {self._first_nonfinite_layer()}")
 
+    def _watch_loss(self, step: int, loss: float) -> None:
+        """Feed the divergence watch; when a divergence starts, mark the snapshots it taints already."""
+        began = self.divergence.observe(step, loss)
+        if began is None:
+            return
+        if self.rank == 0:
+            tainted = [p for it, p in list_snapshots(self.run_dir.path) if self.divergence.suspect(it)]
+            for p in tainted:
+                mark_diverging(p, began)
+            log.warning("iter %d: the run may be diverging: %s; snapshots from iteration %d on are marked and not "
+                        "offered for --resume auto%s", step, began, self.divergence.since,
+                        f" ({len(tainted)} already written)" if tainted else "")
+
     def _first_nonfinite_layer(self) -> str:
         """Which layer a forward of the next batch, with the current (last good) weights, first
         makes non-finite: the diagnosis of a stop for a non-finite loss, on that path only."""
@@ -220,9 +239,11 @@ class Trainer:
         return first_nonfinite_layer(self.model, x)
 
     def _divergence(self, what: str) -> DivergenceError:
-        saved = self._saved_at
-        kept = f"the last good snapshot is {snapshot_path(self.run_dir.path, saved)}" if saved is not None else \
-            "no snapshot was written"
+        """The stop for a divergence, naming the newest snapshot from before it began."""
+        good = good_snapshots(self.run_dir.path, before=self.divergence.since)
+        began = f" (it began with the weights of iteration {self.divergence.since})" \
+            if self.divergence.since is not None else ""
+        kept = f"the last good snapshot is {good[0][1]}{began}" if good else f"no good snapshot was written{began}"
         return DivergenceError(f"{what}; lower solver.base_lr or set solver.clip_gradients, then resume; {kept}")
 
     def stop_due(self) -> bool:
@@ -328,8 +349,13 @@ class Trainer:
         self._saved_at = self.iteration
         if self.rank != 0:
             return None
+        unmark_diverging(path)  # a marker left by the run that wrote this iteration before a resume
         save_snapshot(state, path)
-        log.info("snapshot %s", path)
+        if self.divergence.suspect(self.iteration):
+            mark_diverging(path, f"written while diverging, since the weights of iteration {self.divergence.since}")
+            log.warning("snapshot %s (marked diverging)", path)
+        else:
+            log.info("snapshot %s", path)
         return path
 
     def resume(self, path: Path) -> None:

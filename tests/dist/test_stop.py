@@ -161,3 +161,47 @@ def test_resume_from_a_stop_snapshot_is_bit_exact_on_every_rank(tmp_path):
         res = torch.load(tmp_path / f"rank{r}.pt")
         assert res["training"] == {"stopped": True, "at": 6, "equal": True}, (r, res)  # the flag rides iteration 6
         assert res["test"] == {"stopped": True, "at": 8, "equal": True}, (r, res)
+
+
+# --------------------------------------------------------------------------------------- a run_dir in use
+
+REFUSED_BUDGET_S = 20.0
+"""Launch to exit for a refused run on 2 cores (interpreter and torch start-up included); the bug
+it guards against waited for torchrun's 30 s SIGKILL, or for the process group's timeout."""
+HOLDER = """import sys, time
+from dptrain.checkpoint import RunDir
+held = RunDir(sys.argv[1])
+held.lock()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_run_dir_in_use_refuses_every_rank_at_once_under_plain_torchrun(tmp_path, nproc):
+    """Rank 0 alone holds the lock, so its verdict travels through the rendezvous store: every rank
+    exits 2 by itself within seconds, none waits in the process group or is killed by torchrun."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        cfg = tmp_path / "digits.toml"
+        cfg.write_text(f'[model]\nname = "lenet"\n[data]\nsource = "digits"\n[solver]\nmax_iter = 5\n'
+                       f'[train]\nrun_dir = "{run_dir}"\nprocess_group_timeout_s = 300\n')
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={nproc}", "-m", "dptrain", "train", "--config", str(cfg)],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        took = time.monotonic() - start
+    finally:
+        holder.kill()
+        holder.wait()
+    text = proc.stderr
+    assert proc.returncode != 0 and took < REFUSED_BUDGET_S, f"{took:.1f} s\n{text[-3000:]}"
+    assert "dptrain: error (rank 0): train.run_dir" in text and "is in use by another run" in text, text[-3000:]
+    for rank in range(1, nproc):
+        assert f"dptrain: error (rank {rank}): rank {rank}: rank 0 cannot start (train.run_dir" in text, text[-3000:]
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)  # torchrun's failure table, one entry per rank
+    assert codes and all(c == "2" for c in codes), text[-3000:]
+    assert "SIGKILL" not in text and "Signal 9" not in text

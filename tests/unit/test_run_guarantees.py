@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dptrain.checkpoint import RunDir, list_snapshots, save_snapshot
+from dptrain.checkpoint import RunDir, good_snapshots, is_diverging, list_snapshots, resolve_resume, save_snapshot
 from dptrain.cli import failure_summary, main
 from dptrain.errors import RunDirError
 
@@ -145,7 +145,8 @@ def test_a_non_finite_loss_without_loss_scaling_stops_with_exit_2(tmp_path, empt
     # the layer named is one whose output overflows from finite weights: the skipped steps kept them finite
     assert re.search(r"first non-finite layer: [\w.]+ \(\w+\) gives non-finite output, from finite inputs and "
                      r"weights; ", line), line
-    assert line.endswith("lower solver.base_lr or set solver.clip_gradients, then resume; no snapshot was written")
+    assert re.search(r"lower solver\.base_lr or set solver\.clip_gradients, then resume; no good snapshot was written "
+                     r"\(it began with the weights of iteration \d+\)$", line), line
     stopped_at = int(line.split("at iteration ")[1].split(",")[0])
     assert stopped_at < 2000 and list_snapshots(run) == []
 
@@ -154,12 +155,56 @@ def test_a_diverged_run_keeps_its_last_good_snapshot_and_never_writes_a_non_fini
     run = tmp_path / "run"
     assert main(["train", "--config", empty_cfg, *_args(run, "solver.snapshot=2", *DIVERGES)]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    snaps = list_snapshots(run)
-    assert snaps and line.endswith(f"then resume; the last good snapshot is {snaps[0][1]}"), line
+    snaps, good = list_snapshots(run), good_snapshots(run)
+    named = f"the last good snapshot is {good[0][1]} (it began" if good else "no good snapshot was written (it began"
+    assert snaps and named in line, line
     for _, path in snaps:
         state = torch.load(path, weights_only=True)
         assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point()), path
     assert "the loss was not finite on 1 rank(s)" in line  # skipped steps keep the weights finite
+
+
+def test_a_finite_loss_that_explodes_starts_the_divergence_and_taints_the_snapshots_after_it(tmp_path, empty_cfg,
+                                                                                              capsys, caplog):
+    """fp32 at base_lr 1e6 (the probe's case): the loss explodes to ~1e17 while still finite, and only
+    later turns inf. The weights that gave the first exploding loss and every snapshot after them are
+    marked diverging; the stop names the newest snapshot from before, and --resume auto takes it,
+    not the newest file."""
+    run = tmp_path / "run"
+    sets = ["solver.base_lr=1e6", "precision.storage=\"fp32\"", "solver.snapshot=1", "solver.display=1",
+            "solver.max_iter=30", "data.batch_size=32", "solver.warmup_iter=20", "data.mean_value=[77.75]",
+            "data.scale=0.015625"]  # the digits recipe's: its warm-up lets the first steps stay sane
+    assert main(["train", "--config", empty_cfg, *_args(run, *sets)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    captured = caplog.text
+    found = re.search(r"the run may be diverging: the loss of iteration (\d+) \(([\d.e+]+)\) is [\d.e+]+x the median",
+                      captured)
+    assert found and float(found.group(2)) > 1e6, captured[-3000:]  # finite, exploding: before any inf
+    since = int(found.group(1)) - 1
+    snaps = sorted(list_snapshots(run))
+    assert len(snaps) >= 3 and all(is_diverging(p) == (it >= since) for it, p in snaps), snaps
+    good = good_snapshots(run)
+    assert good and line.endswith(f"the last good snapshot is {good[0][1]} (it began with the weights of "
+                                  f"iteration {since})"), line
+    assert resolve_resume("auto", run) == good[0][1] != snaps[-1][1]
+
+
+def test_divergence_watch_on_synthetic_losses():
+    from dptrain.overflow import LOSS_WINDOW, DivergenceWatch
+
+    w = DivergenceWatch()
+    assert w.observe(1, 2.3) is None and w.observe(2, 2.1) is None and w.observe(3, 20.0) is None  # 8.7x: in range
+    assert "iteration 4 (300) is 130x the median of the 3 before it (2.3)" in w.observe(4, 300.0)
+    assert w.since == 3 and w.suspect(3) and not w.suspect(2)
+    assert w.observe(5, float("inf")) is None and w.since == 3  # already diverging: no second start
+    for step in range(6, 6 + LOSS_WINDOW):  # back in range long enough: it was a spike
+        assert w.observe(step, 2.0) is None
+    assert w.since is None and not w.suspect(100)
+    assert w.observe(50, float("nan")) == "the loss of iteration 50 is not finite" and w.since == 49
+    tiny = DivergenceWatch()
+    for step in range(1, 5):
+        tiny.observe(step, 1e-6)
+    assert tiny.observe(5, 0.5) is None  # under 10 x the floor of 0.1: a near-perfect fit's ordinary loss
 
 
 # --------------------------------------------------------------------------------------- lines
