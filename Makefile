@@ -11,12 +11,16 @@ PYTEST_ARGS ?=
 .PHONY: setup demo test test-gpu bench clean
 
 $(PY):
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	@echo "setup 1/3: creating $(VENV) with $$($(PYTHON) --version 2>&1)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
 
 $(VENV)/.installed: $(PY) pyproject.toml
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	@$(PY) -c "import torch" 2>/dev/null && echo "setup 2/3: keeping the torch already in $(VENV)" || \
+		{ echo "setup 2/3: installing $(TORCH_SPEC) (the CPU build on a machine without CUDA; ~1 minute)"; \
+		  $(PY) -m pip install -q "$(TORCH_SPEC)"; }
+	@echo "setup 3/3: installing dptrain (editable) and its test tools"
+	@$(PY) -m pip install -q -e ".[test]"
 	@touch $@
 
 setup: $(VENV)/.installed

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -57,7 +58,15 @@ def save_snapshot(state: dict[str, Any], path: Path) -> Path:
     """Write ``state`` to ``path`` atomically (see :func:`save_atomically`)."""
     try:
         return save_atomically(state, path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError from its zip writer
+    except OSError as e:
+        if isinstance(e, PermissionError) or e.errno == errno.EROFS:  # not a space problem: say what it is
+            raise RunDirError(f"cannot write snapshot {str(path)!r}: no permission to write in {str(path.parent)!r} "
+                              f"({first_line(e)}); give this user write access to it or choose another "
+                              f"train.run_dir, then --resume auto") from e
+        raise RunDirError(f"cannot write snapshot {str(path)!r} ({type(e).__name__}: {first_line(e)}; "
+                          f"{free_space(path.parent)}); free space or choose another train.run_dir, then "
+                          f"--resume auto") from e
+    except RuntimeError as e:  # torch.save reports a full disk as a RuntimeError from its zip writer
         raise RunDirError(f"cannot write snapshot {str(path)!r} ({type(e).__name__}: {first_line(e)}; "
                           f"{free_space(path.parent)}); free space or choose another train.run_dir, then "
                           f"--resume auto") from e

@@ -189,3 +189,21 @@ def test_queue_routing_partitions_positions(parsers, transformers):
     assert sorted(sum(by_transformer, [])) == list(range(n))
     for t, positions in enumerate(by_transformer):
         assert positions == sorted(positions) and all(qs.transformer_of(p) == t for p in positions)
+
+
+@pytest.mark.parametrize("field,number", [("channels", 1), ("height", 2), ("width", 3), ("label", 5),
+                                          ("encoded", 7)])
+@pytest.mark.parametrize("wire", [1, 2, 5])
+def test_a_datum_field_of_the_wrong_wire_type_is_a_bad_record(field, number, wire):
+    """protobuf keeps such a field as unknown and leaves the default (a label of 0): dptrain refuses it."""
+    import struct
+
+    from dptrain.data.datum import encode_datum, parse_datum
+    from dptrain.errors import DataError
+
+    payload = {1: struct.pack("<d", 3.0), 2: bytes([3]) + b"cat", 5: struct.pack("<f", 3.7)}[wire]
+    value = encode_datum(label=1, data=b"abc") + bytes([number << 3 | wire]) + payload
+    with pytest.raises(DataError, match=f"Datum field {field} \\(number {number}\\) holds a .*, expected "):
+        parse_datum(value)
+    assert parse_datum(encode_datum(label=1, data=b"abc")).label == 1  # and no label at all is still 0
+    assert parse_datum(b"").label == 0

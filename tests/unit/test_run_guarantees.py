@@ -239,3 +239,30 @@ def test_disk_full_reports_the_free_space_after_removing_the_partial_file(tmp_pa
     with pytest.raises(RunDirError, match="No space left on device.*MiB free there"):
         save_snapshot({"x": 1}, tmp_path / "snapshot_iter_3.pt")
     assert seen == [[]]  # the temporary was gone when the free space was measured
+
+
+def test_a_permission_error_on_a_snapshot_names_permissions_not_space(tmp_path, monkeypatch):
+    import dptrain.checkpoint as ck
+
+    def denied(obj, f):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(ck.torch, "save", denied)
+    with pytest.raises(RunDirError, match=r"no permission to write in .*give this user write access") as info:
+        save_snapshot({"x": 1}, tmp_path / "snapshot_iter_3.pt")
+    assert "free" not in str(info.value)
+
+
+def test_resume_checks_a_torn_file_first_and_says_so_when_every_snapshot_is_torn(tmp_path):
+    from dptrain.errors import SnapshotError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    torn = run / "snapshot_iter_4.pt"
+    torn.write_bytes(b"PK\x03\x04 not a whole zip")
+    with pytest.raises(SnapshotError, match="snapshot_iter_4.pt"):
+        resolve_resume(str(torn), run)  # before anything is built: run_training calls this first
+    with pytest.raises(SnapshotError, match=r"--resume auto: none of the 1 snapshot\(s\) .* can be resumed "
+                                            r"\(snapshot_iter_4.pt \(unreadable\)\)"):
+        resolve_resume("auto", run)
+    assert resolve_resume("auto", tmp_path / "empty") is None  # no snapshot at all: a fresh start
