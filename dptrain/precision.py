@@ -8,7 +8,9 @@ as NVCaffe's per-layer ``forward_math``. The loss is always computed in fp32.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -22,29 +24,51 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def cpu_native_support(storage: str) -> bool:
-    """Whether this CPU runs ``storage``-dtype convolutions and matmuls natively (oneDNN).
+SLOW_FACTOR = 4.0
+"""A storage dtype whose probe convolution is this many times slower than fp32's runs a reference path."""
 
-    fp32 always does. bf16 needs AVX512-BF16 or AMX, fp16 needs AVX512-FP16 or AMX-FP16;
-    without them oneDNN falls back to a reference path that is 10-50x slower than fp32
-    (measured: a 64-channel 3x3 convolution at 32x32, batch 32, takes 26 ms in fp32 and
-    1105 ms in bf16 on an AVX2-only EPYC VM).
+
+@functools.cache
+def cpu_slowdown(storage: str) -> float:
+    """How many times slower than fp32 one small convolution's forward and backward runs in
+    ``storage`` on this CPU (1.0 for fp32): measured once per process, in a few tens of ms.
+
+    Measured rather than asked of oneDNN: torch's probe (``_is_mkldnn_fp16_supported``) answers
+    True on VMs whose fp16 convolutions fall back to oneDNN's reference kernels, 20-50x slower
+    than fp32 (2026-11-27, an AVX512-FP16 VM: 20 ms against 0.7 ms for this probe; a ResNet-18
+    step took 22 s). The best of three runs of each, after a warm-up, on the calling thread's
+    torch thread count.
     """
-    probe = {"bf16": "_is_mkldnn_bf16_supported", "fp16": "_is_mkldnn_fp16_supported"}.get(storage)
-    if probe is None:
-        return True
-    try:
-        return bool(getattr(torch.ops.mkldnn, probe)())
-    except (AttributeError, RuntimeError):  # the probe is private: assume support if it is gone
-        return True
+    if storage == "fp32":
+        return 1.0
+
+    def best(dtype: torch.dtype) -> float:
+        x = torch.randn(4, 16, 16, 16, dtype=dtype, requires_grad=True)  # [N, C, H, W]
+        conv = nn.Conv2d(16, 16, 3, padding=1).to(dtype)
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
+            conv(x).sum().backward()
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+
+    return best(DTYPES[storage]) / max(best(torch.float32), 1e-9)
+
+
+def cpu_native_support(storage: str) -> bool:
+    """Whether this CPU runs ``storage``-dtype convolutions at native speed (:func:`cpu_slowdown`
+    under :data:`SLOW_FACTOR`); fp32 always does."""
+    return storage == "fp32" or cpu_slowdown(storage) < SLOW_FACTOR
 
 
 def warn_if_slow_on_cpu(storage: str, device: torch.device) -> None:
-    """One log line when the storage dtype has no native CPU kernels on this machine."""
-    if device.type == "cpu" and not cpu_native_support(storage):
-        log.warning("precision.storage = %r has no native kernels on this CPU (%s, no AVX512-%s/AMX): "
-                    "convolutions run 10-50x slower than fp32; use precision.storage = \"fp32\" for CPU runs here",
-                    storage, torch.backends.cpu.get_cpu_capability(), storage.upper())
+    """One log line when the storage dtype runs a slow reference path on this CPU, naming the faster one."""
+    if device.type != "cpu" or cpu_native_support(storage):
+        return
+    faster = next(d for d in ("bf16", "fp32") if d != storage and cpu_native_support(d))
+    log.warning("precision.storage = %r runs %.0fx slower than fp32 on this CPU (%s; a probe convolution, measured "
+                "at startup): its kernels fall back to a reference path. Use precision.storage = %r for CPU runs here",
+                storage, cpu_slowdown(storage), torch.backends.cpu.get_cpu_capability(), faster)
 
 
 def _matches(name: str, module: nn.Module, patterns: list[str]) -> bool:

@@ -310,14 +310,21 @@ def test_loss_scaling_recovers_the_gradient_and_learns(mode):
     assert losses[-1] < 0.75 * losses[0]
 
 
-def test_slow_cpu_dtype_warning_follows_the_probe(monkeypatch, caplog):
+def test_slow_cpu_dtype_warning_follows_the_measured_probe(monkeypatch, caplog):
     import dptrain.precision as prec
 
-    assert prec.cpu_native_support("fp32")
-    monkeypatch.setattr(prec, "cpu_native_support", lambda storage: storage == "fp32")
+    assert prec.cpu_native_support("fp32") and prec.cpu_slowdown("fp32") == 1.0
+    measured = prec.cpu_slowdown("bf16")  # the real probe, on this CPU: a ratio, measured once
+    assert measured > 0 and prec.cpu_slowdown("bf16") == measured
+    slowdowns = {"fp32": 1.0, "fp16": 29.0, "bf16": 1.1}
+    monkeypatch.setattr(prec, "cpu_slowdown", lambda storage: slowdowns[storage])
     with caplog.at_level("WARNING", logger="dptrain.precision"):
+        prec.warn_if_slow_on_cpu("fp16", torch.device("cpu"))
         prec.warn_if_slow_on_cpu("bf16", torch.device("cpu"))
         prec.warn_if_slow_on_cpu("fp32", torch.device("cpu"))
-        prec.warn_if_slow_on_cpu("bf16", torch.device("meta"))
+        prec.warn_if_slow_on_cpu("fp16", torch.device("meta"))
+        slowdowns["bf16"] = 40.0
+        prec.warn_if_slow_on_cpu("fp16", torch.device("cpu"))
     msgs = [r.getMessage() for r in caplog.records]
-    assert len(msgs) == 1 and "'bf16'" in msgs[0] and 'precision.storage = "fp32"' in msgs[0]
+    assert len(msgs) == 2 and "'fp16' runs 29x slower than fp32" in msgs[0], msgs
+    assert "Use precision.storage = 'bf16'" in msgs[0] and "Use precision.storage = 'fp32'" in msgs[1]
