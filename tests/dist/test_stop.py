@@ -200,8 +200,41 @@ def test_a_run_dir_in_use_refuses_every_rank_at_once_under_plain_torchrun(tmp_pa
     text = proc.stderr
     assert proc.returncode != 0 and took < REFUSED_BUDGET_S, f"{took:.1f} s\n{text[-3000:]}"
     assert "dptrain: error (rank 0): train.run_dir" in text and "is in use by another run" in text, text[-3000:]
-    for rank in range(1, nproc):
-        assert f"dptrain: error (rank {rank}): rank {rank}: rank 0 cannot start (train.run_dir" in text, text[-3000:]
-    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)  # torchrun's failure table, one entry per rank
+    # Each other rank either read rank 0's verdict and left with its own line and exit 2, or was still
+    # importing when torchrun, seeing rank 0 fail, sent it SIGTERM, which ended it at once. No rank
+    # waits in the process group, and none needs torchrun's SIGKILL.
+    terminated = len(re.findall(r"Sending process \d+ closing signal SIGTERM", text))
+    refused = [r for r in range(1, nproc)
+               if f"dptrain: error (rank {r}): rank {r}: rank 0 cannot start (train.run_dir" in text]
+    assert len(refused) + terminated >= nproc - 1, text[-3000:]
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)  # torchrun's failure table: the ranks that failed
     assert codes and all(c == "2" for c in codes), text[-3000:]
     assert "SIGKILL" not in text and "Signal 9" not in text
+
+
+def test_a_stop_signal_to_dptrain_torchrun_exits_0_once_every_solver_snapshotted(tmp_path):
+    """The launcher forwards the signal; each solver snapshots and reports exit 0 into the launcher's
+    exit folder, so the launcher exits 0 too (plain torchrun exits 1 with a traceback here)."""
+    cfg = tmp_path / "stop.toml"
+    cfg.write_text(CONFIG.format(max_iter=100000, test_interval=0, run_dir=tmp_path / "run"))
+    launcher = subprocess.Popen([sys.executable, "-m", "dptrain.torchrun", "--standalone", "--nproc-per-node=2",
+                                 "-m", "dptrain", "train", "--config", str(cfg)],
+                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    lines = []
+    try:
+        for line in launcher.stderr:
+            lines.append(line)
+            if len(lines) < 10_000 and re.search(TRIGGERS["training"][0], line):
+                os.kill(launcher.pid, signal.SIGTERM)
+                lines.append("<<SIGTERM sent>>\n")
+                break
+        lines += launcher.stderr.readlines()
+        launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = "".join(lines)
+    assert launcher.returncode == 0, text[-3000:]
+    assert "dptrain: launcher got SIGTERM; all 2 solver(s) snapshotted and stopped (exit 0)" in text, text[-3000:]
+    assert list((tmp_path / "run").glob("snapshot_iter_*.pt")) and "Traceback" not in text
