@@ -296,33 +296,75 @@ def failure_summary(codes: dict[int, int]) -> str:
     return f"dptrain: {len(codes)} solver process(es) failed ({listed}); {where}"
 
 
+EXIT_DIR_ENV = "DPTRAIN_EXIT_DIR"
+"""Set by :func:`torchrun_main` for its solvers: each writes ``rank<R>.code`` there as it exits, so the
+launcher knows how they ended when torchrun itself stopped them on a signal."""
+
+
+def _solver_codes(folder: Path) -> dict[int, int]:
+    codes = {}
+    for f in folder.glob("rank*.code"):
+        try:
+            codes[int(f.stem[4:])] = int(f.read_text())
+        except ValueError:
+            continue
+    return codes
+
+
 def torchrun_main(argv: list[str] | None = None) -> int:
     """``python -m dptrain.torchrun …``: torchrun, exiting with the solvers' code and without its traceback.
 
     torchrun reports a failed worker by raising ``ChildFailedError`` (a Python traceback and
     a table, exit code 1 whatever the workers exited with). The solvers have already printed
     their one-line errors, so this prints one summary line and exits 2 when any solver exited
-    2 (a user error), else with the first failure's code. A signal to the launcher, which
-    torchrun forwards to the solvers (they snapshot and stop), ends in one line and 128 +
-    signal. Everything else (arguments, rendezvous, restarts) is torchrun's own.
+    2 (a user error), else with the first failure's code. A stop signal to the launcher, which
+    torchrun forwards to the solvers (they snapshot and stop), exits 0 when every solver of
+    this node reported exit 0 (each writes its code into :data:`EXIT_DIR_ENV`), as a stop
+    signal to one solver does; otherwise one line naming the ranks and 128 + signal.
+    Everything else (arguments, rendezvous, restarts) is torchrun's own.
     """
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as run
+    from torch.distributed.run import main as run, parse_args
 
-    try:
-        run(argv)
-    except ChildFailedError as e:
-        codes = {rank: f.exitcode for rank, f in sorted(e.failures.items())}
-        say(failure_summary(codes))
-        if EXIT_USER_ERROR in codes.values():
-            return EXIT_USER_ERROR
-        first = next(iter(codes.values()))
-        return first if 0 < first < 256 else 1
-    except SignalException as e:
-        say(f"dptrain: launcher got {e.sigval.name}; the solvers were told to snapshot and stop")
-        return 128 + int(e.sigval)
+    nproc = getattr(parse_args(argv), "nproc_per_node", None)
+    with tempfile.TemporaryDirectory(prefix="dptrain-exit-") as folder:
+        os.environ[EXIT_DIR_ENV] = folder
+        try:
+            run(argv)
+        except ChildFailedError as e:
+            codes = {rank: f.exitcode for rank, f in sorted(e.failures.items())}
+            say(failure_summary(codes))
+            if EXIT_USER_ERROR in codes.values():
+                return EXIT_USER_ERROR
+            first = next(iter(codes.values()))
+            return first if 0 < first < 256 else 1
+        except SignalException as e:
+            codes = _solver_codes(Path(folder))
+            expected = int(nproc) if str(nproc).isdigit() else len(codes)
+            if codes and len(codes) == expected and not any(codes.values()):
+                say(f"dptrain: launcher got {e.sigval.name}; all {len(codes)} solver(s) snapshotted and stopped "
+                    f"(exit 0)")
+                return 0
+            listed = ", ".join(f"rank {r} exit {c}" for r, c in sorted(codes.items())) or "none reported"
+            say(f"dptrain: launcher got {e.sigval.name}; solvers: {listed} of {expected}; a solver that did not "
+                f"report was killed before it could snapshot")
+            return EXIT_USER_ERROR if EXIT_USER_ERROR in codes.values() else 128 + int(e.sigval)
+        finally:
+            os.environ.pop(EXIT_DIR_ENV, None)
     return 0
+
+
+def _report_exit(code: int) -> None:
+    """Under :func:`torchrun_main`, leave this solver's exit code where the launcher looks."""
+    folder, rank = os.environ.get(EXIT_DIR_ENV), os.environ.get("RANK")
+    if folder and rank is not None:
+        try:
+            (Path(folder) / f"rank{rank}.code").write_text(str(code))
+        except OSError:
+            pass
 
 
 def run() -> None:
@@ -334,6 +376,7 @@ def run() -> None:
     keeping is written by then (snapshots atomically, metrics closed, the run_dir lock goes
     with the process)."""
     code = main(own_process=True)
+    _report_exit(code)
     if code == EXIT_RANK_FAILURE:
         logging.shutdown()
         sys.stdout.flush()
