@@ -172,7 +172,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_test(args: argparse.Namespace) -> int:
-    from dptrain.score import run_scoring
+    from dptrain.tools.evaluate import run_scoring
 
     record = run_scoring(load_config(args.config, args.set), args.weights)
     if record is not None:
@@ -190,14 +190,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from dptrain.plot import plot_run
+    from dptrain.tools.plot import plot_run
 
     print(json.dumps({"plot": str(plot_run(args.run_dir, args.out))}), flush=True)
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from dptrain.bench import run_bench
+    from dptrain.tools.bench import run_bench
 
     overrides = list(args.set)
     if args.synthetic:
@@ -236,7 +236,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run the digits recipe under torchrun with ``nproc`` solvers; print wall time and top-1."""
     import torch
 
-    from dptrain.metrics import read_metrics
+    from dptrain.observe.metrics import read_metrics
 
     sets = [f'train.run_dir="{DEMO_RUN_DIR}"', *args.set]  # its own folder (a --set may move it)
     if not args.builtin:

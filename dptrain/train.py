@@ -11,7 +11,7 @@ One Trainer per solver process. The iteration is:
     optimizer.step()                        unscale, skip on overflow, update masters, write weights
 
 Nothing in the step reads a device value on the host: the control flags are read back
-``ControlChannel.lag`` iterations later (``dptrain.control``), so a stop signal or a
+``ControlChannel.lag`` iterations later (``dptrain.dist.control``), so a stop signal or a
 diverged loss is acted on at the same iteration on every rank. The host syncs only when
 it logs, tests or snapshots.
 """
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dptrain.build import RunPlan, build_model_and_params, nhwc_hazards, running_stats
+from dptrain.assemble import RunPlan, build_model_and_params, nhwc_hazards, running_stats
 from dptrain.checkpoint import (
     RunDir,
     StateParts,
@@ -42,23 +42,23 @@ from dptrain.checkpoint import (
     snapshot_path,
     unmark_diverging,
 )
-from dptrain.comm import Communicator
+from dptrain.dist.comm import Communicator
 from dptrain.config import TrainConfig, config_to_dict, dump_toml
-from dptrain.control import LOSS, NONFINITE, STOP, ControlChannel, StopFlag
+from dptrain.dist.control import LOSS, NONFINITE, STOP, ControlChannel, StopFlag
 from dptrain.data import build_source
 from dptrain.data.base import DROPPED_LABEL, DeviceFeeder
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, eval_range
 from dptrain.errors import ConfigError, DivergenceError
 from dptrain.layout import resolve_channels_last
-from dptrain.metrics import MetricsWriter, TensorBoardWriter
+from dptrain.observe.metrics import MetricsWriter, TensorBoardWriter
 from dptrain.models import check_input
 from dptrain.optimizer import MasterOptimizer
 from dptrain.overflow import DivergenceWatch, OverflowLocator, first_nonfinite_layer
 from dptrain.param_groups import resolve_multipliers
 from dptrain.precision import DTYPES, LossScaler, warn_if_slow_on_cpu
-from dptrain.reducer import Reducer
-from dptrain.straggler import StepClock, StragglerMonitor
-from dptrain.trace import NullTracer, PhaseTimer, Tracer
+from dptrain.dist.reducer import Reducer
+from dptrain.dist.straggler import StepClock, StragglerMonitor
+from dptrain.observe.trace import NullTracer, PhaseTimer, Tracer
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class Trainer:
         self.control.submit(self.iteration, reduce=False)  # summed by the reducer's collective
 
     def _read_control(self, flags: Any) -> None:
-        """Act on the control sums read back for earlier iterations (see dptrain.control)."""
+        """Act on the control sums read back for earlier iterations (see dptrain.dist.control)."""
         for step, sums in flags:
             if sums[STOP] > 0 and self._stop_at is None:
                 self._stop_at = step + self.control.lag

@@ -23,6 +23,12 @@
 
 #include "update.cu"
 
+// The rules, as (code, functor) pairs: kernels.native.build passes -DDPT_RULES(X)=X(0, ...) ..., made
+// from kernels.spec.RULES, the one table of rules, so this file lists none of them itself.
+#ifndef DPT_RULES
+#error "DPT_RULES is defined by dptrain.kernels.native.build from kernels.spec.RULES"
+#endif
+
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -157,7 +163,7 @@ template <typename R> int by_storage(int storage, int state, const Call& k) {
 extern "C" {
 
 // One update over elements [0, n) of the given buffers (pointers already offset to the range).
-//   rule      0 sgd, 1 nesterov, 2 adam, 3 lamb, 4 rmsprop (kernels.native.RULE_CODES)
+//   rule      the rule's index in kernels.spec.RULES (kernels.native.RULE_CODES; DPT_RULES below)
 //   storage   dtype of grads and params: 0 fp32, 1 fp16, 2 bf16
 //   state     dtype of the rule's state: 0 fp32, 1 fp16 (sgd and nesterov only)
 //   params    nullptr when the params are the master (fp32 storage only); s1 nullptr for one-state rules
@@ -172,11 +178,11 @@ int dptrain_cpu_update(int rule, int storage, int state, void* grads, float* mas
   const Call k{grads,     master,    params,          s0,     s1,       lr_scale,   decay_scale,
                grad_coef, found_inf, bias_correction, floats, n_floats, decay_mode, n};
   switch (rule) {
-    case 0: return by_storage<dpt::MomentumRule<false>>(storage, state, k);
-    case 1: return by_storage<dpt::MomentumRule<true>>(storage, state, k);
-    case 2: return by_storage<dpt::AdamRule>(storage, state, k);
-    case 3: return by_storage<dpt::LambRule>(storage, state, k);
-    case 4: return by_storage<dpt::RmspropRule>(storage, state, k);
+#define DPT_RULE_CASE(code, ...) \
+  case code:                     \
+    return by_storage<__VA_ARGS__>(storage, state, k);
+    DPT_RULES(DPT_RULE_CASE)
+#undef DPT_RULE_CASE
     default: return -1;
   }
 }

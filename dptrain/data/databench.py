@@ -35,7 +35,7 @@ from dptrain.data.lmdb_source import LmdbSource
 from dptrain.data.render import RenderOptions
 from dptrain.data.sampling import ShardPlan
 from dptrain.errors import ConfigError
-from dptrain.provenance import git_commit
+from dptrain.observe.provenance import git_commit
 from dptrain.topology import Topology
 
 

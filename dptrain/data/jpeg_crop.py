@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, features
 
-from dptrain import native_build
+from dptrain.csrc import build as native_build
 from dptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def _compiler() -> list[str] | None:
 
 def build(directory: Path | None = None) -> Path:
     """Compile jpeg_crop.c into ``directory`` (default ``native_build.cache_dir()``) unless already
-    there; the path (:func:`dptrain.native_build.build_library`: keyed by source, compiler and
+    there; the path (:func:`dptrain.csrc.build.build_library`: keyed by source, compiler and
     flags, written atomically). Raises RuntimeError with the compiler's first error line.
     """
     cc = _compiler()

@@ -25,7 +25,7 @@ status and goes through the Python path, which renders it or reports it under th
 policy with its usual messages.
 
 The library is built at first use with the system C compiler (``$CC``, else ``cc``) against
-libjpeg-turbo, cached (:mod:`dptrain.native_build`), and checked against the Python path in every
+libjpeg-turbo, cached (:mod:`dptrain.csrc.build`), and checked against the Python path in every
 process before use (:func:`self_check`). ``DPTRAIN_RENDER`` picks the path:
 
 * ``auto`` (default): native when it builds and passes the check, else Python, with one warning;
@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from dptrain import native_build
+from dptrain.csrc import build as native_build
 from dptrain.data import jpeg_crop
 from dptrain.data.datum import encode_datum, hwc_to_raw
 from dptrain.data.geometry import (CenterResizedCrop, Crop, ExpectSize, Mirror, RandomResizedCrop, Resize,

@@ -8,7 +8,7 @@ for both devices, and the CPU update moves the bytes the fused GPU kernel moves,
 the eight or more passes of :mod:`.cpu`'s in-place torch ops.
 
 It is built at first use with the system C++ compiler (``$CXX``, else ``c++``/``g++``) and
-cached (:mod:`dptrain.native_build`), in about 3 s. The flags keep the reference's roundings:
+cached (:mod:`dptrain.csrc.build`), in about 3 s. The flags keep the reference's roundings:
 ``-ffp-contract=off`` (no fused multiply-add, as NVRTC's ``--fmad=false``), no fast-math
 (IEEE division, square root and subnormals); ``-fno-math-errno`` only lets ``sqrtf``
 vectorise (its value is the same; errno, which nothing reads, is no longer set).
@@ -39,10 +39,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dptrain import native_build
+from dptrain.csrc import build as native_build
 from dptrain.errors import first_line
 from dptrain.kernels.cuda import check_update_args  # update.cu's layout rules, on either device
-from dptrain.kernels.spec import UpdateArgs, rule_of
+from dptrain.kernels.spec import RULES, UpdateArgs, rule_of
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,13 @@ SOURCES = (SOURCE, CSRC / "update.cu", CSRC / "host_half.h")
 CXXFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 TUNE_FLAGS = ("-march=native",) if platform.machine() in ("x86_64", "AMD64") else ()
 """Flags that tune for the building CPU; with them the CPU's identity joins the cache key."""
-RULE_CODES = {"sgd": 0, "nesterov": 1, "adam": 2, "lamb": 3, "rmsprop": 4}
-"""``rule`` argument of ``dptrain_cpu_update``."""
+RULE_CODES = {name: code for code, name in enumerate(RULES)}
+"""``rule`` argument of ``dptrain_cpu_update``: the rule's index in ``spec.RULES``."""
+
+
+def rules_macro() -> str:
+    """``-DDPT_RULES(X)=X(0, functor) X(1, functor) ...``: the C++ dispatch of ``update_cpu.cc``, from spec.RULES."""
+    return "-DDPT_RULES(X)=" + " ".join(f"X({RULE_CODES[r.name]}, {r.functor})" for r in RULES.values())
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 """``storage`` and ``state`` arguments of ``dptrain_cpu_update``."""
 RANGE_ALIGN = 64
@@ -80,7 +85,7 @@ def build(directory: Path | None = None, *, tune: bool = True) -> Path:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError(f"no C++ compiler {os.environ.get('CXX', 'c++')!r} (install g++ or set CXX)")
-    flags = (*CXXFLAGS, *(TUNE_FLAGS if tune else ()))
+    flags = (*CXXFLAGS, rules_macro(), *(TUNE_FLAGS if tune else ()))
     return native_build.build_library(name="update_cpu", main=SOURCE, sources=SOURCES, command=cxx, flags=flags,
                                       machine=native_build.host_cpu() if tune and TUNE_FLAGS else b"",
                                       directory=directory)

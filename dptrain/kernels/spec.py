@@ -382,6 +382,8 @@ class Rule:
     """One update rule: what the spec and every backend need to know about it."""
 
     name: str
+    functor: str
+    """Its C++ rule type in csrc/update.cu (the CPU build dispatches to it by its index in RULES)."""
     state_names: tuple[str, ...]
     state_dtypes: tuple[torch.dtype, ...]
     """Dtypes each state tensor may have (the CUDA kernel is instantiated for each)."""
@@ -405,13 +407,22 @@ _MOMENTUM_DTYPES = (torch.float32, torch.float16)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 RULES: dict[str, Rule] = {
-    "sgd": Rule("sgd", ("momentum",), _MOMENTUM_DTYPES, SgdScalars, sgd_scalars, sgd_math),
-    "nesterov": Rule("nesterov", ("momentum",), _MOMENTUM_DTYPES, SgdScalars, sgd_scalars, nesterov_math),
-    "adam": Rule("adam", _MOMENTS, _F32, AdamScalars, adam_scalars, adam_math, bias_correction=True),
-    "rmsprop": Rule("rmsprop", ("square_avg", "momentum"), _F32, RmspropScalars, rmsprop_scalars, rmsprop_math),
-    "lamb": Rule("lamb", _MOMENTS, _F32, AdamScalars, adam_scalars, lamb_math, bias_correction=True,
-                 direction=lamb_direction),
+    "sgd": Rule("sgd", "dpt::MomentumRule<false>", ("momentum",), _MOMENTUM_DTYPES, SgdScalars, sgd_scalars,
+                sgd_math),
+    "nesterov": Rule("nesterov", "dpt::MomentumRule<true>", ("momentum",), _MOMENTUM_DTYPES, SgdScalars,
+                     sgd_scalars, nesterov_math),
+    "adam": Rule("adam", "dpt::AdamRule", _MOMENTS, _F32, AdamScalars, adam_scalars, adam_math,
+                 bias_correction=True),
+    "rmsprop": Rule("rmsprop", "dpt::RmspropRule", ("square_avg", "momentum"), _F32, RmspropScalars,
+                    rmsprop_scalars, rmsprop_math),
+    "lamb": Rule("lamb", "dpt::LambRule", _MOMENTS, _F32, AdamScalars, adam_scalars, lamb_math,
+                 bias_correction=True, direction=lamb_direction),
 }
+"""The one table of update rules. Everything else derives from it: the CUDA kernels' names
+(``kernels.cuda``), the CPU build's rule codes and dispatch (``kernels.native.RULE_CODES`` and the
+``DPT_RULES`` macro it compiles ``update_cpu.cc`` with), and the solver types the config accepts
+(``optimizer.RULE_OF_TYPE``, checked against this table by tests/unit/test_rule_table.py). Adding a
+rule touches this file, ``csrc/update.cu`` and their tests."""
 
 
 def rule_of(args: UpdateArgs) -> Rule:

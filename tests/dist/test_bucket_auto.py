@@ -11,8 +11,8 @@ from statistics import median
 import torch
 
 from dist_harness import run_ranks
-from dptrain.bucket_probe import AUTO_DECISION_ITER, AUTO_DONE_ITER, AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
-from dptrain.comm import Communicator
+from dptrain.dist.planning.probe import AUTO_DECISION_ITER, AUTO_DONE_ITER, AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
+from dptrain.dist.comm import Communicator
 from dptrain.config import load_config
 from dptrain.train import Trainer
 
@@ -145,7 +145,7 @@ def test_a_rank_late_in_forward_holds_back_the_statistics_collective_which_is_no
 
 
 def _bench_rank(rank: int, world: int, out: str) -> None:
-    import dptrain.bench as bench
+    import dptrain.tools.bench as bench
     import dptrain.run as run
 
     class Joined:  # the harness has initialised the process group: bench joins it instead of torchrun's

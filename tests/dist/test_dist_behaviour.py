@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dist_harness import run_ranks, start_ranks
-from dptrain.comm import Communicator
+from dptrain.dist.comm import Communicator
 from dptrain.config import load_config
-from dptrain.trace import Tracer
+from dptrain.observe.trace import Tracer
 from dptrain.train import Trainer
 
 BASE = ["model.name=lenet", "data.source=digits", "solver.base_lr=0.01", "solver.display=0", "data.batch_size=4"]

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from dist_harness import run_ranks, start_ranks
-from dptrain.comm import Communicator
+from dptrain.dist.comm import Communicator
 from dptrain.errors import RankFailure
 from dptrain.config import ReducerConfig
 from dptrain.flat import FlatParams
-from dptrain.reducer import Reducer
-from dptrain.trace import NullTracer, Tracer
+from dptrain.dist.reducer import Reducer
+from dptrain.observe.trace import NullTracer, Tracer
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KIB = 1 / 1024  # in MiB, the unit of the bucket caps

@@ -16,14 +16,14 @@ from dist_harness import run_ranks
 from torch import nn
 
 from devices import cuda_param, requires_gpus
-from dptrain.comm import Communicator, CompletionWatcher
+from dptrain.dist.comm import Communicator, CompletionWatcher
 from dptrain.config import ReducerConfig
 from dptrain.errors import RankFailure
 from dptrain.flat import FlatParams
-from dptrain.flight import FlightRecorder
-from dptrain.reducer import Reducer
+from dptrain.dist.flight import FlightRecorder
+from dptrain.dist.reducer import Reducer
 from dptrain.topology import Topology
-from dptrain.trace import Tracer
+from dptrain.observe.trace import Tracer
 
 
 def requires_cupy_nccl() -> pytest.MarkDecorator:
@@ -46,7 +46,7 @@ stream dependency would let NCCL read the buffer before the write queued behind 
 
 
 def _one_rank_cupy():
-    from dptrain.nccl_cupy import CupyNcclCommunicator
+    from dptrain.dist.cupy_nccl import CupyNcclCommunicator
 
     comm = Communicator(Topology(), device=torch.device("cuda", 0), backend=None)
     return CupyNcclCommunicator(comm, timeout_s=30)
@@ -91,7 +91,7 @@ def _expect_watchdog_failure(work, launch) -> None:
 
 
 def _watchdog_rank(rank: int, world: int) -> None:
-    from dptrain.nccl_cupy import CupyNcclCommunicator
+    from dptrain.dist.cupy_nccl import CupyNcclCommunicator
 
     comm = Communicator(Topology(), device=torch.device("cuda", 0), backend=None)
     cc = CupyNcclCommunicator(comm, timeout_s=WATCHDOG_TIMEOUT_S)
@@ -116,7 +116,7 @@ class _NeverDoneNccl:
 def _watchdog_on_cpu() -> None:
     """The watchdog's part that needs no GPU: a collective whose completion never comes is
     aborted by the CompletionWatcher at its deadline, and the communicator fails from then on."""
-    from dptrain.nccl_cupy import CupyNcclCommunicator, CupyWork
+    from dptrain.dist.cupy_nccl import CupyNcclCommunicator, CupyWork
 
     cc = CupyNcclCommunicator.__new__(CupyNcclCommunicator)  # __init__ creates a CUDA stream and NCCL clique
     cc.rank, cc.world_size, cc.device, cc.timeout_s = 0, 1, torch.device("cpu"), WATCHDOG_TIMEOUT_S
@@ -200,7 +200,7 @@ def test_cupy_nccl_reducer_averages_and_overlaps_on_two_gpus():
 
 
 def _auto_rank(rank: int, world: int) -> None:
-    from dptrain.bucket_probe import AUTO_DONE_ITER
+    from dptrain.dist.planning.probe import AUTO_DONE_ITER
 
     device = torch.device("cuda", rank)
     comm = Communicator.from_initialized(device)

@@ -78,7 +78,7 @@ def test_throughput_dry_run_lists_every_case_and_its_peer():
     assert [ln.split("reducer.bucket_mb=")[1].split()[0] for ln in sweep] == ["1", "5", "25", "100"]
     buckets = subprocess.run([sys.executable, str(script), "--dry-run", "--suite", "buckets", "--warmup", "2"],
                              capture_output=True, text=True, check=True).stdout.splitlines()
-    from dptrain.bucket_probe import AUTO_DONE_ITER  # every case warms up as long as auto's probe and check
+    from dptrain.dist.planning.probe import AUTO_DONE_ITER  # every case warms up as long as auto's probe and check
 
     assert len(buckets) == 6 and all(f"--warmup={AUTO_DONE_ITER} " in ln for ln in buckets)
 
@@ -96,7 +96,7 @@ def test_no_phase_steps_means_no_phase_times_rather_than_zeros(tmp_path, capsys)
 def test_p90_is_the_nearest_rank_percentile():
     import numpy as np
 
-    from dptrain.bench import _percentile
+    from dptrain.tools.bench import _percentile
 
     for n in range(1, 40):  # round() half-to-even gave 5 of 1..6 (and 23 of 1..26)
         xs = [float(i) for i in range(1, n + 1)]

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from dptrain.buckets import (
+from dptrain.dist.planning.plan import (
     MIB,
     GroupSpec,
     SegmentSpec,
@@ -14,13 +14,13 @@ from dptrain.buckets import (
     order_from_ready,
     plan_from_ready_order,
 )
-from dptrain.comm import Communicator
+from dptrain.dist.comm import Communicator
 from dptrain.config import ReducerConfig
 from dptrain.errors import ConfigError
 from dptrain.flat import FlatParams
-from dptrain.reducer import Reducer, group_specs
+from dptrain.dist.reducer import Reducer, group_specs
 from dptrain.topology import Topology
-from dptrain.trace import NullTracer
+from dptrain.observe.trace import NullTracer
 
 KIB = 1024 / MIB  # 1 KiB expressed in MiB, the unit of the caps
 

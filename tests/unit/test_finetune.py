@@ -10,11 +10,11 @@ import torch
 
 from dptrain.checkpoint import SNAPSHOT_FORMAT, RunDir, load_snapshot, save_snapshot
 from dptrain.cli import main
-from dptrain.comm import Communicator
+from dptrain.dist.comm import Communicator
 from dptrain.config import config_to_dict, load_config
 from dptrain.errors import SnapshotError
 from dptrain.flat import FlatParams
-from dptrain.metrics import read_metrics
+from dptrain.observe.metrics import read_metrics
 from dptrain.models import build_model
 from dptrain.topology import Topology
 from dptrain.train import Trainer

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from dptrain import flight
-from dptrain.flight import FlightRecorder
+from dptrain.dist import flight
+from dptrain.dist.flight import FlightRecorder
 
 
 class FakeStore:

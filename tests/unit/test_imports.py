@@ -22,27 +22,25 @@ PACKAGE = REPO / "dptrain"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dptrain.__main__", "dptrain.torchrun"),
     ("dptrain.cli",),
-    ("dptrain.bench", "dptrain.plot", "dptrain.score"),
+    ("dptrain.tools",),
     ("dptrain.run",),
     ("dptrain.train",),
-    ("dptrain.weights", "dptrain.build"),
-    ("dptrain.reducer", "dptrain.optimizer", "dptrain.checkpoint", "dptrain.control", "dptrain.data",
-     "dptrain.layout"),
-    ("dptrain.nccl_cupy", "dptrain.precision", "dptrain.straggler", "dptrain.overflow",
-     "dptrain.param_groups", "dptrain.bucket_probe"),
-    ("dptrain.comm", "dptrain.kernels", "dptrain.buckets", "dptrain.bucket_autotune", "dptrain.flat",
-     "dptrain.metrics"),
+    ("dptrain.weights", "dptrain.assemble"),
+    ("dptrain.optimizer", "dptrain.checkpoint", "dptrain.data", "dptrain.layout"),
+    ("dptrain.dist", "dptrain.precision", "dptrain.overflow", "dptrain.param_groups"),
+    ("dptrain.kernels", "dptrain.flat"),
     ("dptrain.config",),
-    ("dptrain.topology", "dptrain.trace", "dptrain.models", "dptrain.provenance", "dptrain.flight",
-     "dptrain.hostmem", "dptrain.native_build"),
+    ("dptrain.topology", "dptrain.observe", "dptrain.models", "dptrain.hostmem", "dptrain.csrc"),
     ("dptrain.errors",),
     ("dptrain",),
 )
-"""Components from the top layer down (STYLE.md section 1: ``train -> {reducer, solver, data,
-models} -> {comm, precision, kernels, buckets} -> config``; only ``run`` and the tools above it
-import ``train``, and only the entry points above them import ``cli`` and ``bench``). A component is a top-level module or
-subpackage of dptrain. It may import components of lower layers only: not its own layer's
-others (so ``data`` never reaches ``reducer`` or ``optimizer``) and not a higher one. Modules
+"""Components from the top layer down (STYLE.md section 1: ``train -> {dist, solver, data,
+models} -> {precision, kernels} -> config``; only ``run`` and the tools above it import ``train``,
+and only the entry points above them import ``cli`` and ``tools``). A component is a top-level
+module or subpackage of dptrain (the wings: ``dist`` communication, ``data`` input, ``kernels``
+update rules, ``observe`` records, ``tools`` the side commands, ``csrc`` native sources). It may
+import components of lower layers only: not its own layer's others (so ``data`` never reaches
+``dist`` or ``optimizer``) and not a higher one. Modules
 inside one component (``dptrain.data.*``) may import each other; the cycle test covers them.
 ``models`` sits below ``config`` because the config checks ``model.name`` against the zoo when
 it loads, and the zoo imports nothing but ``errors`` (STYLE: models have no distributed,
@@ -152,6 +150,15 @@ def test_every_component_has_a_layer():
     missing = sorted({component(m) for m in modules()} - placed.keys())
     assert not missing, f"components {missing} are in no layer; add each to LAYERS in {Path(__file__).name}"
     assert len(placed) == sum(len(layer) for layer in LAYERS), "a component is listed in two layers"
+
+
+ROOT_MODULES_MAX = 20
+"""Modules on the package root besides __init__ and __main__: past this, a new module belongs in a wing."""
+
+
+def test_the_package_root_stays_small():
+    root = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(root) <= ROOT_MODULES_MAX, f"{len(root)} modules on dptrain/'s root: {root}"
 
 
 def test_no_upward_or_sideways_import():

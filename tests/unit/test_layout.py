@@ -23,7 +23,7 @@ def test_auto_rule_and_overrides():
 def test_a_model_with_a_convolution_torch_breaks_on_in_nhwc_stays_nchw_on_the_cpu(caplog, tmp_path):
     """torch 2.13's CPU NHWC backward of a 1x1 stride-2 convolution with < 8 input channels corrupts
     the heap: ResNet-18 CIFAR at width 4 has one (its first projection shortcut), width 8 does not."""
-    from dptrain.build import nhwc_hazards
+    from dptrain.assemble import nhwc_hazards
     from dptrain.config import load_config
     from dptrain.train import Trainer
 
@@ -41,7 +41,7 @@ def test_a_model_with_a_convolution_torch_breaks_on_in_nhwc_stays_nchw_on_the_cp
     assert layout.resolve_channels_last(True, "fp32", CPU, narrow) is True  # an explicit setting is kept, with a warning
     assert "known to corrupt the heap" in caplog.text and "layer2.0.downsample.0" in caplog.text
 
-    from dptrain.comm import Communicator
+    from dptrain.dist.comm import Communicator
     from dptrain.topology import Topology
 
     for width, nhwc in ((4, False), (8, layout.CPU_FP32_CHANNELS_LAST)):

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from dptrain import kernels, native_build
+from dptrain import kernels
+
+from dptrain.csrc import build as native_build
 from dptrain.errors import SetupError
 from dptrain.kernels import Hyper, UpdateArgs, native, reference, selfcheck
 from dptrain.kernels.spec import RULES
@@ -41,7 +43,7 @@ def generic(tmp_path_factory):
     no_f16c = ("-mno-f16c",) if native.TUNE_FLAGS else ()
     return native.load(native_build.build_library(
         name="update_cpu", main=native.SOURCE, sources=native.SOURCES, command=native._compiler(),
-        flags=(*native.CXXFLAGS, *no_f16c), directory=tmp_path_factory.mktemp("generic")))
+        flags=(*native.CXXFLAGS, native.rules_macro(), *no_f16c), directory=tmp_path_factory.mktemp("generic")))
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dptrain.checkpoint import SNAPSHOT_FORMAT, list_snapshots, load_snapshot, resolve_resume, save_snapshot
-from dptrain.comm import Communicator
+from dptrain.dist.comm import Communicator
 from dptrain.config import load_config
 from dptrain.errors import RunDirError, SnapshotError
 from dptrain.topology import Topology
@@ -158,7 +158,7 @@ def test_resume_after_a_crash_keeps_metrics_identical_to_an_uninterrupted_run(tm
     """metrics.jsonl after crash + resume equals the straight run's, line for line (images_per_s aside):
     lines past the snapshot are dropped, and the running loss of a display interval cut by the
     snapshot (display 5, snapshot 7) is carried in the snapshot."""
-    from dptrain.metrics import read_metrics
+    from dptrain.observe.metrics import read_metrics
 
     def strip(path: Path) -> list[dict]:
         timing = {"images_per_s", "compute_ms_per_rank", "wait_ms_per_rank", "straggler_gap_ms"}
@@ -233,7 +233,7 @@ def test_resuming_with_another_batch_setup_says_the_run_no_longer_continues_samp
 def test_ctrl_c_asks_for_a_snapshot_and_a_second_one_stops_at_once():
     import signal
 
-    from dptrain.control import StopFlag
+    from dptrain.dist.control import StopFlag
 
     flag = StopFlag()
     flag(signal.SIGINT, None)
@@ -285,7 +285,7 @@ def test_run_dir_that_is_not_writable_is_a_one_line_error(tmp_path, monkeypatch)
 
 
 def test_torn_metrics_line_is_dropped_on_resume_and_named_when_read(tmp_path):
-    from dptrain.metrics import MetricsWriter, read_metrics
+    from dptrain.observe.metrics import MetricsWriter, read_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"iter": 10, "loss": 1.0}\n{"iter": 20, "loss": 0.5}\n{"iter": 30, "images_pe')
@@ -297,7 +297,7 @@ def test_torn_metrics_line_is_dropped_on_resume_and_named_when_read(tmp_path):
 
 def test_resume_auto_without_a_snapshot_drops_the_crashed_runs_metrics(tmp_path):
     from dptrain.cli import main
-    from dptrain.metrics import read_metrics
+    from dptrain.observe.metrics import read_metrics
 
     run = tmp_path / "run"
     run.mkdir()
@@ -312,7 +312,7 @@ def test_resume_auto_without_a_snapshot_drops_the_crashed_runs_metrics(tmp_path)
 
 
 def test_metrics_file_deleted_mid_run_is_started_again(tmp_path):
-    from dptrain.metrics import MetricsWriter, read_metrics
+    from dptrain.observe.metrics import MetricsWriter, read_metrics
 
     w = MetricsWriter(tmp_path / "run" / "metrics.jsonl")
     w.write({"iter": 1})

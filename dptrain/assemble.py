@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dptrain.comm import Communicator
+from dptrain.dist.comm import Communicator
 from dptrain.config import TrainConfig
 from dptrain.errors import SetupError
 from dptrain.flat import FlatParams

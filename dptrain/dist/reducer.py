@@ -29,7 +29,7 @@ on it is identical everywhere without another collective.
 times, the collectives' costs and the backward time their overlap takes (every other probe
 iteration holds its launches until backward ends), rank 0 plans the boundaries that minimise
 what the communication adds to the step (exposed + contention) and every rank re-lays out its
-buffers at the same iteration, as ``replan`` does (:mod:`dptrain.bucket_probe`). A snapshot
+buffers at the same iteration, as ``replan`` does (:mod:`dptrain.dist.planning.probe`). A snapshot
 keeps the order and the cuts; a resumed run applies them at once.
 
 Running statistics (BatchNorm's running mean and variance) are averaged over the ranks
@@ -60,8 +60,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dptrain.bucket_probe import PROBE_CAP_MB, AutoProbe, check_line
-from dptrain.buckets import (
+from dptrain.dist.planning.probe import PROBE_CAP_MB, AutoProbe, check_line
+from dptrain.dist.planning.plan import (
     Bucket,
     BucketPlan,
     GroupSpec,
@@ -71,11 +71,11 @@ from dptrain.buckets import (
     order_from_ready,
     plan_from_ready_order,
 )
-from dptrain.comm import AsyncAllreduce, Communicator, Work
+from dptrain.dist.comm import AsyncAllreduce, Communicator, Work
 from dptrain.config import ReducerConfig
 from dptrain.errors import ConfigError, RankFailure
 from dptrain.flat import FlatParams
-from dptrain.trace import Tracer, now_us
+from dptrain.observe.trace import Tracer, now_us
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class Reducer:
         if self.comm.device.type != "cuda":
             raise ConfigError(f"rank {self.comm.rank}: reducer.backend = \"cupy-nccl\" needs CUDA devices, "
                              f"this solver runs on {self.comm.device}; use reducer.backend = \"torch\"")
-        from dptrain.nccl_cupy import CupyNcclCommunicator, check_reducible  # imports cupy: GPU runs only
+        from dptrain.dist.cupy_nccl import CupyNcclCommunicator, check_reducible  # imports cupy: GPU runs only
 
         check_reducible({torch.float32 if self.fp32_reduce else g.grads.dtype for g in self.flat.groups})
         return CupyNcclCommunicator(self.comm, self.cfg.timeout_s)
@@ -197,7 +197,7 @@ class Reducer:
     def begin(self, sync: bool, control: torch.Tensor | None = None) -> None:
         """Arm the hooks for the coming backward; ``sync=False`` only accumulates (iter_size).
 
-        ``control`` (a small fp32 device vector, see ``dptrain.control``) is summed over the
+        ``control`` (a small fp32 device vector, see ``dptrain.dist.control``) is summed over the
         ranks with the running statistics, in the collective launched here (in a held probe
         iteration: behind the first bucket), and holds the sums after :meth:`wait`.
         """

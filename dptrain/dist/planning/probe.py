@@ -1,5 +1,5 @@
 """The measuring side of ``reducer.bucket_mb = "auto"``: what the Reducer's probe records, and
-how the ranks' records become the planner's inputs (:mod:`dptrain.bucket_autotune` plans).
+how the ranks' records become the planner's inputs (:mod:`dptrain.dist.planning.planner` plans).
 
 After ``AUTO_WARMUP_ITERS`` synced iterations, ``2 * AUTO_PROBE_ITERS`` more run with one
 bucket per parameter, alternately overlapped and held (the 1st, 3rd, ... probe iteration
@@ -38,9 +38,9 @@ from statistics import fmean, median, stdev
 
 import torch
 
-from dptrain.bucket_autotune import AutoDecision, decide_plan
-from dptrain.comm import Communicator
-from dptrain.trace import now_us
+from dptrain.dist.planning.planner import AutoDecision, decide_plan
+from dptrain.dist.comm import Communicator
+from dptrain.observe.trace import now_us
 
 AUTO_WARMUP_ITERS = 1
 """Synced iterations the auto plan ignores: the first pays allocator and kernel-selection costs no later one pays."""

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.errors import PeerStartupError, RankFailure, SetupError, StartupStopped, first_line
-from dptrain.flight import FlightRecorder, progress_store
+from dptrain.dist.flight import FlightRecorder, progress_store
 from dptrain.topology import Topology
-from dptrain.trace import now_us
+from dptrain.observe.trace import now_us
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def import_dynamo_first() -> None:
 
     Importing it while a group exists leaves references to that group behind (torch 2.13: ten
     more on ``dist.group.WORLD``), and dptrain imports it mid-build on the CPU (the meta-device
-    model probe of :func:`dptrain.build.nhwc_hazards`; the compiled update). Then
+    model probe of :func:`dptrain.assemble.nhwc_hazards`; the compiled update). Then
     ``destroy_process_group`` cannot free the group, its gloo worker threads outlive :meth:`close`,
     and a worker releasing its last collective's tensors while Python finalises tries to take the
     GIL, is exited by the interpreter inside a C++ destructor, and aborts the process

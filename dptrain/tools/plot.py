@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.errors import ConfigError, InputError
-from dptrain.metrics import read_metrics
+from dptrain.observe.metrics import read_metrics
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
