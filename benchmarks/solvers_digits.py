@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dptrain.bench import device_name, git_commit, versions
-from dptrain.comm import Communicator
+from dptrain.tools.bench import device_name, git_commit, versions
+from dptrain.dist.comm import Communicator
 from dptrain.config import SolverConfig, TrainConfig, load_config
 from dptrain.optimizer import learning_rate
 from dptrain.param_groups import Multipliers

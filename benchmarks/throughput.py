@@ -196,7 +196,7 @@ def main() -> int:
              "gpu": gpu_cases}[args.suite]()
     cases = [c for c in cases if args.only in c.name]
     if args.suite == "buckets":
-        from dptrain.bucket_probe import AUTO_DONE_ITER
+        from dptrain.dist.planning.probe import AUTO_DONE_ITER
 
         if args.warmup < AUTO_DONE_ITER:  # bench times auto's plan only after its probe and check
             print(f"--warmup {args.warmup} -> {AUTO_DONE_ITER}: every case warms up as long as the auto plan's "

@@ -46,8 +46,8 @@ import torch
 
 from dptrain import kernels
 from dptrain.kernels import Hyper, UpdateArgs, native
-from dptrain.bench import device_name, versions
-from dptrain.provenance import git_commit
+from dptrain.tools.bench import device_name, versions
+from dptrain.observe.provenance import git_commit
 
 RESNET50_PARAMS = 25_557_032
 """torchvision ResNet-50 parameter count (also what dptrain.models builds)."""
