@@ -56,6 +56,7 @@ from dptrain.optimizer import MasterOptimizer
 from dptrain.overflow import DivergenceWatch, OverflowLocator, first_nonfinite_layer
 from dptrain.param_groups import resolve_multipliers
 from dptrain.precision import DTYPES, LossScaler, warn_if_slow_on_cpu
+from dptrain.dist.planning.auto import attach_auto_plan
 from dptrain.dist.reducer import Reducer
 from dptrain.dist.straggler import StepClock, StragglerMonitor
 from dptrain.observe.trace import NullTracer, PhaseTimer, Tracer
@@ -89,6 +90,8 @@ class Trainer:
         ls_mode = cfg.precision.resolved_loss_scale_mode()
         self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
         self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer, running_stats(self.model))
+        self.autoplan = attach_auto_plan(self.reducer)
+        """The reducer.bucket_mb = "auto" planner watching the reducer (None for a fixed plan)."""
         multipliers = resolve_multipliers(self.model, cfg.solver.param_groups, cfg.solver.no_decay)
         self.overflow = OverflowLocator(self.flat, self.device, enabled=self.scaler.enabled)
         self.optimizer = MasterOptimizer(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor, multipliers,

@@ -25,12 +25,14 @@ over ranks. The solver unscales by ``1 / (S * grad_divisor)`` in fp32:
 Every rank then holds the bit-identical reduced gradient, so the overflow decision taken
 on it is identical everywhere without another collective.
 
-``bucket_mb = "auto"``: a probe with a bucket per parameter measures the gradient-ready
-times, the collectives' costs and the backward time their overlap takes (every other probe
-iteration holds its launches until backward ends), rank 0 plans the boundaries that minimise
-what the communication adds to the step (exposed + contention) and every rank re-lays out its
-buffers at the same iteration, as ``replan`` does (:mod:`dptrain.dist.planning.probe`). A snapshot
-keeps the order and the cuts; a resumed run applies them at once.
+The Reducer is mechanism only. Measurement hangs beside it as observers
+(:class:`ReducerObserver`: told when a synced backward begins, each gradient is ready, its
+collectives completed, and wait() is done; an observer may hold a backward's launches until its
+end). ``bucket_mb = "auto"`` is one (:mod:`dptrain.dist.planning.auto`): a probe with a bucket per
+parameter measures the gradient-ready times, the collectives' costs and the backward time their
+overlap takes, rank 0 plans the boundaries that minimise what the communication adds to the step
+(exposed + contention), and every rank adopts them at the same iteration (:meth:`Reducer.adopt_ready_order`,
+as ``replan`` does). A snapshot keeps the order and the cuts; a resumed run applies them at once.
 
 Running statistics (BatchNorm's running mean and variance) are averaged over the ranks
 once per iteration, by one small allreduce launched in ``begin(sync=True)``: every forward
@@ -57,10 +59,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from dptrain.dist.planning.probe import PROBE_CAP_MB, AutoProbe, check_line
+from dptrain.dist.planning.probe import PROBE_CAP_MB
 from dptrain.dist.planning.plan import (
     Bucket,
     BucketPlan,
@@ -79,9 +82,6 @@ from dptrain.observe.trace import Tracer, now_us
 
 log = logging.getLogger(__name__)
 
-PROBE_SETTLE_S = 1.0
-"""CUDA probe: how long to wait for the completion watcher to stamp collectives the device has finished."""
-
 
 def group_specs(flat: FlatParams) -> list[GroupSpec]:
     """The bucket planner's view of ``flat``: segments per group, ranked by layout order."""
@@ -92,14 +92,50 @@ def group_specs(flat: FlatParams) -> list[GroupSpec]:
 
 
 @dataclass
-class _Launched:
-    """One bucket's collective in flight."""
+class Launched:
+    """One collective in flight: a bucket's, or (``bucket`` None) the statistics and control sum."""
 
-    bucket: Bucket
+    bucket: Bucket | None
     work: Work
     upcast: torch.Tensor | None  # [stop - start] fp32 copy when reduce_dtype = "fp32"
     start_us: float
     end_us: list[float] = field(default_factory=list)  # set by the completion callback
+
+
+class ReducerObserver(Protocol):
+    """What the Reducer tells whoever measures it (``reducer.observers``), at each synced backward;
+    the Reducer only moves gradients, as DDP keeps its Logger and Timer beside its reducer. The
+    ``bucket_mb = "auto"`` planner is one (:class:`dptrain.dist.planning.auto.AutoPlan`)."""
+
+    @property
+    def timing(self) -> bool:
+        """Whether the Reducer must stamp each collective's completion for :meth:`completed`."""
+        ...
+
+    @property
+    def accepts_plan(self) -> bool:
+        """Whether a snapshot's bucket plan may stand in for what this observer would measure."""
+        ...
+
+    def begin(self) -> bool:
+        """A synced backward starts (under the Reducer's lock); True: launch nothing before its end."""
+        ...
+
+    def ready(self, name: str) -> None:
+        """The gradient of ``name`` is ready (under the Reducer's lock)."""
+        ...
+
+    def completed(self, launched: list[Launched], backward_end_us: float) -> None:
+        """wait() has waited for every bucket of the synced backward (the statistics may be in flight)."""
+        ...
+
+    def after_wait(self) -> None:
+        """wait() is done: gradients and statistics are reduced. May run collectives (every rank alike)."""
+        ...
+
+    def plan_adopted(self) -> None:
+        """A snapshot's plan was applied in place of this observer's measurements."""
+        ...
 
 
 class Reducer:
@@ -111,8 +147,7 @@ class Reducer:
         self.running_stats = list(running_stats or [])
         """Buffers averaged over ranks every synced iteration (BatchNorm's running mean/var)."""
         self._stats_numels = [t.numel() for t in self.running_stats]
-        self._stats_flight: tuple[Work, torch.Tensor] | None = None
-        self._stats_times: tuple[float, list[float]] | None = None  # auto probe: its launch and end (us)
+        self._stats_flight: tuple[Launched, torch.Tensor] | None = None
         self._control: torch.Tensor | None = None
         self.world_size = comm.world_size
         self.fp32_reduce = cfg.reduce_dtype == "fp32"
@@ -122,20 +157,18 @@ class Reducer:
         """(bucket index, time.perf_counter()) of each launch in the last synced backward."""
         self._lock = threading.Lock()  # hooks may run on autograd device threads
         self._active = False
-        self._holding = False  # auto probe: this backward launches nothing; wait() launches all
+        self._holding = False  # an observer holds this backward's launches; wait() launches all
         self._warned_unused = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._host_completion = flat.groups[0].grads.device.type == "cpu"
         """gloo on CPU: a collective is complete when its wait() returns; CUDA: when its event fires."""
         self._collective = self._build_collective()
         self._cuts: list[int] | None = None
-        self._auto = AutoProbe() if cfg.bucket_mb == "auto" and self.world_size > 1 else None
-        self.auto_report: dict[str, float | int | str | None] = {}
-        """The auto plan's choice, its fitted cost, overlap rate and contention, and its predicted and measured
-        exposed communication and backward stretch (once known)."""
+        self.observers: list[ReducerObserver] = []
+        """Measurement beside the mechanism (the auto planner), told of every synced backward."""
         self._set_plan(build_bucket_plan(group_specs(flat), *self._caps()))
         self._check_plan_agreement()
-        self._replan_pending = cfg.replan and self.world_size > 1 and self._auto is None
+        self._replan_pending = cfg.replan and self.world_size > 1 and cfg.bucket_mb != "auto"
         self._ready_order: list[str] = []
         # One solver reduces nothing, but a traced run still records when each bucket would be
         # ready: that single-solver profile is what benchmarks/scaling_model.py extrapolates from.
@@ -188,9 +221,12 @@ class Reducer:
         )
 
     @property
-    def auto_pending(self) -> bool:
-        """``bucket_mb = "auto"`` has not yet chosen its plan and measured it (``auto_report`` is empty)."""
-        return self._auto is not None and self._auto.phase != "done"
+    def host_completion(self) -> bool:
+        """gloo on CPU: a collective is complete when its wait() returns; CUDA: when its event fires."""
+        return self._host_completion
+
+    def _timing(self) -> bool:
+        return self.tracer.enabled or any(o.timing for o in self.observers)
 
     # ------------------------------------------------------------------ per micro-batch
 
@@ -209,13 +245,11 @@ class Reducer:
             if sync:
                 self._pending = list(self._sizes)
                 self._next_launch = 0
-                self._launched: list[_Launched] = []
+                self._launched: list[Launched] = []
                 self._ready: list[str] = []
                 self._seen: set[str] = set()
                 self.launch_log = []
-                if self._auto is not None and self._auto.phase != "done":
-                    self._auto.start_backward()
-                    self._holding = self._auto.holding
+                self._holding = any([o.begin() for o in self.observers])  # every observer hears it
                 if self.world_size > 1 and not self._holding and self._has_stats():
                     self._launch_stats()  # every forward is done: the whole backward to overlap it with
 
@@ -235,10 +269,8 @@ class Reducer:
                 )
             self._seen.add(name)
             self._ready.append(name)
-            if self._auto is not None and self._auto.probing:
-                if self.comm.device.type == "cuda":  # probe only: host time = device time, at one sync per hook
-                    torch.cuda.current_stream(self.comm.device).synchronize()
-                self._auto.gradient_ready(name)
+            for o in self.observers:
+                o.ready(name)
             b = self._bucket_of[name]
             self._pending[b] -= 1
             if self._pending[b] == 0 and self.tracer.enabled:
@@ -261,15 +293,15 @@ class Reducer:
         self.launch_log.append((b.index, t))
         if self._next_launch == 1 and self._stats_flight is None and self._has_stats():
             self._launch_stats()  # a held probe iteration: behind the first bucket, after backward
-        rec = _Launched(b, work, upcast, start_us)
-        if self.tracer.enabled or (self._auto is not None and self._auto.probing):
+        rec = Launched(b, work, upcast, start_us)
+        if self._timing():
             work.on_complete(lambda end_us, rec=rec: self._completed(rec, end_us))
         self._launched.append(rec)
 
-    def _completed(self, rec: _Launched, end_us: float) -> None:
+    def _completed(self, rec: Launched, end_us: float) -> None:
         """A collective's completion callback (any thread). CPU: traced at wait(); CUDA: here."""
         rec.end_us.append(end_us)
-        if self.tracer.enabled and not self._host_completion:
+        if self.tracer.enabled and not self._host_completion and rec.bucket is not None:
             self._trace(rec, end_us)
 
     def _has_stats(self) -> bool:
@@ -282,24 +314,24 @@ class Reducer:
         parts = [t.detach().reshape(-1).float() for t in self.running_stats]
         if self._control is not None:
             parts.append(self._control)
-        stats = torch.cat(parts)
+        stats = torch.cat(parts)  # one collective for all of it: the statistics, then the control vector
         start_us = now_us()
         try:
-            self._stats_flight = (self._collective.allreduce_async(stats), stats)
+            rec = Launched(None, self._collective.allreduce_async(stats), None, start_us)
         except Exception as e:
             raise self._stats_failure(e) from e
-        if self._auto is not None and self._auto.probing:  # it shares the channel with the probed buckets
-            self._stats_times = (start_us, [])
-            self._stats_flight[0].on_complete(self._stats_times[1].append)
+        if any(o.timing for o in self.observers):  # it shares the channel with the buckets they time
+            rec.work.on_complete(rec.end_us.append)
+        self._stats_flight = (rec, stats)
 
     def _finish_stats(self) -> None:
         """Wait for the running-statistics sum and write the rank average back into the buffers."""
         if self._stats_flight is None:
             return
-        work, stats = self._stats_flight
+        rec, stats = self._stats_flight
         self._stats_flight = None
         try:
-            work.wait()
+            rec.work.wait()
         except Exception as e:
             raise self._stats_failure(e) from e
         n = sum(self._stats_numels)
@@ -317,7 +349,7 @@ class Reducer:
                            f"(reducer.timeout_s = {self.cfg.timeout_s}): {e}; a peer rank probably died or hung, "
                            "see its log")
 
-    def _trace(self, rec: _Launched, end_us: float) -> None:
+    def _trace(self, rec: Launched, end_us: float) -> None:
         self.tracer.complete("allreduce", rec.start_us, end_us, tid="comm", bucket=rec.bucket.index,
                              bytes=rec.bucket.nbytes)
 
@@ -328,14 +360,29 @@ class Reducer:
         )
 
     def wait(self) -> None:
-        """Launch what backward did not (parameters without gradients), then wait for all.
+        """Wait for the synced backward's collectives, then tell the observers.
 
-        Raises RuntimeError naming this rank when a collective fails or times out (a peer
+        Raises RankFailure naming this rank when a collective fails or times out (a peer
         died): the caller exits instead of hanging. On CUDA this does not block the host.
         """
         if self.world_size == 1:
             self._active = False
             return
+        backward_end_us = self._launch_rest()
+        for rec in self._launched:
+            self._wait_bucket(rec)
+        launched = self._launched + ([self._stats_flight[0]] if self._stats_flight is not None else [])
+        self._launched = []
+        for o in self.observers:
+            o.completed(launched, backward_end_us)
+        self._finish_stats()
+        if self._replan_pending:
+            self._replan()
+        for o in self.observers:
+            o.after_wait()
+
+    def _launch_rest(self) -> float:
+        """Launch the buckets backward left (parameters without gradients, or a held backward); its end (us)."""
         with self._lock:
             if not self._active:
                 raise RuntimeError(f"rank {self.comm.rank}: Reducer.wait() without begin(sync=True) before the "
@@ -347,36 +394,20 @@ class Reducer:
             self._holding = False
             while self._next_launch < len(self.plan.buckets):
                 self._launch(self.plan.buckets[self._next_launch])
-        for rec in self._launched:
-            try:
-                rec.work.wait()
-            except Exception as e:  # DistBackendError / timeout: a peer rank probably died
-                raise self._failure(rec.bucket, e) from e
-            if self.fp32_reduce:
-                view = self.flat.groups[rec.bucket.group].grads[rec.bucket.start : rec.bucket.stop]
-                src = rec.upcast if rec.upcast is not None else view
-                view.copy_(src.div_(self.world_size))  # average in fp32, then round once
-            if self.tracer.enabled and self._host_completion:
-                self._trace(rec, rec.end_us[0] if rec.end_us else now_us())
-        if self._auto is not None and self._auto.phase != "done":
-            if self._auto.probing and not self._host_completion:
-                self._settle_probe()
-            launched: list[tuple[int | None, float, float | None]] = [
-                (r.bucket.index, r.start_us, r.end_us[0] if r.end_us else None) for r in self._launched]
-            if self._stats_times is not None:  # at backward's start, or behind the first bucket when held
-                start, ends = self._stats_times
-                launched.append((None, start, ends[0] if ends else None))
-                launched.sort(key=lambda x: x[1])  # launch order
-                self._stats_times = None
-            if self._auto.record(launched, len(self.plan.buckets), backward_end_us, now_us(),
-                                 queued=self._host_completion):
-                self._auto_finish()
-        self._launched = []
-        self._finish_stats()
-        if self._replan_pending:
-            self._replan()
-        if self._auto is not None and self._auto.decision_due:
-            self._auto_decide()
+        return backward_end_us
+
+    def _wait_bucket(self, rec: Launched) -> None:
+        """Wait for one bucket's collective; with fp32 reduction, average and round back into the gradients."""
+        try:
+            rec.work.wait()
+        except Exception as e:  # DistBackendError / timeout: a peer rank probably died
+            raise self._failure(rec.bucket, e) from e
+        if self.fp32_reduce:
+            view = self.flat.groups[rec.bucket.group].grads[rec.bucket.start : rec.bucket.stop]
+            src = rec.upcast if rec.upcast is not None else view
+            view.copy_(src.div_(self.world_size))  # average in fp32, then round once
+        if self.tracer.enabled and self._host_completion:
+            self._trace(rec, rec.end_us[0] if rec.end_us else now_us())
 
     def _warn_unused(self) -> None:
         if self._warned_unused:
@@ -398,11 +429,11 @@ class Reducer:
         self._replan_pending = False
         order = self.comm.broadcast_object(list(self._ready), src=0)
         old = self.plan.describe()
-        self._apply_ready_order(order)
+        self.adopt_ready_order(order)
         if self.comm.rank == 0:
             log.info("reducer re-planned from the observed gradient order: %s (was %s)", self.plan.describe(), old)
 
-    def _apply_ready_order(self, order: list[str], cuts: list[int] | None = None) -> None:
+    def adopt_ready_order(self, order: list[str], cuts: list[int] | None = None) -> None:
         """Re-lay out the flat buffers and re-plan the buckets for gradient-ready ``order``,
         cut by the caps or, given ``cuts`` (positions in ``order``), there (collective)."""
         per_group, predicted = plan_from_ready_order(group_specs(self.flat), order, *self._caps(), cuts)
@@ -412,43 +443,6 @@ class Reducer:
         self._set_plan(plan)
         self._check_plan_agreement()
         self._ready_order, self._cuts = list(order), (list(cuts) if cuts is not None else None)
-
-    # ------------------------------------------------------------------ auto plan
-
-    def _settle_probe(self) -> None:
-        """CUDA probe iterations only: sync the device and let the completion watcher stamp every
-        collective, so the probe's exposed communication and service times are device times."""
-        torch.cuda.synchronize(self.comm.device)
-        deadline = time.perf_counter() + PROBE_SETTLE_S
-        while any(not rec.end_us for rec in self._launched) and time.perf_counter() < deadline:
-            time.sleep(1e-4)
-
-    def _auto_decide(self) -> None:
-        """Rank 0 plans from the probe's timeline; every rank applies it now (collective)."""
-        a = self._auto
-        collectives, after_slowest, stretch, noise = a.gathered(self.comm, [b.nbytes for b in self.plan.buckets])
-        decision = None
-        if self.comm.rank == 0:
-            size_of = {s.name: s.padded_numel * g.elem_size for g in group_specs(self.flat) for s in g.segments}
-            decision = a.decide(order_from_ready(self.flat.layout_order, list(self._ready)), size_of, collectives,
-                                after_slowest, stretch, noise)
-            if decision.fit_note:
-                log.warning("rank 0: reducer auto plan: %s; priced every bucket at the median allreduce time",
-                            decision.fit_note)
-            if decision.contention_note:
-                log.info("reducer auto plan: %s; contention taken as 0", decision.contention_note)
-        decision = self.comm.broadcast_object(decision, src=0)
-        old = self.plan.describe()
-        self._apply_ready_order(decision.order, decision.cuts)
-        a.switch(decision)
-        if self.comm.rank == 0:
-            log.info("reducer auto plan: %s", decision.describe(self.plan.describe(), old))
-
-    def _auto_finish(self) -> None:
-        r = self._auto.report(self.comm, self.plan.describe(), len(self.plan.buckets), self._host_completion)
-        self.auto_report = r
-        if self.comm.rank == 0:
-            log.info("reducer auto plan: %s", check_line(r))
 
     # ------------------------------------------------------------------ snapshot
 
@@ -465,17 +459,18 @@ class Reducer:
         (no new probe); a snapshot taken before the auto plan was chosen leaves probing on."""
         order = list(state.get("ready_order", []))
         cuts = list(state.get("bucket_cuts", []))
-        auto_ready = self._auto is not None and self._auto.probing and bool(cuts)
-        if not (order and (self._replan_pending or auto_ready)):
+        adopt = bool(cuts) and any(o.accepts_plan for o in self.observers)
+        if not (order and (self._replan_pending or adopt)):
             return
         if set(order) - set(self.flat.layout_order):
             log.warning("rank %d: the snapshot's bucket layout names parameters this model lacks; re-planning "
                         "from this run's gradient order instead", self.comm.rank)
             return
         self._replan_pending = False
-        if auto_ready:
-            self._auto.phase = "done"
-        self._apply_ready_order(order, cuts if auto_ready else None)
+        if adopt:
+            for o in self.observers:
+                o.plan_adopted()
+        self.adopt_ready_order(order, cuts if adopt else None)
 
     def close(self) -> None:
         """Remove the gradient hooks (the model stays usable without a reducer) and release a

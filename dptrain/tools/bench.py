@@ -105,7 +105,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         for _ in range(warmup):
             trainer.train_step()
         extra = 0
-        while trainer.reducer.auto_pending:  # time the chosen plan, not the probe (every rank alike)
+        while trainer.autoplan is not None and trainer.autoplan.pending:  # time the chosen plan, not the probe (every rank alike)
             trainer.train_step()
             extra += 1
         if extra and comm.rank == 0:
@@ -168,7 +168,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         "precision": cfg.precision.storage,
         "data": cfg.data.source,
         "bucket_mb": cfg.reducer.bucket_mb,
-        "auto_buckets": trainer.reducer.auto_report or None,
+        "auto_buckets": (trainer.autoplan.report or None) if trainer.autoplan is not None else None,
         "config_hash": config_hash(cfg),
         "git_commit": git_commit(),
         "steps": steps,

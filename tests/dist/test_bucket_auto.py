@@ -33,7 +33,7 @@ def _auto_rank(rank: int, world: int, out: str) -> None:
     auto = _trainer(f"{out}/auto")
     probe_buckets = len(auto.reducer.plan.buckets)
     digests, held = [], []
-    probe = auto.reducer._auto
+    probe = auto.autoplan.probe
     record = probe.record
 
     def spy(launched, n_buckets, backward_end_us, done_us, **kw):
@@ -52,7 +52,7 @@ def _auto_rank(rank: int, world: int, out: str) -> None:
     state = auto.reducer.state_dict()
     assert state["bucket_cuts"] and state["bucket_cuts"][0] == 0
     assert len(auto.reducer.plan.buckets) < probe_buckets == sum(len(g.segments) for g in auto.flat.groups)
-    report = auto.reducer.auto_report
+    report = auto.autoplan.report
     assert report["buckets"] == len(auto.reducer.plan.buckets) and report["measured_exposed_ms"] >= 0
     assert report["predicted_exposed_ms"] >= 0 and report["beta_ms_per_mb"] >= 0
     assert 0 <= report["measured_after_slowest_ms"] <= report["measured_exposed_ms"]  # the least wait over the ranks
@@ -103,7 +103,7 @@ def _late_rank(rank: int, world: int, out: str, where: str) -> None:
     if rank == 1:
         t._forward = late_backward if where == "backward" else late_forward
     waits = []
-    probe = t.reducer._auto
+    probe = t.autoplan.probe
     record, gathered, seen = probe.record, probe.gathered, {}
     probe.record = lambda *a, **k: waits.append((a[3] - a[2]) / 1e3) or record(*a, **k)  # done - backward end
     probe.gathered = lambda *a: seen.setdefault("gathered", gathered(*a))

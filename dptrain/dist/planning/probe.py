@@ -50,7 +50,7 @@ and held); medians over them."""
 AUTO_DECISION_ITER = AUTO_WARMUP_ITERS + 2 * AUTO_PROBE_ITERS
 """The synced iteration at whose end the plan is decided and applied."""
 AUTO_DONE_ITER = AUTO_DECISION_ITER + 2 * AUTO_PROBE_ITERS
-"""The synced iteration at whose end the chosen plan has been checked (``Reducer.auto_report``)."""
+"""The synced iteration at whose end the chosen plan has been checked (``AutoPlan.report``, :mod:`.auto`)."""
 PROBE_CAP_MB = 1e-9
 """Caps below any parameter's size: one bucket per parameter while probing, so every gradient's
 ready time and a spread of message sizes (biases to the largest weight) are measured."""
