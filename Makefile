@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-gpu bench clean
+.PHONY: setup demo test test-gpu test-slurm bench clean
 
 $(PY):
 	@echo "setup 1/3: creating $(VENV) with $$($(PYTHON) --version 2>&1)"
@@ -33,6 +33,12 @@ test: setup
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+# Not in CI (not part of `test`): as root, installs Debian's slurm-wlm and munge, starts a
+# one-node SLURM cluster on this machine and runs launch/slurm.sbatch on it: accuracy, stop on
+# SIGTERM, requeue on SIGUSR1, the time limit and preemption (~6 minutes on 2 cores).
+test-slurm: setup
+	launch/test-slurm.sh
 
 bench: setup
 	$(PY) benchmarks/throughput.py
