@@ -16,17 +16,54 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import platform
 import shlex
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+TUNE_FLAGS = ("-march=native",) if platform.machine() in ("x86_64", "AMD64") else ()
+"""Flags that tune a library for the building CPU; with them the CPU's identity joins the cache key."""
 BUILD_TIMEOUT_S = 300
 """A compile that takes longer is given up on (the caller falls back to its Python path)."""
+
+
+class OncePerProcess:
+    """A library (or None) made on first use, once per process and thread-safe, by ``make``;
+    :meth:`reset` forgets it, so that the next use reads its environment variable again (tests)."""
+
+    def __init__(self, make: Callable[[], object]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._made: list[object] = []  # empty until the first use; then [the library or None]
+
+    def get(self) -> object:
+        if not self._made:
+            with self._lock:
+                if not self._made:
+                    self._made.append(self._make())
+        return self._made[0]
+
+    def reset(self) -> None:
+        with self._lock:
+            self._made.clear()
+
+
+def tuned_or_not(build: Callable[..., Path], log: logging.Logger) -> Path:
+    """``build(tune=True)``, or ``build(tune=False)`` when that fails (a compiler that refuses
+    :data:`TUNE_FLAGS`); the library's path."""
+    try:
+        return build(tune=True)
+    except RuntimeError as e:
+        if not TUNE_FLAGS:
+            raise
+        log.debug("tuned build failed (%s); building without %s", str(e).splitlines()[0], " ".join(TUNE_FLAGS))
+        return build(tune=False)
 
 
 def cache_dir() -> Path:

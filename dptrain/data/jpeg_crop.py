@@ -34,7 +34,6 @@ import io
 import logging
 import os
 import subprocess
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -53,8 +52,6 @@ CFLAGS = ("-O2", "-fPIC", "-shared")
 LIBS = ("-ljpeg",)
 _ERR_LEN = 256
 
-_lock = threading.Lock()
-_loaded: list[ctypes.CDLL | None] = []  # empty until the first call; then [lib] or [None]
 
 
 def mode() -> str:
@@ -129,29 +126,30 @@ def self_check(lib: ctypes.CDLL) -> None:
                                    f"{features.version('libjpeg_turbo')})")
 
 
+def _make() -> ctypes.CDLL | None:
+    want = mode()
+    if want == "pillow":
+        return None
+    try:
+        return _load()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        if want == "crop":
+            raise ConfigError(f"{JPEG_ENV}=crop but the JPEG crop decoder is unavailable: {e}") from e
+        log.warning("JPEG crop decode unavailable, decoding whole images with Pillow: %s", e)
+        return None
+
+
+_library = native_build.OncePerProcess(_make)
+
+
 def library() -> ctypes.CDLL | None:
     """The crop decoder, built and loaded once per process; None when off or unavailable (``auto``)."""
-    if _loaded:
-        return _loaded[0]
-    with _lock:
-        if not _loaded:
-            want = mode()
-            lib = None
-            if want != "pillow":
-                try:
-                    lib = _load()
-                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                    if want == "crop":
-                        raise ConfigError(f"{JPEG_ENV}=crop but the JPEG crop decoder is unavailable: {e}") from e
-                    log.warning("JPEG crop decode unavailable, decoding whole images with Pillow: %s", e)
-            _loaded.append(lib)
-    return _loaded[0]
+    return _library.get()  # type: ignore[return-value]
 
 
 def reset() -> None:
     """Forget the loaded decoder, so the next :func:`library` call reads ``DPTRAIN_JPEG`` again (tests)."""
-    with _lock:
-        _loaded.clear()
+    _library.reset()
 
 
 def decode_crop(lib: ctypes.CDLL, data: bytes, box: tuple[int, int, int, int], *, scale: int, gray: bool,

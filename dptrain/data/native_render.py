@@ -38,9 +38,7 @@ import ctypes
 import io
 import logging
 import os
-import platform
 import subprocess
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -64,7 +62,7 @@ SOURCE = CSRC / "record_render.c"
 SOURCES = (SOURCE, CSRC / "jpeg_crop.c")
 CFLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared")
 """-ffp-contract=off: the geometry's double arithmetic must round as Python's does (no fused multiply-add)."""
-TUNE_FLAGS = ("-march=native",) if platform.machine() in ("x86_64", "AMD64") else ()
+TUNE_FLAGS = native_build.TUNE_FLAGS
 LIBS = ("-ljpeg", "-lm")
 
 STAGE_WORDS = 8
@@ -236,47 +234,33 @@ def self_check(lib: ctypes.CDLL) -> None:
                                    f"{windows[i].tolist()} vs {win.tolist()}, pixels differ by up to {diff}")
 
 
-_lock = threading.Lock()
-_loaded: list[ctypes.CDLL | None] = []  # empty until the first call; then [lib] or [None]
-
-
-def _build_tuned_or_not() -> Path:
+def _make() -> ctypes.CDLL | None:
+    want = mode()
+    if want == "python" or jpeg_crop.mode() == "pillow":  # DPTRAIN_JPEG=pillow: whole decodes, in Python
+        return None
     try:
-        return build()
-    except RuntimeError as e:
-        if not TUNE_FLAGS:
-            raise
-        log.debug("tuned build failed (%s); building without %s", first_line(e), " ".join(TUNE_FLAGS))
-        return build(tune=False)
+        if jpeg_crop.library() is None:
+            raise RuntimeError("the JPEG crop decoder it builds on is unavailable")
+        lib = load(native_build.tuned_or_not(build, log))
+        self_check(lib)
+        return lib
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        if want == "native":
+            raise ConfigError(f"{RENDER_ENV}=native but the native input path is unavailable: "
+                              f"{first_line(e)}") from e
+        log.warning("native input path unavailable, rendering samples in Python (slower: the GIL caps one "
+                    "process's pipeline); set %s=python to choose that silently: %s", RENDER_ENV, first_line(e))
+        return None
+
+
+_library = native_build.OncePerProcess(_make)
 
 
 def library() -> ctypes.CDLL | None:
     """The native renderer, built, loaded and checked once per process; None when off or unavailable."""
-    if _loaded:
-        return _loaded[0]
-    with _lock:
-        if not _loaded:
-            want = mode()
-            lib = None
-            if want != "python" and jpeg_crop.mode() != "pillow":  # DPTRAIN_JPEG=pillow: whole decodes, in Python
-                try:
-                    if jpeg_crop.library() is None:
-                        raise RuntimeError("the JPEG crop decoder it builds on is unavailable")
-                    lib = load(_build_tuned_or_not())
-                    self_check(lib)
-                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                    if want == "native":
-                        raise ConfigError(f"{RENDER_ENV}=native but the native input path is unavailable: "
-                                          f"{first_line(e)}") from e
-                    lib = None
-                    log.warning("native input path unavailable, rendering samples in Python (slower: the GIL "
-                                "caps one process's pipeline); set %s=python to choose that silently: %s",
-                                RENDER_ENV, first_line(e))
-            _loaded.append(lib)
-    return _loaded[0]
+    return _library.get()  # type: ignore[return-value]
 
 
 def reset() -> None:
     """Forget the loaded renderer, so the next :func:`library` reads ``DPTRAIN_RENDER`` again (tests)."""
-    with _lock:
-        _loaded.clear()
+    _library.reset()

@@ -31,7 +31,6 @@ import ctypes
 import functools
 import logging
 import os
-import platform
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,8 +50,7 @@ SOURCE = CSRC / "update_cpu.cc"
 SOURCES = (SOURCE, CSRC / "update.cu", CSRC / "host_half.h")
 """Every file the build reads: all of them key the cached library."""
 CXXFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
-TUNE_FLAGS = ("-march=native",) if platform.machine() in ("x86_64", "AMD64") else ()
-"""Flags that tune for the building CPU; with them the CPU's identity joins the cache key."""
+TUNE_FLAGS = native_build.TUNE_FLAGS
 RULE_CODES = {name: code for code, name in enumerate(RULES)}
 """``rule`` argument of ``dptrain_cpu_update``: the rule's index in ``spec.RULES``."""
 
@@ -111,25 +109,13 @@ def self_check(lib: ctypes.CDLL) -> str | None:
     return selfcheck.compare(functools.partial(update, lib=lib), grad_norm_reference, torch.device("cpu"))
 
 
-def _build_tuned_or_not() -> Path:
-    """:func:`build`, tuned for this CPU; untuned when the tuned build fails (a compiler that
-    refuses ``-march=native``)."""
-    try:
-        return build()
-    except RuntimeError as e:
-        if not TUNE_FLAGS:
-            raise
-        log.debug("tuned build failed (%s); building without %s", first_line(e), " ".join(TUNE_FLAGS))
-        return build(tune=False)
-
-
 def unusable() -> str | None:
     """Why the CPU update library cannot be used in this process, or None when it built, loaded
     and passed :func:`self_check` (decided once per process)."""
     with _lock:
         if not _state:
             try:
-                lib = load(_build_tuned_or_not())
+                lib = load(native_build.tuned_or_not(build, log))
                 why = self_check(lib)
             except Exception as e:  # noqa: BLE001 - build, load or check failure: any of them means "not usable"
                 lib, why = None, f"{type(e).__name__}: {first_line(e)}"
