@@ -27,6 +27,8 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from dptrain.errors import SetupError
+
 TUNE_FLAGS = ("-march=native",) if platform.machine() in ("x86_64", "AMD64") else ()
 """Flags that tune a library for the building CPU; with them the CPU's identity joins the cache key."""
 BUILD_TIMEOUT_S = 300
@@ -52,6 +54,20 @@ class OncePerProcess:
     def reset(self) -> None:
         with self._lock:
             self._made.clear()
+
+
+def native_or_none(make: Callable[[], object], *, strict: bool, what: str, strict_setting: str, fallback: str,
+                   log: logging.Logger) -> object | None:
+    """``make()``: build, load and check a library; on any failure of those, ``SetupError`` naming
+    ``strict_setting`` when ``strict``, else one warning (``what`` unavailable, ``fallback``) and None."""
+    try:
+        return make()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if strict:
+            raise SetupError(f"{strict_setting} but the {what} is unavailable: {why}") from e
+        log.warning("%s unavailable, %s: %s", what, fallback, why)
+        return None
 
 
 def tuned_or_not(build: Callable[..., Path], log: logging.Logger) -> Path:

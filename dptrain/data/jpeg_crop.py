@@ -33,7 +33,6 @@ import ctypes
 import io
 import logging
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -130,13 +129,9 @@ def _make() -> ctypes.CDLL | None:
     want = mode()
     if want == "pillow":
         return None
-    try:
-        return _load()
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        if want == "crop":
-            raise ConfigError(f"{JPEG_ENV}=crop but the JPEG crop decoder is unavailable: {e}") from e
-        log.warning("JPEG crop decode unavailable, decoding whole images with Pillow: %s", e)
-        return None
+    return native_build.native_or_none(_load, strict=want == "crop", what="JPEG crop decoder",
+                                       strict_setting=f"{JPEG_ENV}=crop",
+                                       fallback="decoding whole images with Pillow", log=log)
 
 
 _library = native_build.OncePerProcess(_make)

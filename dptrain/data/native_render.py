@@ -38,7 +38,6 @@ import ctypes
 import io
 import logging
 import os
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,7 +49,7 @@ from dptrain.data import jpeg_crop
 from dptrain.data.datum import encode_datum, hwc_to_raw
 from dptrain.data.geometry import (CenterResizedCrop, Crop, ExpectSize, Mirror, RandomResizedCrop, Resize,
                                    SampleRng, Stage)
-from dptrain.errors import ConfigError, first_line
+from dptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -238,19 +237,18 @@ def _make() -> ctypes.CDLL | None:
     want = mode()
     if want == "python" or jpeg_crop.mode() == "pillow":  # DPTRAIN_JPEG=pillow: whole decodes, in Python
         return None
-    try:
+
+    def make() -> ctypes.CDLL:
         if jpeg_crop.library() is None:
             raise RuntimeError("the JPEG crop decoder it builds on is unavailable")
         lib = load(native_build.tuned_or_not(build, log))
         self_check(lib)
         return lib
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        if want == "native":
-            raise ConfigError(f"{RENDER_ENV}=native but the native input path is unavailable: "
-                              f"{first_line(e)}") from e
-        log.warning("native input path unavailable, rendering samples in Python (slower: the GIL caps one "
-                    "process's pipeline); set %s=python to choose that silently: %s", RENDER_ENV, first_line(e))
-        return None
+
+    return native_build.native_or_none(
+        make, strict=want == "native", what="native input path", strict_setting=f"{RENDER_ENV}=native",
+        fallback=f"rendering samples in Python (slower: the GIL caps one process's pipeline); set {RENDER_ENV}=python "
+                 f"to choose that silently", log=log)
 
 
 _library = native_build.OncePerProcess(_make)

@@ -16,7 +16,7 @@ from PIL import Image
 from dptrain.data import jpeg_crop, render
 from dptrain.data.geometry import Sample, SampleRng
 from dptrain.data.render import RenderOptions, render_image
-from dptrain.errors import ConfigError, DataError
+from dptrain.errors import ConfigError, DataError, SetupError
 
 
 @pytest.fixture
@@ -180,7 +180,7 @@ def test_no_compiler_falls_back_to_pillow_with_one_warning(fresh, monkeypatch, c
 def test_a_failing_build_names_the_compiler_error(fresh, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")  # a "compiler" that fails
     monkeypatch.setenv(jpeg_crop.JPEG_ENV, "crop")
-    with pytest.raises(ConfigError, match="DPTRAIN_JPEG=crop but the JPEG crop decoder is unavailable"):
+    with pytest.raises(SetupError, match="DPTRAIN_JPEG=crop but the JPEG crop decoder is unavailable"):
         jpeg_crop.library()
     assert not list((tmp_path / "cache").glob("*.tmp")), "a failed build leaves no temporary file"
 
@@ -398,7 +398,7 @@ def test_a_decoder_whose_pixels_differ_from_pillows_is_not_used(lib, fresh, monk
     assert [r.getMessage() for r in caplog.records if "pixels differ" in r.getMessage()]
     jpeg_crop.reset()
     monkeypatch.setenv(jpeg_crop.JPEG_ENV, "crop")
-    with pytest.raises(ConfigError, match="unavailable: its pixels differ"):
+    with pytest.raises(SetupError, match="unavailable: its pixels differ"):
         jpeg_crop.library()
 
 

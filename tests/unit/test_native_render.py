@@ -22,7 +22,7 @@ from dptrain.data.geometry import (CenterResizedCrop, Crop, Mirror, RandomResize
                                    build_stages)
 from dptrain.data.lmdb_source import LmdbSource
 from dptrain.data.sampling import ShardPlan
-from dptrain.errors import ConfigError, DataError
+from dptrain.errors import ConfigError, DataError, SetupError
 from lmdb_helpers import NUM_CLASSES, collect, input_threads, make_cfg, png_value, write_db
 
 
@@ -208,7 +208,7 @@ def test_render_modes_and_a_failed_build_fall_back_with_one_warning(tmp_path, mo
     assert [r.message for r in caplog.records if "native input path unavailable" in r.message][0].endswith("no cc here")
     assert len(caplog.records) == 1
     _render_mode(monkeypatch, "native")
-    with pytest.raises(ConfigError, match="DPTRAIN_RENDER=native but the native input path is unavailable: no cc"):
+    with pytest.raises(SetupError, match="DPTRAIN_RENDER=native but the native input path is unavailable: no cc"):
         native_render.library()
     _render_mode(monkeypatch, "fast")
     with pytest.raises(ConfigError, match="DPTRAIN_RENDER='fast' is not one of auto, python, native"):
