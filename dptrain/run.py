@@ -83,10 +83,11 @@ def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | No
     Order matters for a user on a cluster: the run directory, the lock, ``--resume PATH`` and
     ``--weights PATH`` are checked before anything slow is built, and every rank learns every
     rank's verdict through the rendezvous store before any joins the process group
-    (:func:`dptrain.dist.comm.agree_to_start`), so a refused run exits 2 on every rank at once. The stop
-    handlers are installed first: a SIGTERM while the ranks wait for each other ends the run (exit 0,
-    nothing to snapshot), one after that in a snapshot at the first iteration. ``--weights`` starts a fresh run (iteration 0, new optimizer state, the
-    config's seed) from a model's weights, as ``caffe train -weights`` does.
+    (:func:`dptrain.dist.comm.agree_to_start`), so a refused run exits 2 on every rank at once.
+    The stop handlers are installed first: a SIGTERM while the ranks wait for each other ends the
+    run (exit 0, nothing to snapshot yet), a later one in a snapshot at the first iteration.
+    ``--weights`` starts a fresh run (iteration 0, new optimizer state, the config's seed) from a
+    model's weights, as ``caffe train -weights`` does.
     """
     if weights and resume:
         raise ConfigError("--weights starts a new run from a model's weights and --resume continues a run with its "

@@ -128,7 +128,8 @@ class FlightRecorder:
             return
         self._beat += 1
         try:
-            self._store.set(f"{self._prefix}progress/{self.rank}", f"{self.seq} {self.iteration} {self._beat} {self._failing}")
+            self._store.set(f"{self._prefix}progress/{self.rank}",
+                            f"{self.seq} {self.iteration} {self._beat} {self._failing}")
         except Exception as e:  # noqa: BLE001 - a store gone away must not stop training; the failure path says so
             log.debug("rank %d: publishing progress failed: %s", self.rank, e)
 
