@@ -46,7 +46,7 @@ from PIL import Image
 
 from dptrain.csrc import build as native_build
 from dptrain.data import jpeg_crop
-from dptrain.data.datum import encode_datum, hwc_to_raw
+from dptrain.data.datum import encode_datum, hwc_to_raw, parse_datum
 from dptrain.data.geometry import (CenterResizedCrop, Crop, ExpectSize, Mirror, RandomResizedCrop, Resize,
                                    SampleRng, Stage)
 from dptrain.errors import ConfigError
@@ -222,13 +222,11 @@ def self_check(lib: ctypes.CDLL) -> None:
         if left:
             raise RuntimeError(f"it left {left} of {n} clean records to Python "
                                f"({sorted({REASONS.get(int(s), s) for s in r.status[:n] if s})})")
-        from dptrain.data.datum import parse_datum
-
         for i, v in enumerate(values):
-            ref, win = np.zeros(shape, np.uint8), np.zeros(3, np.int32)
-            transform_datum(parse_datum(v), stages, SampleRng(7, 0, i, 0), 3, ref, RenderOptions(), win)
+            ref, win, datum = np.zeros(shape, np.uint8), np.zeros(3, np.int32), parse_datum(v)
+            transform_datum(datum, stages, SampleRng(7, 0, i, 0), 3, ref, RenderOptions(), win)
             diff = np.abs(ref.astype(np.int16) - images[i]).max()
-            if not np.array_equal(win, windows[i]) or diff > 1 or labels[i] != parse_datum(v).label:
+            if not np.array_equal(win, windows[i]) or diff > 1 or labels[i] != datum.label:
                 raise RuntimeError(f"record {i} under {[type(s).__name__ for s in stages]}: window "
                                    f"{windows[i].tolist()} vs {win.tolist()}, pixels differ by up to {diff}")
 

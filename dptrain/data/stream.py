@@ -115,9 +115,10 @@ class TrainSequence:
         offset = k * b + pos % b
         return epoch, int(self._shard(epoch)[(offset + attempt) % self.span])
 
-    def rows(self, batch: int, row0: int, rows: int) -> tuple[int, np.ndarray]:
-        """(epoch, [rows] int64 record indices) of rows ``row0 ...`` of stream batch ``batch``:
-        :meth:`index` (attempt 0) of those positions at once."""
+    def rows(self, pos: int, rows: int) -> tuple[int, np.ndarray]:
+        """(epoch, [rows] int64 record indices) of positions ``pos ... pos + rows - 1``, all in one
+        batch: :meth:`index` (attempt 0) of those positions at once."""
+        batch, row0 = divmod(pos, self._plan.batch_size)
         epoch, k = divmod(self._start + batch, self._per_epoch)
         start = k * self._plan.batch_size + row0
         return epoch, self._shard(epoch)[start:start + rows]
@@ -291,8 +292,6 @@ class StreamParts:
     def chunk_records(self, c: int) -> tuple[int, np.ndarray]:
         """(epoch, record indices) of chunk c's rows."""
         b, row0, rows = self.chunk_span(c)
-        if isinstance(self.sequence, TrainSequence):
-            return self.sequence.rows(b, row0, rows)
         return self.sequence.rows(b * self.batch_size + row0, rows)
 
     @property
