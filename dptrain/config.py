@@ -221,11 +221,10 @@ class SolverConfig:
     """CPU solvers only: run the update as one pass compiled by torch.compile (inductor; needs a
     C++ compiler) instead of the default, update.cu's rules built for the host
     (``dptrain.kernels.native``, ~3 s to build once per machine, cached). Slower than that
-    default: in one alternated run of training steps on 2.8 M bf16 parameters (one thread per
-    solver, 2 solvers, the native-bf16 VM), bench's update phase took 6.1 ms with this, 3.8 ms
-    with the default and 11.0 ms with the in-place passes the default falls back to without a
-    C++ compiler (medians of 8 rounds). The first step pays a ~12 s compile (~3.5 s from
-    inductor's on-disk cache in later runs). No effect on CUDA (the CuPy kernel is fused)."""
+    default, though faster than the in-place passes the default falls back to without a C++
+    compiler (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#config).
+    The first step pays a compile of about ten seconds (a few seconds from inductor's on-disk
+    cache in later runs). No effect on CUDA (the CuPy kernel is fused)."""
 
     def __post_init__(self) -> None:
         _positive("solver.base_lr", self.base_lr)

@@ -18,10 +18,10 @@ here before any reducer's, copies it into the flat buffer and puts the view back
 write of the gradient, where adding it to a zeroed view reads two and writes one (DDP's default
 copies into its buckets the same way). Accumulation micro-batches (iter_size) find the view in
 place and add to it, and :meth:`FlatParams.restore_grads` after backward puts back the views of
-parameters that got no gradient, which are still zero. :meth:`FlatParams.release_grads` gives the
-measured saving (CPU, NHWC bf16; not measured on CUDA). Where autograd cannot hand a gradient over
-(one laid out unlike its parameter, or still referenced elsewhere) it clones it first, and the
-copy comes on top.
+parameters that got no gradient, which are still zero. The saving was measured on the CPU, not on
+CUDA (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#flat). Where autograd cannot hand a
+gradient over (one laid out unlike its parameter, or still referenced elsewhere) it clones it
+first, and the copy comes on top.
 """
 from __future__ import annotations
 
@@ -229,10 +229,9 @@ class FlatParams:
 
     def release_grads(self) -> None:
         """Before the first backward of a training step, while the flat gradients are zero: every
-        ``.grad`` to None, so backward hands its gradients over (module docstring). On the
-        native-bf16 2-core VM (ResNet-18 CIFAR width 32, channels_last, bf16, batch 32, one
-        process and thread; 16 alternated rounds of 5 steps) forward and backward took 108.8 ms
-        against 110.9 ms accumulating into the zeroed views: 1.9 ms less per step (0.2-3.1)."""
+        ``.grad`` to None, so backward hands its gradients over (module docstring): a read of each
+        gradient less per step than accumulating into the zeroed views, which makes the step faster
+        (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#flat)."""
         for g in self.groups:
             g.release_grads()
 

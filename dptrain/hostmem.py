@@ -6,14 +6,11 @@ unmaps it on free, and hands the top of the heap back to the kernel once more th
 ``M_TRIM_THRESHOLD`` of it is free; either way the next step faults the same pages in again, and
 the kernel zeroes each one. Both thresholds move with the allocation pattern (glibc raises them
 as large blocks are freed), so whether a run pays this depends on the order its tensors happen
-to be freed in. Measured on the native-bf16 2-core VM, 2 gloo solvers, ResNet-18 CIFAR width 32,
-batch 32, bf16 (``bench``'s host fields, rank 0, 20 timed steps;
-benchmarks/results/throughput_layout_cpu2_20261125_layout_bf16_final.md): with glibc's defaults
-the minor page faults per step were bimodal across 8 runs (0.8 to 4339, median 1973) with 4.8-12.7
-ms of system time per step; with the settings below 0.7-74.5 faults (median 26, 24 runs) and
-2.6-9.3 ms, and 462 images/s against 441 (median). PyTorch's CPU performance guide
-recommends an allocator that reuses memory (jemalloc, TCMalloc) for the same reason; these two
-``mallopt`` calls get the effect from the C library already loaded, with nothing to install.
+to be freed in: with glibc's defaults the page faults per step swing from run to run. With the
+settings below a step faults few pages in, run after run, spends less system time and trains faster
+(measurements: benchmarks/results/design_measurements_cpu2_20261127.md#hostmem). PyTorch's CPU performance
+guide recommends an allocator that reuses memory (jemalloc, TCMalloc) for the same reason; these
+two ``mallopt`` calls get the effect from the C library already loaded, with nothing to install.
 
 ``keep_freed_memory`` sets both thresholds once at startup: requests up to 32 MiB (glibc's ceiling
 on 64-bit) come from the heap, and up to 1 GiB of free heap stays in the process. Memory freed

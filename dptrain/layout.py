@@ -5,10 +5,8 @@ Rule (every zoo model is convolutional; ``true``/``false`` in the config overrid
 - CUDA, fp16 or bf16 storage: NHWC. Tensor-core convolutions run NHWC natively; with NCHW
   cuDNN transposes around each convolution (NVIDIA's deep learning performance guide,
   "Tensor layouts in memory"), which is why NVIDIA's ResNet-50 recipes train channels_last.
-- CPU, bf16 storage with native bf16 kernels (AVX512-BF16/AMX): NHWC. Measured on
-  native-bf16 2-core VMs, 2 gloo solvers, ResNet-18 CIFAR width 32, batch 32 per solver: 544
-  images/s NCHW, 582-626 NHWC (an earlier session); 385.5 NCHW, 463.9 NHWC (medians of 8
-  alternated rounds, benchmarks/results/throughput_layout_cpu2_20261125_layout_bf16_final.md).
+- CPU, bf16 storage with native bf16 kernels (AVX512-BF16/AMX): NHWC, which trained faster
+  data-parallel (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#layout).
 - CPU, fp32: NHWC (``CPU_FP32_CHANNELS_LAST``), measured faster, except for a model with a
   convolution torch's CPU NHWC backward breaks on (:func:`cpu_nhwc_hazards`): then NCHW.
 - CPU, a storage dtype without native kernels (bf16/fp16 on AVX2): NCHW; that path is a slow
@@ -27,22 +25,17 @@ from dptrain.precision import cpu_native_support
 log = logging.getLogger(__name__)
 
 CPU_FP32_CHANNELS_LAST = True
-"""fp32 on the CPU runs NHWC: faster on the AVX2-only 2-core VM (oneDNN). ResNet-18 CIFAR width 32,
-batch 32, one thread, forward + backward 874 ms NHWC vs 1106 ms NCHW (plain torch, median of 3
-alternated rounds); ``dptrain bench`` 2 solvers 137.4 vs 104.6 images/s, median of 5 alternated
-rounds (benchmarks/results/throughput_layout_cpu2_20261125_layout_fp32.md). Forward + backward,
-plain torch, one thread, median of 3 alternated rounds, NCHW vs NHWC: LeNet batch 32 at 32x32
-25.1 vs 17.8 ms; ResNet-18 CIFAR width 32 480 vs 415 ms, width 8 64.9 vs 50.8 ms; GoogLeNet
-batch 8 at 64x64 181 vs 135 ms; AlexNet batch 8 at 64x64 301 vs 300 ms. Models with a
+"""fp32 on the CPU runs NHWC: oneDNN's fp32 convolutions ran faster NHWC than NCHW in every model
+tried (AlexNet about even), alone and in data-parallel ``dptrain bench`` runs
+(measurements: benchmarks/results/design_measurements_cpu2_20261127.md#layout). Models with a
 :func:`cpu_nhwc_hazards` convolution stay NCHW."""
 
 HAZARD_MIN_IN_CHANNELS = 8
 """torch 2.13.0+cpu corrupts the heap ("double free or corruption", segfaults; with 2 threads it
 spins forever) in the NHWC backward of a 1x1 convolution with stride > 1 and fewer than 8 input
-channels: 2 to 7 input channels crashed at strides 2 and 4, in plain torch with no dptrain code,
-with 1 and 2 threads; 8 to 64 input channels at strides 2 to 4 and 3x3 convolutions with 1 to 7
-input channels ran (a sweep on the AVX2 VM, 2 runs per case). It is the projection shortcut of a
-ResNet narrower than 8 (``model.width`` < 8)."""
+channels, in plain torch with no dptrain code; 1x1 convolutions with 8 input channels or more, and
+3x3 convolutions with fewer, ran (the sweep: benchmarks/results/design_measurements_cpu2_20261127.md#layout).
+It is the projection shortcut of a ResNet narrower than 8 (``model.width`` < 8)."""
 
 
 def cpu_nhwc_hazards(model: nn.Module) -> list[str]:

@@ -34,10 +34,9 @@ def cpu_slowdown(storage: str) -> float:
     ``storage`` on this CPU (1.0 for fp32): measured once per process, in a few tens of ms.
 
     Measured rather than asked of oneDNN: torch's probe (``_is_mkldnn_fp16_supported``) answers
-    True on VMs whose fp16 convolutions fall back to oneDNN's reference kernels, 20-50x slower
-    than fp32 (2026-11-27, an AVX512-FP16 VM: 20 ms against 0.7 ms for this probe; a ResNet-18
-    step took 22 s). The best of three runs of each, after a warm-up, on the calling thread's
-    torch thread count.
+    True on VMs whose fp16 convolutions fall back to oneDNN's reference kernels, tens of times
+    slower than fp32 (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#precision).
+    The best of three runs of each, after a warm-up, on the calling thread's torch thread count.
     """
     if storage == "fp32":
         return 1.0

@@ -187,9 +187,9 @@ def normalize_batch(
     writes ``x * scale + (-mean * scale)``, computed in fp32, in ``dtype`` and the target layout
     (1 byte read and 2-4 written per element). It differs from the unfused form by fp32 rounding
     (one ulp). Unfused (default on the CPU, where torch's mixed-dtype kernels are not vectorised
-    and the fused form measured 1.2-1.8x slower): an fp32 copy in the target layout, subtract and
-    scale in place, then the cast. ``bias`` is ``-mean * scale`` when the caller keeps it
-    (DeviceFeeder does, so a step allocates nothing for it).
+    and the fused form ran slower; measurements: benchmarks/results/design_measurements_cpu2_20261127.md#data-base):
+    an fp32 copy in the target layout, subtract and scale in place, then the cast. ``bias`` is
+    ``-mean * scale`` when the caller keeps it (DeviceFeeder does, so a step allocates nothing for it).
     """
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = images.permute(0, 3, 1, 2)  # an NCHW view of the NHWC bytes (channels_last strides)

@@ -1,13 +1,14 @@
 """The per-sample path in native code: one GIL-free call renders a chunk of records into the ring.
 
-Why native threads, and not worker processes: one solver process's Python pipeline stopped near
-1,900 img/s on a 16-core H200 host whatever its thread count (``benchmarks/results/``,
-2026-11-27), because each image cost some 380 Python and Python-to-C calls under the GIL, and
-with many threads the GIL hand-offs cost more than the work. Worker processes would each have a
-GIL, but need shared-memory ring slots registered as pinned memory, an LMDB environment per
-worker, and process lifetimes to manage. Moving the per-sample work out of Python keeps the
-threads, the pinned ring and the queue set, and leaves a few Python calls per image: the parser's
-LMDB reads and a share of each chunk's bookkeeping (``tools/calls_per_image.py`` counts them).
+Why native threads, and not worker processes: one solver process's Python pipeline stopped
+gaining from more threads on a many-core host, because each image cost hundreds of Python and
+Python-to-C calls under the GIL, and with many threads the GIL hand-offs cost more than the work
+(measurements: benchmarks/results/design_measurements_cpu2_20261127.md#data-native_render).
+Worker processes would each have a GIL, but need shared-memory ring slots registered as pinned
+memory, an LMDB environment per worker, and process lifetimes to manage. Moving the per-sample
+work out of Python keeps the threads, the pinned ring and the queue set, and leaves a few Python
+calls per image: the parser's LMDB reads and a share of each chunk's bookkeeping
+(``tools/calls_per_image.py`` counts them).
 
 ``dptrain/csrc/record_render.c`` does, for each record of a chunk, what :mod:`.parser` and
 :mod:`.render` do in Python: parse the Datum, plan the geometry with the same RNG and stages

@@ -61,11 +61,11 @@ def _resample_torch(crop: Image.Image, out_w: int, out_h: int, dst: np.ndarray) 
     """Antialiased bilinear resize of a whole-pixel crop (an RGB or L image) into ``dst`` [H, W, C].
 
     torch's uint8 antialiased bilinear kernel is vectorised for channels-last input and
-    takes about a third of Pillow's time on a 224 random-resized-crop (0.3 vs 0.84 ms for
-    a 270 px box on one AVX2 core); the op releases the GIL. Its output equals Pillow's
-    crop-then-BILINEAR resize (torchvision's resized_crop) to within one grey level. Pillow's
-    box resize differs a little more at the border rows, because its filter also reads
-    pixels just outside the box.
+    takes a fraction of Pillow's time on a random-resized crop (measurements:
+    benchmarks/results/design_measurements_cpu2_20261127.md#data-render); the op releases the GIL.
+    Its output equals Pillow's crop-then-BILINEAR resize (torchvision's resized_crop) to within
+    one grey level. Pillow's box resize differs a little more at the border rows, because its
+    filter also reads pixels just outside the box.
     """
     w, h = crop.size
     c = len(crop.getbands())

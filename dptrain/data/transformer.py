@@ -97,10 +97,11 @@ def single_threaded_torch_in_this_thread() -> None:
 
     Each transformer thread already has a core's worth of work. Left at the default, every
     resize would also start an OpenMP team as wide as the machine, whose spinning workers
-    take the cores from the other transformers (measured on 2 cores with two transformers:
-    2.7 CPU ms per image instead of 2.0). ``torch.set_num_threads`` sets the calling
-    thread's team size but also the default that threads started later inherit; a
-    short-lived helper thread puts that default back, so the trainer's threads keep theirs.
+    take the cores from the other transformers, so each image costs more CPU time
+    (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#data-transformer).
+    ``torch.set_num_threads`` sets the calling thread's team size but also the default that
+    threads started later inherit; a short-lived helper thread puts that default back, so the
+    trainer's threads keep theirs.
     """
     with _PIN_LOCK:
         default = torch.get_num_threads()  # also initialises this thread's size from the default

@@ -171,11 +171,9 @@ INPLACE_CHUNK = 65536
 count, so every thread still gets a full grain of ATen's element-wise split). A multiple of every
 SIMD width: on one thread each element takes the same vector or scalar path, and gets the same
 bits, as over the whole buffer. 64 Ki elements of SGD with bf16 storage and fp32 momentum are ~1 MiB
-of buffers and temporaries, within a core's L2. Measured on the native-bf16 2-core VM, one thread,
-2.8 M parameters (ResNet-18 CIFAR width 32): with the caches evicted before each update, as a
-training step leaves them, 9.7 ms over the whole buffer and 7.3 / 6.3 / 6.4 / 6.9 / 7.9 ms in chunks
-of 16 / 32 / 64 / 128 / 256 Ki elements; inside training steps, 9.6-10.7 ms whole and 7.2-7.5 ms in
-64 Ki chunks."""
+of buffers and temporaries, within a core's L2, so each pass reads what the one before it left in
+cache: faster than passes over the whole buffer, in and outside training steps, and 64 Ki is among
+the fastest chunk sizes tried (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#kernels-cpu)."""
 
 
 def _chunk(a: UpdateArgs, start: int, stop: int) -> UpdateArgs:
@@ -247,10 +245,9 @@ def update_compiled(a: UpdateArgs) -> None:
     """The spec's math as one pass compiled by torch.compile (inductor's C++ backend).
 
     Reads gradient, master and state once and writes state, master, weights and the zeroed
-    gradient once. In a training step (ResNet-18 CIFAR width 32, bf16, 2.79 M parameters, one
-    thread, the native-bf16 VM): 4.0 ms against 7.5 ms for :func:`update_inplace` (median of 20
-    steps, two processes each). The first call per variant compiles (12.5 s on that VM, 3.5 s
-    from inductor's on-disk cache; needs a C++ compiler).
+    gradient once, so it is faster than :func:`update_inplace` in a training step
+    (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#kernels-cpu). The first call per
+    variant compiles (about ten seconds, a few from inductor's on-disk cache; needs a C++ compiler).
     """
     rule = rule_of(a)
     if _skipped(a):

@@ -20,10 +20,9 @@ subnormals, a skipped step) against the torch reference, bit for bit; a build fa
 mismatch makes the dispatch (:func:`dptrain.kernels.kernel_backend`) use :mod:`.cpu`'s
 in-place passes, with one warning.
 
-Measured on the native-bf16 2-core VM, one thread, 2.8 M parameters (ResNet-18 CIFAR width
-32), SGD with bf16 storage and fp32 momentum, caches evicted before each update as a
-training step leaves them: 3.3 ms, against 9.5 ms for the in-place passes; 4.3 ms when
-built without ``-march=native``.
+Moving the bytes once, the update takes a fraction of the in-place passes' time, and less still
+tuned for the host CPU (measurements:
+benchmarks/results/design_measurements_cpu2_20261127.md#kernels-native).
 """
 from __future__ import annotations
 

@@ -197,10 +197,10 @@ def _plan_with_contention(ready: np.ndarray, c: np.ndarray, backward_ms: float, 
 
     Size: a prefix can keep many states where the allreduces barely fit behind backward. Past
     ``FRONT_CAP`` they are thinned to ends evenly spaced in time, and the plan is no longer
-    exact. Measured on the 2-core CI host: ResNet-50's 161 gradients (the reference profile,
-    with NCCL and CPU-like costs) 0.06-0.2 s, at most 507 states a prefix, so never thinned; a
-    synthetic 500-tensor, 79 MB timeline 0.4-2 s thinned, within 0.2 % of the exact plan's cost
-    (which took 1.8-12 s).
+    exact. The cap sits above the states a prefix of the reference profile (ResNet-50's gradients)
+    keeps, so its plan stays exact; a much longer timeline is thinned, and its plan comes within a
+    fraction of a percent of the exact plan's cost in a fraction of the time
+    (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#dist-planning-planner).
     """
     n = len(ready)
     c = c + 1e-12 * (1.0 + float(np.max(c[np.isfinite(c)])))
