@@ -27,7 +27,7 @@ from dptrain.errors import ConfigError
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Which samples one solver takes; built once in train.py from the run's topology."""
+    """Which samples one solver takes; built once by the Trainer from the run's topology."""
 
     rank: int
     world_size: int

@@ -46,7 +46,6 @@ def run_scoring(cfg: TrainConfig, weights: str) -> dict[str, Any] | None:
         raise
     finally:
         comm.close(peer_failed=peer_failed)
-    assert result is not None, "the test phase was abandoned, but dptrain test installs no stop request"
     if comm.rank != 0:
         return None
     return {**result, "weights": str(path), "world_size": comm.world_size}

@@ -39,7 +39,7 @@ def _straggler_rank(rank: int, world: int, out: str, slow_rank: int) -> None:
 
     t._forward = busy_forward
     warnings = []
-    import dptrain.train as train
+    import dptrain.train.trainer as train
 
     real_warning = train.log.warning
     train.log.warning = lambda fmt, *a: warnings.append(fmt % a) or real_warning(fmt, *a)

@@ -87,7 +87,7 @@ def test_two_runs_started_together_on_one_run_dir(tmp_path, empty_cfg, resume):
 def test_a_stop_at_startup_ends_in_a_snapshot_at_the_first_iteration(tmp_path, empty_cfg, monkeypatch, caplog):
     import logging
 
-    import dptrain.train as train
+    import dptrain.train.trainer as train
 
     real = train.build_source
 
@@ -103,7 +103,7 @@ def test_a_stop_at_startup_ends_in_a_snapshot_at_the_first_iteration(tmp_path, e
 
 
 def test_a_stop_on_a_snapshot_iteration_writes_that_snapshot_once(tmp_path, monkeypatch):
-    import dptrain.train as train
+    import dptrain.train.snapshots as train
     from dptrain.dist.comm import Communicator
     from dptrain.config import load_config
     from dptrain.topology import Topology

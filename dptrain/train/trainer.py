@@ -1,0 +1,354 @@
+"""Trainer: builds the parts from their config sections and runs the solver loop (see ``dptrain.train``)."""
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dptrain.assemble import RunPlan, build_model_and_params, nhwc_hazards, running_stats
+from dptrain.checkpoint import RunDir, StateParts
+from dptrain.config import TrainConfig, config_to_dict, dump_toml
+from dptrain.data import build_source
+from dptrain.data.base import DeviceFeeder
+from dptrain.data.sampling import ShardPlan, batches_per_epoch
+from dptrain.dist.comm import Communicator
+from dptrain.dist.control import NONFINITE, ControlChannel, StopFlag
+from dptrain.dist.planning.auto import attach_auto_plan
+from dptrain.dist.reducer import Reducer
+from dptrain.dist.straggler import StepClock, StragglerMonitor
+from dptrain.errors import ConfigError
+from dptrain.layout import resolve_channels_last
+from dptrain.models import check_input
+from dptrain.observe.metrics import MetricsWriter, TensorBoardWriter
+from dptrain.observe.trace import NullTracer, PhaseTimer, Tracer
+from dptrain.optimizer import MasterOptimizer
+from dptrain.overflow import OverflowLocator, first_nonfinite_layer
+from dptrain.param_groups import resolve_multipliers
+from dptrain.precision import DTYPES, LossScaler, warn_if_slow_on_cpu
+from dptrain.train.display import DisplayWindow
+from dptrain.train.scoring import BAD, score, score_record, score_rounds
+from dptrain.train.snapshots import Snapshots
+from dptrain.train.stops import HealthWatch, StopAgreed, StopProtocol
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """One solver: model, flat buffers, scaler, reducer, optimizer and data, from the config."""
+
+    def __init__(self, cfg: TrainConfig, comm: Communicator, *, tracer: Tracer | None = None,
+                 time_phases: bool = False, stop: StopFlag | None = None) -> None:
+        self.cfg, self.comm = cfg, comm
+        self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+        elif self.rank == 0:
+            warn_if_slow_on_cpu(cfg.precision.storage, self.device)
+        self.tracer = tracer or NullTracer(self.rank)
+        self.run_dir = RunDir(cfg.train.run_dir)
+        self.run_dir.check_usable(writer=False)
+        self.source = build_source(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed, device=self.device,
+                                   rank=self.rank, cores=comm.topology.cores_per_process)
+        channels_last = resolve_channels_last(cfg.model.channels_last, cfg.precision.storage, self.device,
+                                              nhwc_hazards(cfg, self.source.sample_shape[2])
+                                              if self.device.type == "cpu" else None)
+        self.model, self.flat = build_model_and_params(cfg, comm, self.device, in_channels=self.source.sample_shape[2],
+                                                       channels_last=channels_last)
+        self._input_ok = False
+        ls_mode = cfg.precision.resolved_loss_scale_mode()
+        self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
+        self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer, running_stats(self.model))
+        self.autoplan = attach_auto_plan(self.reducer)
+        """The reducer.bucket_mb = "auto" planner watching the reducer (None for a fixed plan)."""
+        multipliers = resolve_multipliers(self.model, cfg.solver.param_groups, cfg.solver.no_decay)
+        self.overflow = OverflowLocator(self.flat, self.device, enabled=self.scaler.enabled)
+        self.optimizer = MasterOptimizer(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor, multipliers,
+                                         locator=self.overflow)
+        self.shard = ShardPlan(self.rank, self.world_size, cfg.data.batch_size, cfg.train.seed,
+                               cfg.data.shuffle == "epoch")
+        self.plan = RunPlan(
+            rank=self.rank, world_size=self.world_size, device=str(self.device), batch_size=cfg.data.batch_size,
+            iter_size=cfg.solver.iter_size, global_batch=cfg.data.batch_size * self.world_size * cfg.solver.iter_size,
+            micro_steps_per_epoch=batches_per_epoch(self.source.num_train, self.shard.samples_per_step),
+            storage=cfg.precision.storage, loss_scale=ls_mode, channels_last=channels_last)
+        self.dtype = DTYPES[cfg.precision.storage]
+        self.iteration = 0
+        self.lr = 0.0
+        self.phases = PhaseTimer(self.device, self.tracer, time_phases or self.tracer.enabled)
+        self.stop = stop or StopFlag()
+        self.stops = StopProtocol(self.stop)
+        self.control = ControlChannel(comm, self.device)
+        self.health = HealthWatch(self.run_dir.path, rank=self.rank, world_size=self.world_size,
+                                  max_nonfinite=cfg.solver.max_nonfinite, scaled=self.scaler.enabled,
+                                  first_bad_layer=lambda: first_nonfinite_layer(self.model, self._next_batch()[0]))
+        self._feeder: DeviceFeeder | None = None
+        self._iter_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.window = DisplayWindow(self.device, 0)
+        self._last: dict[str, Any] = {}
+        """The latest display and test records: what fit returns."""
+        self.metrics = MetricsWriter(self.run_dir.metrics if self.rank == 0 else None)
+        self.tensorboard = TensorBoardWriter(self.run_dir.path / "tensorboard") \
+            if cfg.train.tensorboard and self.rank == 0 else None
+        self.snapshots = Snapshots(StateParts(self.model, self.flat, self.optimizer, self.reducer, comm),
+                                   self.run_dir.path, config_to_dict(cfg), health=self.health, metrics=self.metrics)
+        self.clock = StepClock(self.device)
+        self.stragglers = StragglerMonitor(comm, cfg.train.straggler_warn, comm.allgather_object(socket.gethostname()))
+
+    # ------------------------------------------------------------------ data
+
+    def _feeder_for(self, stream: Any) -> DeviceFeeder:
+        return DeviceFeeder(stream, device=self.device, dtype=self.dtype, mean=self.source.mean,
+                            scale=self.source.scale, channels_last=self.plan.channels_last,
+                            mean_image=self.source.mean_image)
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._feeder is None:
+            start = self.iteration * self.plan.iter_size
+            self._feeder = self._feeder_for(self.source.train_batches(self.shard, start))
+        with self.phases("data_wait"):
+            return next(self._feeder)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output. If the first call fails, a sample shape the model cannot take
+        becomes a ConfigError naming the data settings; the diagnosis (a forward on the meta
+        device, whose first use costs ~2 s of imports) runs only then, not at every startup."""
+        if self._input_ok:
+            return self.model(x)
+        try:
+            out = self.model(x)
+        except RuntimeError as e:
+            m = self.cfg.model
+            why = check_input(m.name, num_classes=m.num_classes, width=m.width, sample_shape=self.source.sample_shape)
+            if why is None:
+                raise
+            h, w, c = self.source.sample_shape
+            raise ConfigError(f"model.name {m.name!r} cannot take the data's {h}x{w} samples with {c} channel(s) "
+                              f"({why}); set data.crop_size / data.resize (or data.image_size) to a size it takes") from e
+        self._input_ok = True
+        return out
+
+    # ------------------------------------------------------------------ step
+
+    def train_step(self) -> None:
+        """One iteration: iter_size micro-batches, the reduce, and the fused update."""
+        self.model.train()
+        self.comm.flight.iteration = self.iteration
+        n = self.plan.iter_size
+        self._iter_loss.zero_()
+        self.flat.release_grads()  # the update left the flat gradients zero: backward hands its own over
+        try:
+            for micro in range(n):
+                x, y = self._next_batch()
+                self.clock.batch_ready()
+                last = micro == n - 1
+                with self.phases("forward"):
+                    logits = self._forward(x).float()  # [B, num_classes]
+                    loss = F.cross_entropy(logits, y, label_smoothing=self.cfg.solver.label_smoothing) / n
+                self._iter_loss += loss.detach()
+                control = self.control.vector(self.stop.requested, self._iter_loss) if last else None
+                self.reducer.begin(sync=last, control=control)
+                if last and self._feeder is not None:
+                    self._feeder.prefetch()  # next batch's H2D copy overlaps this backward
+                with self.phases("backward"):
+                    self.scaler.scale_loss(loss).backward()
+        except BaseException:
+            self.flat.zero_grads()  # a failed step leaves no partial gradient for a retry to add to
+            raise
+        finally:
+            self.flat.restore_grads()
+        self.clock.backward_done()
+        self.window.add(self._iter_loss)
+        self.clock.wait_start()
+        with self.phases("exposed_comm"):
+            self.reducer.wait()
+        self.clock.wait_done()
+        self.scaler.record_nonfinite_loss(control[NONFINITE])  # no loss scaling: skip, summed over the ranks
+        with self.phases("update"):
+            self.lr = self.optimizer.step(self.iteration)
+        self.iteration += 1
+        self.control.submit(self.iteration, reduce=False)  # summed by the reducer's collective
+
+    def time_phases(self, active: bool) -> None:
+        """Start (or stop) timing the phases of the coming steps, from zero."""
+        self.phases.reset()
+        self.phases.active = active or self.tracer.enabled
+
+    def phase_totals_ms(self) -> dict[str, float]:
+        """Milliseconds per phase over the steps timed since :meth:`time_phases`."""
+        return self.phases.totals_ms()
+
+    # ------------------------------------------------------------------ test
+
+    def test(self) -> dict[str, float]:
+        """Top-1/top-5 over the whole test set, every sample counted once across ranks
+        (``dptrain.train.scoring``); a stop request abandons it with StopAgreed."""
+        bs = self.cfg.data.test_batch_size
+        rounds = score_rounds(self.source.num_test, self.world_size, bs, self.cfg.solver.test_iter)
+        feeder = self._feeder_for(self.source.test_batches(self.rank, self.world_size, bs))
+        self.model.eval()
+        try:
+            counts = score(self._forward, feeder, rounds, num_classes=self.cfg.model.num_classes, comm=self.comm,
+                           device=self.device, stops=self.stops)
+            counts[BAD] += feeder.last_info.get("bad_records", 0)
+        finally:
+            feeder.close()
+            self.model.train()
+        self.comm.allreduce_sum_(counts)
+        return score_record(counts.tolist())
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _data_at(self, iteration: int) -> dict[str, int]:
+        """The data position and setup a snapshot records (and a resume compares)."""
+        return {"micro_step": iteration * self.plan.iter_size, "world_size": self.world_size,
+                "batch_size": self.plan.batch_size, "seed": self.cfg.train.seed}
+
+    def save(self) -> Path | None:
+        """Write snapshot_iter_<iteration>.pt (rank 0 gets its path); see ``dptrain.train.snapshots``."""
+        return self.snapshots.save(self.iteration, self._data_at(self.iteration), self.window)
+
+    def checkpoint(self) -> None:
+        """A scheduled snapshot: first the loss-scale floor check, whose error names the culprits."""
+        self.scaler.check_floor(self.overflow.most_often)
+        self.save()
+
+    def resume(self, path: Path) -> None:
+        """Continue from snapshot ``path``: every rank checks first that all start at its iteration."""
+        state = self.snapshots.resume(path, self._data_at)
+        self.iteration = int(state["iteration"])
+        self._feeder = None
+        self.window.load(state["display"], self.rank, self.iteration)
+
+    def start_over(self) -> None:
+        """``--resume auto`` found no snapshot: start at 0, dropping what a crashed run logged."""
+        self.snapshots.start_over()
+
+    # ------------------------------------------------------------------ loop
+
+    def _display(self) -> dict[str, Any]:
+        """The display record (a host sync): loss and images/s since the last display, the
+        scaler, overflow and straggler figures; warns where they call for it."""
+        since = self.window.it_last
+        window, ms_per_iter = self.window.close(self.iteration, self.comm, self.plan.global_batch)
+        rec = {"iter": self.iteration,
+               "epoch": round(self.iteration * self.plan.iter_size / self.plan.micro_steps_per_epoch, 4),
+               **window, "lr": self.lr, **self.scaler.stats()}
+        if self._feeder is not None and "bad_records" in self._feeder.last_info:
+            rec["bad_records"] = self._feeder.last_info["bad_records"]  # skipped under data.max_bad_records
+        overflowed = self.overflow.collect()
+        if overflowed:
+            rec["overflow_params"] = overflowed
+            if self.rank == 0:
+                log.warning("iter %d: %d step(s) skipped for overflow so far; non-finite gradients since iter %d in: "
+                            "%s", self.iteration, rec["skipped_steps"], since, ", ".join(overflowed))
+        rec.update(self.stragglers.gather(self.clock))
+        warning = self.stragglers.judge(rec, ms_per_iter)
+        if warning is not None and self.rank == 0:
+            log.warning("%s", warning)
+        self.scaler.check_floor(self.overflow.most_often)
+        self.write_metrics(rec)
+        log.info("iter %d loss %.4f lr %.5g %.1f img/s scale %g skipped %d", rec["iter"], rec["loss"], rec["lr"],
+                 rec["images_per_s"], rec["loss_scale"], rec["skipped_steps"])
+        return rec
+
+    def write_metrics(self, record: dict[str, Any]) -> None:
+        """Append a record to metrics.jsonl (and TensorBoard); rank 0 only writes."""
+        self.metrics.write(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+
+    def fit(self) -> dict[str, Any]:
+        """Train to solver.max_iter (or until SIGTERM/SIGUSR1/Ctrl-C); return the last metrics.
+
+        Every stop goes one way (``dptrain.train.stops``): after the iteration a stop request
+        reaches every rank, between test batches, or before a test starts, every rank raises
+        StopAgreed at the same point, and fit writes a snapshot and returns. The final
+        snapshot is written before the final test, so a stop during that test loses nothing.
+        """
+        s = self.cfg.solver
+        if self.rank == 0:
+            self.run_dir.prepare(dump_toml(self.cfg))
+        log.info("%s", self.plan.describe())
+        custom = sum(1 for m in self.optimizer.multipliers.values() if m != (1.0, 1.0))
+        log.info("solver %s; lr_mult/decay_mult other than 1 on %d of %d parameter tensors; bytes per parameter: %s "
+                 "(%d parameters)", s.type, custom, len(self.optimizer.multipliers), self.optimizer.bytes_per_param(),
+                 self.flat.num_params)
+        if self.iteration >= s.max_iter:  # e.g. --resume auto on a finished run: its final test and snapshot exist
+            log.warning("iteration %d is already at solver.max_iter = %d: nothing to train; raise solver.max_iter "
+                        "to continue", self.iteration, s.max_iter)
+            return {}
+        with self.stop.installed():
+            try:
+                self._train_to(s.max_iter)
+                self.stops.settle(self.control, self.health.observe)
+                self.checkpoint()  # before the final test: a stop during it loses nothing
+                return {**self._last, **self._test_and_log()}
+            except StopAgreed:
+                log.warning("rank %d: %s; snapshot at iteration %d and stop", self.rank, self.stops.why,
+                            self.iteration)
+                self.save()
+                return {**self._last, "stopped_by_signal": True}
+
+    def _train_to(self, max_iter: int) -> None:
+        """Steps, displays, tests and snapshots up to ``max_iter``; raises StopAgreed on a stop."""
+        s = self.cfg.solver
+        bar = _progress(self.rank, max_iter, self.iteration)
+        self.window.restart_clock(self.iteration)
+        try:
+            while self.iteration < max_iter:
+                self.train_step()
+                bar.update(1)
+                self.stops.read(self.control, self.iteration, self.health.observe)
+                it = self.iteration
+                if s.display and it % s.display == 0:
+                    self._last = self._display()
+                if s.test_interval and it % s.test_interval == 0 and it < max_iter:
+                    self.stops.settle(self.control, self.health.observe)
+                    self.stops.vote(self.comm, self.device)
+                    self._last = {**self._last, **self._test_and_log()}
+                if s.snapshot and it % s.snapshot == 0 and it < max_iter:
+                    self.checkpoint()
+        finally:
+            bar.close()
+
+    def _test_and_log(self) -> dict[str, Any]:
+        if self.source.num_test == 0:  # no data.test_path (or an empty one): no test phase, no made-up 0 %
+            return {}
+        log.info("iter %d: test phase over %d samples", self.iteration, self.source.num_test)
+        res = self.test()
+        self.write_metrics({"iter": self.iteration, **res})
+        log.info("iter %d test top-1 %.4f top-5 %.4f (%d samples)", self.iteration, res["test_top1"],
+                 res["test_top5"], res["test_samples"])
+        return res
+
+    def close(self) -> None:
+        """Stop the input threads, unhook the reducer and close metrics.jsonl."""
+        if self._feeder is not None:
+            self._feeder.close()
+            self._feeder = None
+        self.reducer.close()
+        self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(rank: int, total: int, start: int) -> Any:
+    """A tqdm bar on rank 0 when stderr is a terminal; plain log lines otherwise."""
+    if rank != 0 or not sys.stderr.isatty():
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, unit="it", dynamic_ncols=True)
