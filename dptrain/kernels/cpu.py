@@ -31,6 +31,7 @@ from dataclasses import replace
 
 import torch
 
+from dptrain.csrc.inductor import prepare as prepare_inductor
 from dptrain.kernels.spec import (
     DECAY_DECOUPLED,
     DECAY_L2,
@@ -238,6 +239,7 @@ def _compiled(rule: str, layout: tuple[tuple[bool, int], ...], write_params: boo
     # Without emulate_precision_casts inductor drops the fp16/bf16 round trip of a low-precision
     # state (h.to(fp16).float()), so the master would take the unrounded history while the
     # stored one is rounded: off the spec by up to ~1e-4 per step.
+    prepare_inductor()
     return torch.compile(body, options={"emulate_precision_casts": True})
 
 

@@ -1,0 +1,45 @@
+"""torch.compile's set-up for dptrain: its caches in dptrain's cache folder, and a quiet first import.
+
+Inductor (torch.compile's compiler) keeps compiled code on disk and reuses it in later
+processes: FX graphs, AOT autograd graphs, C++ and Triton kernels. By default they land in
+``/tmp/torchinductor_<user>``, which a reboot or a node's tmp cleaner empties, so every
+job on a fresh node pays the full compile again. :func:`prepare` points them at
+``<cache>/inductor`` (``dptrain.csrc.build.cache_dir``: ``$DPTRAIN_CACHE``, else
+``$XDG_CACHE_HOME/dptrain``, else ``~/.cache/dptrain``) unless the user set
+``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` already.
+
+The quiet import: torch 2.13's inductor imports ``torch.utils.mkldnn`` (through its pre-grad
+passes), whose module body still decorates fourteen methods with the deprecated
+``torch.jit.script_method``, so the first ``torch.compile`` of any function prints fourteen
+DeprecationWarnings that name torch's own code and that no dptrain user can act on.
+:func:`prepare` imports inductor once with exactly that warning (that message, that category)
+ignored; every other warning, torch's included, passes as before.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+
+from dptrain.csrc.build import cache_dir
+
+TORCH_OWN_DEPRECATION = r"`torch\.jit\.script_method` is deprecated"
+"""The one warning :func:`prepare` silences, during inductor's import only (module docstring)."""
+
+
+def inductor_cache() -> Path:
+    return cache_dir() / "inductor"
+
+
+@functools.cache
+def prepare() -> Path:
+    """Set the cache folders (unless set) and import inductor quietly; once per process. The
+    inductor cache folder in use."""
+    root = inductor_cache()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "triton"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TORCH_OWN_DEPRECATION, category=DeprecationWarning)
+        import torch._inductor.compile_fx  # noqa: F401
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
