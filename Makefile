@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-gpu test-slurm bench clean
+.PHONY: setup demo test test-slow test-gpu test-slurm bench clean
 
 $(PY):
 	@echo "setup 1/3: creating $(VENV) with $$($(PYTHON) --version 2>&1)"
@@ -29,7 +29,11 @@ demo: setup
 	$(VENV)/bin/dptrain demo --nproc $(NPROC)
 
 test: setup
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu and not slow" $(PYTEST_ARGS)
+
+# Not in CI: checks that take minutes on 2 cores (every zoo model compiled, tests/unit/test_compiled.py).
+test-slow: setup
+	$(PY) -m pytest -q -m "slow and not gpu" $(PYTEST_ARGS)
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)

@@ -5,6 +5,8 @@ Runs under torchrun (or alone for world size 1) and prints one JSON line from ra
   fp32        fp32 weights, no autocast
   bf16        fp32 weights, autocast(bfloat16)                      (torch AMP for bf16)
   fp16        fp32 weights, autocast(float16) + GradScaler          (torch AMP for fp16)
+With ``--compile [MODE]`` the (DDP-wrapped) model runs under torch.compile: the compiled peer.
+``startup_s`` is the time from the start of main() to the first timed step (compile included).
 The optimizer is torch.optim.SGD (momentum, weight decay; foreach on CPU, fused on CUDA).
 Data: dptrain's synthetic source and device-side normalisation, so input cost is identical.
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dptrain.csrc.inductor import prepare as prepare_inductor
 from dptrain.data.base import DeviceFeeder
 from dptrain.data.builtin import synthetic_source
 from dptrain.data.sampling import ShardPlan
@@ -34,14 +37,19 @@ from dptrain.models import build_model
 
 def make_step(model_name: str, width: int, num_classes: int, precision: str, batch_size: int, image_size: int,
               channels_last: bool, device: torch.device, rank: int = 0, world: int = 1,
-              bucket_mb: float = 25.0) -> Callable[[], None]:
-    """One training step of the peer (DDP when ``world`` > 1: the process group must be up)."""
+              bucket_mb: float = 25.0, compile_mode: str | None = None) -> Callable[[], None]:
+    """One training step of the peer (DDP when ``world`` > 1: the process group must be up).
+    ``compile_mode``: the model (DDP-wrapped, so torch's DDPOptimizer splits the graph at the
+    buckets) under torch.compile in that mode ("default", "reduce-overhead", ...); None: eager."""
     cuda = device.type == "cuda"
     torch.manual_seed(1)
     model = build_model(model_name, num_classes=num_classes, width=width, channels_last=channels_last).to(device)
     if world > 1:
         model = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=bucket_mb,
                     gradient_as_bucket_view=True)
+    if compile_mode is not None:
+        prepare_inductor()  # the same compile caches as dptrain's, so both sides start alike
+        model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4,
                           **({"fused": True} if cuda else {"foreach": True}))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -75,8 +83,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                    help="torch.compile the (DDP) model, in MODE (default: torch's default mode)")
     args = ap.parse_args()
 
+    started = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
@@ -89,10 +100,13 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
     step = make_step(args.model, args.width, args.num_classes, args.precision, args.batch_size, args.image_size,
-                     args.channels_last, device, rank, world, args.bucket_mb)
+                     args.channels_last, device, rank, world, args.bucket_mb, args.compile)
 
     for _ in range(args.warmup):
         step()
+    if cuda:
+        torch.cuda.synchronize()
+    startup_s = time.perf_counter() - started
     times = []
     for _ in range(args.steps):
         if cuda:
@@ -108,7 +122,10 @@ def main() -> None:
     if rank == 0:
         g = args.batch_size * world
         print(json.dumps({
-            "peer": f"{'DDP + ' if world > 1 else ''}{'fp32' if args.precision == 'fp32' else 'autocast ' + args.precision}",
+            "peer": f"{'DDP + ' if world > 1 else ''}{'torch.compile + ' if args.compile else ''}"
+                    f"{'fp32' if args.precision == 'fp32' else 'autocast ' + args.precision}"
+                    f"{'' if args.compile in (None, 'default') else ' (' + args.compile + ')'}",
+            "startup_s": round(startup_s, 2),
             "images_per_s": round(g * args.steps / sum(times), 2),
             "step_ms_median": round(1000 * statistics.median(times), 3),
             "world_size": world, "batch_size": args.batch_size, "model": args.model,

@@ -19,9 +19,18 @@ TIMEOUT = 124
 """Status of a stage that ran past its limit (timeout(1)'s own)."""
 INTERRUPTED = 143
 """Status of the stage that was running when gpu_session.sh got SIGTERM or SIGINT (128 + 15)."""
-RESNET50_GOAL = 1.0
-"""dptrain bench / torch AMP eager, same run, one GPU: parity (the fused update and the bucketed
-reducer must cost nothing on one GPU; the 2026-11-27 H200 run measured 0.996 in fp16)."""
+RESNET50_GOAL_EAGER = 1.25
+"""dptrain bench (compiled, its CUDA default) / torch AMP eager, same run, one GPU (the compile issue's goal)."""
+RESNET50_GOAL_COMPILED = 1.05
+"""dptrain bench / torch.compile'd AMP in compile's default mode: what compile alone does not give
+(no casts of the 16-bit weights, the fused update) must show."""
+
+
+def resnet50_goal(case: str) -> float | None:
+    """The goal of a resnet50 case by its peer: eager, compiled (default mode), or none (other modes: reported)."""
+    if "reduce-overhead" in case:
+        return None
+    return RESNET50_GOAL_COMPILED if "torch.compile" in case else RESNET50_GOAL_EAGER
 
 
 def _status_word(rc: int) -> str:
@@ -98,7 +107,10 @@ def resnet50_figures(work: Path) -> list[str]:
     for case, sides in runs.items():
         if sides.get("dptrain") and sides.get("peer"):
             ratio = statistics.median(sides["dptrain"]) / statistics.median(sides["peer"])
-            lines.append(_figure(f"{case.split(' vs ')[0]}: dptrain / peer", ratio, RESNET50_GOAL))
+            precision, peer = case.removeprefix("ResNet-50 ").split(" vs ", 1)
+            peer = ("compiled " + ("(reduce-overhead)" if "reduce-overhead" in peer else "peer")
+                    if "torch.compile" in peer else "eager peer")
+            lines.append(_figure(f"ResNet-50 {precision}: dptrain / {peer}", ratio, resnet50_goal(case)))
     return lines
 
 

@@ -50,6 +50,8 @@ class Case:
     """Environment variables for the peer's processes only."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables for dptrain's processes only."""
+    peer_compile: str | None = None
+    """The peer under torch.compile in this mode ("default", "reduce-overhead"); None: eager."""
 
 
 KEEP_MALLOC_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={hostmem.MMAP_THRESHOLD_BYTES}:"
@@ -60,6 +62,8 @@ environment variables: what the peer gets when it is given the same allocator be
 
 FUSED = ["solver.cpu_fused_update=true"]
 """dptrain's CPU update compiled by inductor into one pass; the warm-up steps absorb the compile."""
+COMPILE = ["model.compile=true"]
+"""dptrain's model compiled in segments (``dptrain.train.compiled``); the warm-up steps follow its compile."""
 INPLACE_ENV = {"DPTRAIN_KERNELS": "inplace"}
 """dptrain's CPU update as in-place torch passes, the fallback where update.cu cannot be built for the host."""
 
@@ -104,7 +108,13 @@ def layout_cases() -> list[Case]:
                   Case(f"2 solvers {prec}, dptrain channels_last=false (peer NCHW)", 2, precision=prec,
                        channels_last=False, peer=False, **common),
                   Case(f"2 solvers {prec}, dptrain channels_last=true (peer NHWC)", 2, precision=prec,
-                       channels_last=True, peer=False, **common)]
+                       channels_last=True, peer=False, **common),
+                  # torch.compile on both sides: the compiled peer, and dptrain's model.compile against it
+                  Case(f"2 solvers {prec}, dptrain defaults vs {peer} + channels_last + torch.compile", 2,
+                       precision=prec, channels_last=None, peer_channels_last=True, peer_compile="default", **common),
+                  Case(f"2 solvers {prec}, dptrain model.compile=true vs {peer} + channels_last + torch.compile", 2,
+                       precision=prec, channels_last=None, peer_channels_last=True, peer_compile="default",
+                       extra_sets=COMPILE, **common)]
     return cases
 
 
@@ -123,9 +133,19 @@ def bucket_cases() -> list[Case]:
 
 
 def gpu_cases() -> list[Case]:
+    """ResNet-50, batch 256, NHWC on both sides; dptrain at its defaults (``model.compile = "auto"``:
+    compiled on CUDA) against the eager peer and the compiled one, in torch.compile's default mode
+    and, for fp16, in "reduce-overhead" (CUDA graphs). One dptrain run per round serves every peer
+    of its precision (see main)."""
     common = dict(model="resnet50", width=64, num_classes=1000, image_size=224, batch_size=256, channels_last=True)
-    return [Case("ResNet-50 fp16 vs torch AMP (autocast + GradScaler)", 1, precision="fp16", **common),
-            Case("ResNet-50 bf16 vs torch autocast bf16", 1, precision="bf16", **common)]
+    cases = []
+    for prec, amp in (("fp16", "torch AMP (autocast + GradScaler)"), ("bf16", "torch autocast bf16")):
+        cases += [Case(f"ResNet-50 {prec} vs {amp}", 1, precision=prec, **common),
+                  Case(f"ResNet-50 {prec} vs torch.compile + {amp}", 1, precision=prec, peer_compile="default",
+                       **common)]
+    cases.append(Case("ResNet-50 fp16 vs torch.compile reduce-overhead + torch AMP", 1, precision="fp16",
+                      peer_compile="reduce-overhead", **common))
+    return cases
 
 
 def _launcher(world_size: int) -> list[str]:
@@ -148,6 +168,7 @@ def peer_cmd(c: Case, steps: int, warmup: int) -> list[str]:
     cmd = [*_launcher(c.world_size), str(REPO / "benchmarks" / "peer.py"), f"--model={c.model}",
            f"--width={c.width}", f"--num-classes={c.num_classes}", f"--precision={c.precision}",
            f"--batch-size={c.batch_size}", f"--image-size={c.image_size}", f"--steps={steps}", f"--warmup={warmup}"]
+    cmd += [f"--compile={c.peer_compile}"] if c.peer_compile else []
     return cmd + (["--channels-last"] if (c.peer_channels_last if c.peer_channels_last is not None
                                           else c.channels_last) else [])
 
@@ -223,11 +244,17 @@ def main() -> int:
     raw = []
     for rep in range(args.repeats):  # round-robin: a slow spell on a shared host lands on every case alike
         # and every other round in reverse order (ABBA), so that no run always follows the same one
+        ran: dict[str, dict] = {}  # one run per distinct command and round: cases that differ only in the peer share it
         for c in (cases if rep % 2 == 0 else cases[::-1]):
             sides = [("dptrain", dptrain_cmd), *([("peer", peer_cmd)] if c.peer else [])]
             for side, cmd in (sides if rep % 2 == 0 else sides[::-1]):
-                rec = run_json(cmd(c, args.steps, args.warmup), c.peer_env if side == "peer" else c.env)
-                raw.append({"case": c.name, "side": side, "repeat": rep, **rec})
+                argv, env = cmd(c, args.steps, args.warmup), c.peer_env if side == "peer" else c.env
+                key = json.dumps([argv, env])
+                shared = key in ran
+                rec = ran[key] if shared else run_json(argv, env)
+                ran[key] = rec
+                raw.append({"case": c.name, "side": side, "repeat": rep, **({"shared_run": True} if shared else {}),
+                            **rec})
                 print(json.dumps({"case": c.name, side: rec["images_per_s"]}), flush=True)
     rows = []
     for c in cases:

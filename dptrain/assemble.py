@@ -9,10 +9,10 @@ from torch import nn
 
 from dptrain.dist.comm import Communicator
 from dptrain.config import TrainConfig
-from dptrain.errors import SetupError
+from dptrain.errors import ConfigError, SetupError
 from dptrain.flat import FlatParams
 from dptrain.layout import cpu_nhwc_hazards
-from dptrain.models import build_model
+from dptrain.models import build_model, check_input
 from dptrain.optimizer import rule_for
 from dptrain.precision import DTYPES, apply_precision
 
@@ -89,3 +89,16 @@ def running_stats(model: nn.Module) -> list[torch.Tensor]:
     """The model's normalisation running statistics (``running_mean`` / ``running_var`` buffers)."""
     return [b for name, b in model.named_buffers()
             if name.rsplit(".", 1)[-1] in ("running_mean", "running_var") and b.is_floating_point()]
+
+
+def input_error(cfg: TrainConfig, sample_shape: tuple[int, int, int], error: RuntimeError) -> ConfigError | None:
+    """The ConfigError for a first forward that failed because the model cannot take the data's
+    samples (a forward on the meta device finds out, ~2 s of imports on first use); None when the
+    failure is something else."""
+    m = cfg.model
+    why = check_input(m.name, num_classes=m.num_classes, width=m.width, sample_shape=sample_shape)
+    if why is None:
+        return None
+    h, w, c = sample_shape
+    return ConfigError(f"model.name {m.name!r} cannot take the data's {h}x{w} samples with {c} channel(s) ({why}); "
+                       f"set data.crop_size / data.resize (or data.image_size) to a size it takes")

@@ -228,6 +228,12 @@ class MasterOptimizer:
         _, decay_scale = table([m.decay_mult for m in mults])
         return _Tables(lengths, lr_mult, lr_scale, decay_scale)
 
+    def describe(self) -> str:
+        """The start-up line: the rule, the custom multipliers, the memory per parameter."""
+        custom = sum(1 for m in self.multipliers.values() if m != (1.0, 1.0))
+        return (f"solver {self.cfg.type}; lr_mult/decay_mult other than 1 on {custom} of {len(self.multipliers)} "
+                f"parameter tensors; bytes per parameter: {self.bytes_per_param()} ({self.flat.num_params} parameters)")
+
     def bytes_per_param(self) -> dict[str, float]:
         """Device bytes per parameter held for the update: weights, masters, each state buffer,
         grads, the multiplier tables (when any), and their total."""

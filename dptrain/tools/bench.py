@@ -12,7 +12,9 @@ On the CPU, rank 0's exposed_comm is also split, step by step, into ``backward_s
 communication still exposed after that, the least wait over the ranks): the first is
 straggling, the second the cost of the collectives themselves
 (``straggler.StragglerMonitor.line_up``).
-Throughput figures come from the untimed-phase steps only.
+Throughput figures come from the untimed-phase steps only. ``startup_s`` is the time from the
+start of the command's work (after Python and torch imported) to the first timed step: process
+group, data, model, the ``model.compile`` compile (``compile_s``) and the warm-up steps.
 """
 from __future__ import annotations
 
@@ -95,6 +97,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
     if steps <= 0 or warmup < 0 or phase_steps < 0:
         raise ConfigError(f"bench needs --steps > 0 and non-negative --warmup/--phase-steps, got "
                          f"{steps}/{warmup}/{phase_steps}")
+    started = time.perf_counter()
     topology = Topology.from_env()
     comm = open_communicator(cfg, topology)
     device = comm.device
@@ -115,6 +118,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         trainer.clock.take()  # per-rank step times over the timed steps only
+        startup_s = time.perf_counter() - started
         step_ms = []
         usage0 = resource.getrusage(resource.RUSAGE_SELF)
         for _ in range(steps):
@@ -154,6 +158,9 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
     rec.update(lined_up)
     rec.update({
         "peak_mem_bytes": peak_mem_bytes(device),
+        "startup_s": round(startup_s, 2),
+        "compiled": trainer.compiled is not None,
+        "compile_s": round(trainer.compiled.compile_s, 2) if trainer.compiled is not None else None,
         "solver": cfg.solver.type,
         "update_kernel": kernels.update_backend(trainer.flat.groups[0].grads, cpu_fused=cfg.solver.cpu_fused_update),
         "bytes_per_param": trainer.optimizer.bytes_per_param(),

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dptrain.assemble import RunPlan, build_model_and_params, nhwc_hazards, running_stats
+from dptrain.assemble import RunPlan, build_model_and_params, input_error, nhwc_hazards, running_stats
 from dptrain.checkpoint import RunDir, StateParts
 from dptrain.config import TrainConfig, config_to_dict, dump_toml
 from dptrain.data import build_source
@@ -21,15 +21,14 @@ from dptrain.dist.control import NONFINITE, ControlChannel, StopFlag
 from dptrain.dist.planning.auto import attach_auto_plan
 from dptrain.dist.reducer import Reducer
 from dptrain.dist.straggler import StepClock, StragglerMonitor
-from dptrain.errors import ConfigError
 from dptrain.layout import resolve_channels_last
-from dptrain.models import check_input
 from dptrain.observe.metrics import MetricsWriter, TensorBoardWriter
 from dptrain.observe.trace import NullTracer, PhaseTimer, Tracer
 from dptrain.optimizer import MasterOptimizer
 from dptrain.overflow import OverflowLocator, first_nonfinite_layer
 from dptrain.param_groups import resolve_multipliers
 from dptrain.precision import DTYPES, LossScaler, warn_if_slow_on_cpu
+from dptrain.train.compiled import compile_for_training, eager, zeros_batch
 from dptrain.train.display import DisplayWindow
 from dptrain.train.scoring import BAD, score, score_record, score_rounds
 from dptrain.train.snapshots import Snapshots
@@ -85,7 +84,7 @@ class Trainer:
         self.control = ControlChannel(comm, self.device)
         self.health = HealthWatch(self.run_dir.path, rank=self.rank, world_size=self.world_size,
                                   max_nonfinite=cfg.solver.max_nonfinite, scaled=self.scaler.enabled,
-                                  first_bad_layer=lambda: first_nonfinite_layer(self.model, self._next_batch()[0]))
+                                  first_bad_layer=self._first_nonfinite_layer)
         self._feeder: DeviceFeeder | None = None
         self._iter_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self.window = DisplayWindow(self.device, 0)
@@ -98,6 +97,11 @@ class Trainer:
                                    self.run_dir.path, config_to_dict(cfg), health=self.health, metrics=self.metrics)
         self.clock = StepClock(self.device)
         self.stragglers = StragglerMonitor(comm, cfg.train.straggler_warn, comm.allgather_object(socket.gethostname()))
+        zeros = zeros_batch(cfg.data.batch_size, self.source.sample_shape, self.dtype, self.device, channels_last)
+        self.compiled = compile_for_training(self.model, cfg.model.compile, storage=cfg.precision.storage,
+                                             bucket_mb=cfg.reducer.bucket_mb, forward=self._forward, batch=zeros,
+                                             flat=self.flat, comm=comm)
+        """The compiled model's segments (None: the model runs eagerly), ``dptrain.train.compiled``."""
 
     # ------------------------------------------------------------------ data
 
@@ -114,23 +118,20 @@ class Trainer:
             return next(self._feeder)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's output. If the first call fails, a sample shape the model cannot take
-        becomes a ConfigError naming the data settings; the diagnosis (a forward on the meta
-        device, whose first use costs ~2 s of imports) runs only then, not at every startup."""
+        """The model's output. If the first call fails because the model cannot take the data's
+        sample shape, a ConfigError says so (``assemble.input_error``; diagnosed only then)."""
         if self._input_ok:
             return self.model(x)
         try:
             out = self.model(x)
         except RuntimeError as e:
-            m = self.cfg.model
-            why = check_input(m.name, num_classes=m.num_classes, width=m.width, sample_shape=self.source.sample_shape)
-            if why is None:
-                raise
-            h, w, c = self.source.sample_shape
-            raise ConfigError(f"model.name {m.name!r} cannot take the data's {h}x{w} samples with {c} channel(s) "
-                              f"({why}); set data.crop_size / data.resize (or data.image_size) to a size it takes") from e
+            raise input_error(self.cfg, self.source.sample_shape, e) or e
         self._input_ok = True
         return out
+
+    def _first_nonfinite_layer(self) -> str:
+        with eager():  # its forward hooks look inside the segments
+            return first_nonfinite_layer(self.model, self._next_batch()[0])
 
     # ------------------------------------------------------------------ step
 
@@ -192,8 +193,9 @@ class Trainer:
         feeder = self._feeder_for(self.source.test_batches(self.rank, self.world_size, bs))
         self.model.eval()
         try:
-            counts = score(self._forward, feeder, rounds, num_classes=self.cfg.model.num_classes, comm=self.comm,
-                           device=self.device, stops=self.stops)
+            with eager():  # rare: not worth a second compile for the evaluation graph
+                counts = score(self._forward, feeder, rounds, num_classes=self.cfg.model.num_classes, comm=self.comm,
+                               device=self.device, stops=self.stops)
             counts[BAD] += feeder.last_info.get("bad_records", 0)
         finally:
             feeder.close()
@@ -274,10 +276,7 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.prepare(dump_toml(self.cfg))
         log.info("%s", self.plan.describe())
-        custom = sum(1 for m in self.optimizer.multipliers.values() if m != (1.0, 1.0))
-        log.info("solver %s; lr_mult/decay_mult other than 1 on %d of %d parameter tensors; bytes per parameter: %s "
-                 "(%d parameters)", s.type, custom, len(self.optimizer.multipliers), self.optimizer.bytes_per_param(),
-                 self.flat.num_params)
+        log.info("%s", self.optimizer.describe())
         if self.iteration >= s.max_iter:  # e.g. --resume auto on a finished run: its final test and snapshot exist
             log.warning("iteration %d is already at solver.max_iter = %d: nothing to train; raise solver.max_iter "
                         "to continue", self.iteration, s.max_iter)

@@ -15,7 +15,8 @@ SCHEMA = {
     "data_wait_ms": float, "forward_ms": float, "backward_ms": float, "exposed_comm_ms": float,
     "update_ms": float, "peak_mem_bytes": int, "bytes_per_param": dict, "versions": dict, "device": str,
     "world_size": int, "batch_size": int, "global_batch": int, "iter_size": int, "model": str,
-    "precision": str, "config_hash": str, "git_commit": str, "steps": int, "warmup": int,
+    "precision": str, "config_hash": str, "git_commit": str, "steps": int, "warmup": int, "startup_s": float,
+    "compiled": bool,
 }
 
 
@@ -31,6 +32,7 @@ def test_bench_json_schema(tmp_path, capsys):
     rec = json.loads(lines[0])
     for key, tp in SCHEMA.items():
         assert isinstance(rec[key], tp), (key, rec[key])
+    assert rec["compiled"] is False and rec["compile_s"] is None and rec["startup_s"] > 0  # model.compile "auto": CPU
     assert rec["images_per_s"] > 0 and rec["step_ms_p90"] >= rec["step_ms_median"] > 0
     assert rec["forward_ms"] > 0 and rec["backward_ms"] > 0 and rec["update_ms"] > 0
     assert set(rec["bytes_per_param"]) == {"weights", "masters", "momentum", "grads", "total"}

@@ -1,5 +1,6 @@
-"""torch.compile's set-up (dptrain.csrc.inductor), each in a fresh interpreter: the caches land in
-dptrain's cache folder, and a first compile prints no DeprecationWarning."""
+"""torch.compile's set-up (dptrain.csrc.inductor), each in a fresh interpreter: inductor's caches point
+at dptrain's cache folder, and its first import prints no DeprecationWarning. (A compile that writes
+there: tests/dist/test_compile.py.)"""
 from __future__ import annotations
 
 import json
@@ -9,17 +10,14 @@ import sys
 
 SCRIPT = r"""
 import json, os, warnings
-warnings.simplefilter("always")
 import torch
 from dptrain.csrc.inductor import prepare
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     where = prepare()
-    out = float(torch.compile(lambda x: (x * 2).sum())(torch.ones(4))) if os.environ.get("COMPILE") else None
-print(json.dumps({"where": str(where), "env": os.environ["TORCHINDUCTOR_CACHE_DIR"],
-                  "triton": os.environ["TRITON_CACHE_DIR"], "out": out,
-                  "deprecations": [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)],
-                  "files": sum(len(fs) for _, _, fs in os.walk(os.environ["TORCHINDUCTOR_CACHE_DIR"]))}))
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+print(json.dumps({"where": str(where), "inductor_uses": cache_dir(), "triton": os.environ["TRITON_CACHE_DIR"],
+                  "deprecations": [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]}))
 """
 
 
@@ -32,14 +30,12 @@ def run(env: dict[str, str]) -> dict:
 
 
 def test_the_compile_caches_live_in_dptrains_cache_folder_and_torchs_own_deprecation_stays_quiet(tmp_path):
-    got = run({"DPTRAIN_CACHE": str(tmp_path), "COMPILE": "1"})
-    assert got["out"] == 8.0
-    assert got["where"] == got["env"] == str(tmp_path / "inductor")
+    got = run({"DPTRAIN_CACHE": str(tmp_path)})
+    assert got["where"] == got["inductor_uses"] == str(tmp_path / "inductor")
     assert got["triton"] == str(tmp_path / "inductor" / "triton")
-    assert got["files"] > 0  # the compiled code is on disk there, for the next process
     assert got["deprecations"] == []
 
 
 def test_a_users_own_cache_folder_wins(tmp_path):
     got = run({"DPTRAIN_CACHE": str(tmp_path / "d"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")})
-    assert got["where"] == str(tmp_path / "mine") and got["deprecations"] == []
+    assert got["where"] == got["inductor_uses"] == str(tmp_path / "mine") and got["deprecations"] == []

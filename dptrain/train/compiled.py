@@ -1,0 +1,204 @@
+"""``model.compile``: the model's forward and backward compiled by torch.compile, in segments that keep the overlap.
+
+**Why segments.** A compiled module's backward is one autograd node, which hands all of its
+gradients back at its end. Compiled whole, the model would hand every gradient over at the
+end of backward, and every bucket's allreduce would start after it: no overlap. (torch's
+DDPOptimizer splits a compiled graph at DDP's bucket boundaries for this reason, but only for
+a module wrapped in DDP.) dptrain compiles the model's blocks one by one, each block's
+``forward`` wrapped in torch.compile (names, parameters and hooks unchanged): a segment is the
+largest module whose parameters fit in one bucket (``reducer.bucket_mb``, :data:`AUTO_BUCKET_MB`
+for "auto"). Each segment's gradients reach the flat buffers when its backward ends, through the same
+post-accumulate hooks as in eager mode, so a bucket launches at most one segment's backward
+later than it would eagerly, while the earlier layers' backward still runs. The fusions that
+matter stay inside a segment (a ResNet block's batch norms, residual add and ReLUs); the glue
+between segments (pooling, flatten) runs eagerly.
+
+**When.** The compile runs at start-up, on a batch of zeros of the training shape (the
+data's batch size, sample shape, dtype and layout): forward and backward of every segment,
+with the RNG forked and the batch-norm statistics and flat gradients put back afterwards, and
+with the reducer not armed, so no collective runs and the run is unchanged. The log says when
+it starts and how long it took. The ranks then agree (one small collective): if it failed on
+any rank, every rank trains eagerly, with one warning naming the rank and the error.
+
+**Eager where compile does not pay.** The test phase and the non-finite-layer diagnosis run
+eagerly (``torch.compiler.set_stance("force_eager")``): both are rare, and a compiled
+evaluation graph would cost a second compile.
+
+**Caches.** ``dptrain.csrc.inductor``: a second start of the same recipe loads the compiled
+code from ``<cache>/inductor`` instead of compiling it again.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dptrain.csrc.inductor import prepare as prepare_inductor
+from dptrain.dist.comm import Communicator
+from dptrain.errors import ConfigError
+from dptrain.flat import FlatParams
+
+log = logging.getLogger(__name__)
+
+AUTO_BUCKET_MB = 25.0
+"""The segment cap when ``reducer.bucket_mb = "auto"`` (its plan is chosen after the compile): the
+default fixed cap."""
+RECOMPILE_LIMIT = 64
+"""Compiled variants dynamo keeps per code object (its default, 8, is what a ResNet-50's blocks need)."""
+CPU_COMPILE_AUTO = False
+"""Whether ``model.compile = "auto"`` compiles on the CPU: off, because it did not train faster there
+(benchmarks/results/, the layout suite's compiled rows)."""
+
+
+def resolve_compile(setting: bool | Literal["auto"], storage: str, device: torch.device) -> bool:
+    """``model.compile`` as a bool: the setting, or for "auto" CUDA with fp16/bf16 storage (where
+    the memory-bound batch-norm, add and ReLU traffic it fuses is a large share of the step) and
+    the CPU as :data:`CPU_COMPILE_AUTO` says."""
+    if setting != "auto":
+        return bool(setting)
+    if device.type == "cuda":
+        return storage in ("fp16", "bf16")
+    return CPU_COMPILE_AUTO
+
+
+def segments(model: nn.Module, cap_bytes: float) -> list[tuple[str, nn.Module]]:
+    """The modules compiled one by one (module docstring): the largest whose parameters fit in
+    ``cap_bytes``, or a module without children that does not; modules without parameters
+    between them stay eager. In forward order of registration; the root's name is ""."""
+    out: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, m: nn.Module) -> None:
+        size = sum(p.numel() * p.element_size() for p in m.parameters())
+        children = list(m.named_children())
+        if size == 0:
+            return
+        if size <= cap_bytes or not children:
+            out.append((name, m))
+            return
+        for child, c in children:
+            visit(f"{name}.{child}" if name else child, c)
+
+    visit("", model)
+    return out
+
+
+def compile_for_training(model: nn.Module, setting: bool | Literal["auto"], *, storage: str, bucket_mb: float | str,
+                         forward: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, flat: FlatParams,
+                         comm: Communicator) -> CompiledModel | None:
+    """The model compiled and warmed up where ``model.compile`` resolves to true and the compile
+    works on every rank; None where it runs eagerly. ``batch``: zeros like a training batch."""
+    if not resolve_compile(setting, storage, batch.device):
+        return None
+    cap = AUTO_BUCKET_MB if bucket_mb == "auto" else float(bucket_mb)
+    compiled = CompiledModel(model, cap * 2**20)
+    return compiled if compiled.warm_up(forward, batch, flat, comm) else None
+
+
+def zeros_batch(batch_size: int, sample_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+                channels_last: bool) -> torch.Tensor:
+    """Zeros shaped, typed and laid out as the DeviceFeeder's batches (so the compiled code fits them)."""
+    h, w, c = sample_shape
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty(batch_size, c, h, w, dtype=dtype, device=device, memory_format=fmt).zero_()
+
+
+def eager() -> contextlib.AbstractContextManager[None]:
+    """Run compiled modules eagerly inside the block (the test phase, diagnoses)."""
+    return torch.compiler.set_stance("force_eager")
+
+
+class CompiledModel:
+    """Compiles a model's segments and checks them at start-up (module docstring)."""
+
+    def __init__(self, model: nn.Module, cap_bytes: float) -> None:
+        self.model = model
+        self.parts = segments(model, cap_bytes)
+        self.enabled = False
+        self.compile_s: float | None = None
+        """Seconds the start-up compile took (None: not compiled)."""
+
+    @property
+    def names(self) -> list[str]:
+        return [n or "<model>" for n, _ in self.parts]
+
+    def compile(self) -> None:
+        """Wrap each segment's forward in torch.compile. (``nn.Module.compile`` would compile the
+        call of a torch module such as a Sequential stem as a frame dynamo skips: its layers would
+        run eagerly.) The recompile limit is raised: the segments of one class share a code
+        object, and a ResNet's blocks come in up to 8 shapes."""
+        cache = prepare_inductor()
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        for _, m in self.parts:
+            m.forward = torch.compile(m.forward, dynamic=False)
+        self.enabled = True
+        log.info("model.compile: %d segment(s): %s; compiled code is cached in %s", len(self.parts),
+                 ", ".join(self.names), cache)
+
+    def uncompile(self) -> None:
+        for _, m in self.parts:
+            m.__dict__.pop("forward", None)  # the class's own forward again
+        self.enabled = False
+
+    def warm_up(self, forward: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, flat: FlatParams,
+                comm: Communicator) -> bool:
+        """Compile, run ``forward`` and a backward once on ``batch`` (zeros of the training batch's
+        shape, dtype and layout) and put everything back; agree with the other ranks. Whether the
+        model runs compiled from here on. A :class:`ConfigError` (a sample shape the model cannot
+        take, found by ``forward``) is raised as it is, on every rank alike."""
+        t0 = time.perf_counter()
+        if comm.rank == 0:
+            log.info("model.compile: compiling %s's forward and backward in %d segment(s) (a minute or more on a "
+                     "first start, seconds from the cache)", type(self.model).__name__, len(self.parts))
+        error = ""
+        try:
+            self.compile()
+            with _unchanged(self.model, flat):
+                labels = torch.zeros(len(batch), dtype=torch.long, device=batch.device)
+                F.cross_entropy(forward(batch).float(), labels).backward()
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager, on every rank
+            error = _cause(e)
+        failed = comm.allgather_object(error)
+        bad = [(r, e) for r, e in enumerate(failed) if e]
+        if bad:
+            self.uncompile()
+            if comm.rank == 0:
+                r, e = bad[0]
+                log.warning("model.compile failed on rank %d (%s)%s; training eagerly on every rank (set "
+                            "model.compile = false to skip the attempt)", r, e,
+                            f", and on {len(bad) - 1} more rank(s)" if len(bad) > 1 else "")
+            return False
+        self.compile_s = time.perf_counter() - t0
+        if comm.rank == 0:
+            log.info("model.compile: compiled in %.1f s", self.compile_s)
+        return True
+
+
+def _cause(e: BaseException) -> str:
+    """The innermost cause of a compile failure, in one line (dynamo wraps the compiler's error)."""
+    while (inner := getattr(e, "inner_exception", None) or e.__cause__) is not None:
+        e = inner
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+@contextlib.contextmanager
+def _unchanged(model: nn.Module, flat: FlatParams) -> Iterator[None]:
+    """Run a throw-away forward and backward: RNG, buffers (batch-norm statistics) and the flat
+    gradients are as before afterwards."""
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
+        flat.zero_grads()
