@@ -32,13 +32,21 @@ def inductor_cache() -> Path:
     return cache_dir() / "inductor"
 
 
+def point_caches() -> Path:
+    """Point inductor's and Triton's caches at dptrain's cache folder unless the user set them; the
+    inductor folder. Must run before anything asks inductor for its cache folder: the first ask
+    (``torch._dynamo``'s import does) writes torch's default into the environment, which then looks
+    like the user's choice. ``dptrain.dist.comm.import_dynamo_first`` calls it first."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "triton"))
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
 @functools.cache
 def prepare() -> Path:
-    """Set the cache folders (unless set) and import inductor quietly; once per process. The
+    """Point the caches (:func:`point_caches`) and import inductor quietly; once per process. The
     inductor cache folder in use."""
-    root = inductor_cache()
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "triton"))
+    point_caches()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=TORCH_OWN_DEPRECATION, category=DeprecationWarning)
         import torch._inductor.compile_fx  # noqa: F401

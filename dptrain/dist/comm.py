@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.csrc.inductor import point_caches
 from dptrain.errors import PeerStartupError, RankFailure, SetupError, StartupStopped, first_line
 from dptrain.dist.flight import FlightRecorder, progress_store
 from dptrain.topology import Topology
@@ -188,7 +189,10 @@ def import_dynamo_first() -> None:
     two-solver ``bench`` runs did. Imported first, it holds no group, and close() joins the threads
     (tests/dist/test_teardown.py checks that none is left). Costs ~1 s at startup where nothing else
     would import it (CUDA runs).
+    Inductor's caches are pointed at dptrain's cache folder first (``dptrain.csrc.inductor``): the
+    import would otherwise fix torch's default folder in /tmp for the process.
     """
+    point_caches()
     import torch._dynamo  # noqa: F401
 
 

@@ -1,5 +1,6 @@
-"""torch.compile's set-up (dptrain.csrc.inductor), each in a fresh interpreter: inductor's caches point
-at dptrain's cache folder, and its first import prints no DeprecationWarning. (A compile that writes
+"""torch.compile's set-up (dptrain.csrc.inductor), each in a fresh interpreter started as a solver starts
+(torch._dynamo first): inductor's caches point at dptrain's cache folder, and its first import prints no
+DeprecationWarning. (A compile that writes
 there: tests/dist/test_compile.py.)"""
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ SCRIPT = r"""
 import json, os, warnings
 import torch
 from dptrain.csrc.inductor import prepare
+from dptrain.dist.comm import import_dynamo_first
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
+    import_dynamo_first()  # as a solver starts: torch._dynamo's import asks inductor for its cache folder
     where = prepare()
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 print(json.dumps({"where": str(where), "inductor_uses": cache_dir(), "triton": os.environ["TRITON_CACHE_DIR"],
