@@ -36,7 +36,7 @@ def point_caches() -> Path:
     """Point inductor's and Triton's caches at dptrain's cache folder unless the user set them; the
     inductor folder. Must run before anything asks inductor for its cache folder: the first ask
     (``torch._dynamo``'s import does) writes torch's default into the environment, which then looks
-    like the user's choice. ``dptrain.dist.comm.import_dynamo_first`` calls it first."""
+    like the user's choice. ``dptrain``'s import calls it, before anything of dptrain can import torch."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "triton"))
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from dptrain.assemble import RunPlan, build_model_and_params, input_error, nhwc_hazards, running_stats
 from dptrain.checkpoint import RunDir, StateParts
+from dptrain.csrc.inductor import point_caches
 from dptrain.config import TrainConfig, config_to_dict, dump_toml
 from dptrain.data import build_source
 from dptrain.data.base import DeviceFeeder
@@ -42,6 +43,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, comm: Communicator, *, tracer: Tracer | None = None,
                  time_phases: bool = False, stop: StopFlag | None = None) -> None:
+        point_caches()  # before the CPU layout probe below imports torch._dynamo (dptrain.csrc.inductor)
         self.cfg, self.comm = cfg, comm
         self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
         if self.device.type == "cuda":
@@ -76,8 +78,7 @@ class Trainer:
             micro_steps_per_epoch=batches_per_epoch(self.source.num_train, self.shard.samples_per_step),
             storage=cfg.precision.storage, loss_scale=ls_mode, channels_last=channels_last)
         self.dtype = DTYPES[cfg.precision.storage]
-        self.iteration = 0
-        self.lr = 0.0
+        self.iteration, self.lr = 0, 0.0
         self.phases = PhaseTimer(self.device, self.tracer, time_phases or self.tracer.enabled)
         self.stop = stop or StopFlag()
         self.stops = StopProtocol(self.stop)
