@@ -24,6 +24,13 @@ any rank, every rank trains eagerly, with one warning naming the rank and the er
 eagerly (``torch.compiler.set_stance("force_eager")``): both are rare, and a compiled
 evaluation graph would cost a second compile.
 
+**Not built yet: the step as a CUDA graph** (torch.compile's "reduce-overhead" mode, or
+``torch.cuda.graphs``). The step already makes no host sync, so forward, backward and the update
+could be captured with one solver. With several, the allreduces stand in the way: they are
+launched from autograd hooks, by Python that counts each bucket's gradients; to join a graph they
+must be issued in a fixed order on a stream the capture follows, through NCCL's graph support
+(2.9 and later), with the communicator used by nothing outside the graph; gloo cannot be captured.
+
 **Caches.** ``dptrain.csrc.inductor``: a second start of the same recipe loads the compiled
 code from ``<cache>/inductor`` instead of compiling it again.
 """
@@ -53,7 +60,8 @@ RECOMPILE_LIMIT = 64
 """Compiled variants dynamo keeps per code object (its default, 8, is what a ResNet-50's blocks need)."""
 CPU_COMPILE_AUTO = False
 """Whether ``model.compile = "auto"`` compiles on the CPU: off, because it did not train faster there
-(benchmarks/results/, the layout suite's compiled rows)."""
+(benchmarks/results/throughput_layout_cpu2_20261127_compile.md: 2 gloo solvers, ResNet-18 CIFAR bf16,
+compiled and eager alike within the VM's drift)."""
 
 
 def resolve_compile(setting: bool | Literal["auto"], storage: str, device: torch.device) -> bool:
