@@ -28,8 +28,9 @@
 //   grads, master, params (nullptr: the master), *state, lr_scale (nullptr: 1), decay_scale (nullptr: 1),
 //   grad_coef, found_inf, bias_correction (nullptr: none), *the rule's scalars, n
 // Types: T (storage) is float, __half or __nv_bfloat16; M (state) per the rule's state_dtypes; V is the
-// elements per vector access: 4 when every pointer is aligned to 4 elements (flat buffers are: each
-// parameter starts at a multiple of 64 elements), else 1.
+// elements per pack: 16 bytes of T (4 float, 8 __half/__nv_bfloat16: kernels.cuda.vector_elems) when every
+// pointer is aligned to V of its elements (flat buffers are: each parameter starts at a multiple of 64
+// elements), else 1. A pack of V floats with V = 8 moves as two 16-byte accesses.
 
 #if defined(__CUDACC__)  // NVRTC and nvcc
 #include <cuda_fp16.h>
@@ -57,7 +58,7 @@ template <> __host__ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bf
   return __float2bfloat16_rn(x);
 }
 
-// V consecutive elements moved with one aligned load/store (8 or 16 bytes for V = 4).
+// V consecutive elements moved with aligned loads/stores: one 16-byte access for 16 bytes of T, two for 32.
 template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
 
 template <typename T, int V> __host__ __device__ __forceinline__ Pack<T, V> load_pack(const T* p, long long i) {
@@ -300,23 +301,41 @@ __device__ __forceinline__ void run_rule(const Args<T, M>& a, const typename R::
 #endif  // __CUDACC__
 
 // Sum of squares, in fp32, of the elements thread `tid` of `nthreads` visits (same pattern as above).
-// Non-finite inputs propagate: inf -> inf, NaN -> NaN.
+// Non-finite inputs propagate: inf -> inf, NaN -> NaN. kNormUnroll packs are loaded before any is
+// summed, into as many accumulators (more bytes in flight per thread; the grid is capped), which are
+// added in a fixed order at the end: the sum order stays a function of n and the alignment.
+constexpr int kNormUnroll = 4;
+
 template <typename T, int V>
 __host__ __device__ float sumsq_thread(const T* x, long long n, long long tid, long long nthreads) {
   const long long nvec = n / V;
-  float acc = 0.0f;
-  for (long long v = tid; v < nvec; v += nthreads) {
+  float acc[kNormUnroll];
+  for (int u = 0; u < kNormUnroll; ++u) acc[u] = 0.0f;
+  long long v = tid;
+  for (; v + (kNormUnroll - 1) * nthreads < nvec; v += kNormUnroll * nthreads) {
+    Pack<T, V> p[kNormUnroll];
+    for (int u = 0; u < kNormUnroll; ++u) p[u] = load_pack<T, V>(x, (v + u * nthreads) * V);
+    for (int u = 0; u < kNormUnroll; ++u) {
+      for (int k = 0; k < V; ++k) {
+        const float f = to_float(p[u].v[k]);
+        acc[u] = acc[u] + f * f;
+      }
+    }
+  }
+  for (; v < nvec; v += nthreads) {  // the last < kNormUnroll packs of this thread
     const Pack<T, V> p = load_pack<T, V>(x, v * V);
     for (int k = 0; k < V; ++k) {
       const float f = to_float(p.v[k]);
-      acc = acc + f * f;
+      acc[0] = acc[0] + f * f;
     }
   }
   for (long long i = nvec * V + tid; i < n; i += nthreads) {
     const float f = to_float(x[i]);
-    acc = acc + f * f;
+    acc[0] = acc[0] + f * f;
   }
-  return acc;
+  float total = acc[0];
+  for (int u = 1; u < kNormUnroll; ++u) total = total + acc[u];
+  return total;
 }
 
 #if defined(__CUDACC__)
@@ -348,8 +367,8 @@ __device__ __forceinline__ float block_sum(float v) {
 // Host wrapper: kernels.cuda.update (via kernels.update), on torch's current stream.
 // Launch: grid (min(cdiv(n/V, 256), 2 waves of resident blocks per the occupancy API),), block (256,);
 // grid-stride, any grid works.
-// Arguments common to every rule, in this order (all 1-D, contiguous, same length n and layout; pointers
-// 4*sizeof aligned when V = 4):
+// Arguments common to every rule, in this order (all 1-D, contiguous, same length n and layout; each
+// pointer aligned to V of its elements when V > 1):
 //   grads            T*            [n] storage dtype, loss-scaled summed gradient; zeroed on return
 //   master           float*        [n] fp32 master weights
 //   params           T*            [n] storage dtype weights := T(master), or nullptr when they are the
@@ -446,7 +465,7 @@ dptrain_rmsprop_update(T* grads, float* master, T* params, M* square_avg, M* mom
 // Host wrapper: kernels.cuda.grad_norm (via kernels.grad_norm), on torch's current stream.
 // Launch: grid (min(cdiv(n/V, 256), 1024),) -- a function of n only, for determinism; block (256,).
 // Arguments:
-//   x         const T*   [n] storage dtype gradient buffer, contiguous (4*sizeof(T) aligned if V = 4)
+//   x         const T*   [n] storage dtype gradient buffer, contiguous (16-byte aligned if V > 1)
 //   n         long long  elements
 //   partials  float*     [gridDim.x] fp32 scratch, one per block
 template <typename T, int V>

@@ -45,8 +45,10 @@ NVRTC_OPTIONS = (
 )
 BLOCK_THREADS = 256
 """Threads per block of every kernel; equals ``dpt::kBlockThreads`` in update.cu."""
-VECTOR_ELEMS = 4
-"""Elements per vector access when every pointer allows it (flat buffers are 64-element aligned)."""
+VECTOR_BYTES = 16
+"""Bytes per vector access of the storage-dtype streams (gradients, weights) when every pointer allows
+it: 4 fp32 or 8 fp16/bf16 elements per pack (:func:`vector_elems`); the fp32 streams of a 16-bit
+pack (master, fp32 state) then move as two 16-byte accesses. Flat buffers are 64-element aligned."""
 UPDATE_WAVES = 2
 """The update grid holds this many waves of resident blocks (occupancy API); the grid-stride
 loop covers the rest. Two waves leave the tail of one wave to overlap the next."""
@@ -61,6 +63,11 @@ STORAGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NORM_FINISH = "dptrain_norm_finish"
 
 
+def vector_elems(storage: torch.dtype) -> int:
+    """Elements per pack for ``storage``: one 16-byte access of the storage stream."""
+    return VECTOR_BYTES // storage.itemsize
+
+
 def update_kernel_name(rule: Rule, storage: torch.dtype, state: torch.dtype, vec: int) -> str:
     return f"dptrain_{rule.name}_update<{CTYPES[storage]}, {CTYPES[state]}, {vec}>"
 
@@ -72,8 +79,8 @@ def norm_kernel_name(dtype: torch.dtype, vec: int) -> str:
 def name_expressions() -> tuple[str, ...]:
     """Every kernel instance the run-time path may launch: what NVRTC must lower."""
     updates = tuple(update_kernel_name(r, s, m, v) for r in RULES.values() for s in STORAGE_DTYPES
-                    for m in r.state_dtypes for v in (VECTOR_ELEMS, 1))
-    norms = tuple(norm_kernel_name(s, v) for s in STORAGE_DTYPES for v in (VECTOR_ELEMS, 1))
+                    for m in r.state_dtypes for v in (vector_elems(s), 1))
+    norms = tuple(norm_kernel_name(s, v) for s in STORAGE_DTYPES for v in (vector_elems(s), 1))
     return updates + norms + (NORM_FINISH,)
 
 
@@ -166,10 +173,11 @@ def _launch(expr: str, device: torch.device, blocks: int, args: tuple) -> None:
         fn((blocks,), (BLOCK_THREADS,), args, stream=stream)
 
 
-def vector_width(tensors: list[torch.Tensor]) -> int:
-    """VECTOR_ELEMS when every tensor's start is aligned to VECTOR_ELEMS of its elements, else 1."""
-    ok = all(t.data_ptr() % (VECTOR_ELEMS * t.element_size()) == 0 for t in tensors)
-    return VECTOR_ELEMS if ok else 1
+def vector_width(tensors: list[torch.Tensor], storage: torch.dtype) -> int:
+    """:func:`vector_elems` of ``storage`` when every tensor's start is aligned to that many of its
+    own elements (a pack of each is one aligned struct), else 1."""
+    v = vector_elems(storage)
+    return v if all(t.data_ptr() % (v * t.element_size()) == 0 for t in tensors) else 1
 
 
 def _ptr(t: torch.Tensor | None) -> np.uint64:
@@ -233,7 +241,8 @@ def update(a: UpdateArgs) -> None:
     """Launch the rule's fused kernel over one flat group on the current stream."""
     rule = rule_of(a)
     args = update_args(a, rule)
-    vec = vector_width([t for t in (a.grads, a.master, a.params, *a.state, a.lr_scale, a.decay_scale) if t is not None])
+    vec = vector_width([t for t in (a.grads, a.master, a.params, *a.state, a.lr_scale, a.decay_scale) if t is not None],
+                       a.grads.dtype)
     expr = update_kernel_name(rule, a.grads.dtype, a.state[0].dtype, vec)
     dev = a.grads.device
     cap = UPDATE_WAVES * _resident_blocks(expr, dev.index) * _sm_count(dev.index)
@@ -244,7 +253,7 @@ def grad_norm(grads: torch.Tensor) -> torch.Tensor:
     """Two-stage L2 norm on the current stream: block sums of squares, then their sum's sqrt."""
     n = grads.numel()
     check_flat("grads", grads, n, STORAGE_DTYPES, grads.device)
-    vec = vector_width([grads])
+    vec = vector_width([grads], grads.dtype)
     blocks = max(1, min(-(-(n // vec) // BLOCK_THREADS), NORM_MAX_BLOCKS))
     partials = torch.empty(blocks, dtype=torch.float32, device=grads.device)  # [blocks] fp32 scratch
     out = torch.empty((), dtype=torch.float32, device=grads.device)  # [] fp32

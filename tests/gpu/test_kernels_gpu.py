@@ -102,13 +102,13 @@ def _update(fn, c: dict[str, torch.Tensor], *, with_scale: bool, skip: float = 0
 @pytest.mark.parametrize("storage", STORAGE)
 @pytest.mark.parametrize("mom", MOMENTUM)
 @pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
-@pytest.mark.parametrize("offset", [0, 1], ids=["vec4", "vec1"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["packed", "vec1"])
 def test_sgd_kernel_bit_exact(storage, mom, decay, offset):
     n = 64 * 1001 + 3  # not a multiple of 4: the scalar tail runs too
     case = _case(storage, mom, n, offset, seed=1)
     assert kernels.kernel_backend(case["grads"]) == "cupy"
-    want_vec = cuda.VECTOR_ELEMS if offset == 0 else 1
-    assert cuda.vector_width([case["grads"], case["master"], case["momentum"]]) == want_vec
+    want_vec = cuda.vector_elems(storage) if offset == 0 else 1
+    assert cuda.vector_width([case["grads"], case["master"], case["momentum"]], storage) == want_vec
     # lr/wd large so the decay term dominates and a mis-rounded coefficient shows (see tests/unit/test_kernels.py)
     kw = dict(lr=0.9137, momentum_coef=0.9, weight_decay=0.0 if decay == "none" else 0.7,
               decoupled=decay == "decoupled")
@@ -128,7 +128,7 @@ RULE_CASES = [(r, s, m) for r in ("nesterov", "adam", "lamb", "rmsprop") for s i
 @pytest.mark.parametrize("rule,storage,state_dtype", RULE_CASES,
                          ids=[f"{r}-{str(s)[6:]}-{str(m)[6:]}" for r, s, m in RULE_CASES])
 @pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
-@pytest.mark.parametrize("offset", [0, 1], ids=["vec4", "vec1"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["packed", "vec1"])
 def test_every_rule_kernel_bit_exact(rule, storage, state_dtype, decay, offset):
     """Each rule with and without the lr/decay tables and (adam, lamb) device-side bias corrections."""
     n = 64 * 1001 + 3

@@ -10,6 +10,7 @@ or stop) is tested with injected failures.
 from __future__ import annotations
 
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -50,6 +51,27 @@ def test_ptx_keeps_subnormals_and_rounds_every_multiply_and_add(library):
                                  options=(*cuda.NVRTC_OPTIONS, f"-I{nvrtc.find_include(library)}", "-ftz=true"),
                                  name_expressions=cuda.name_expressions(), arch="compute_90", library=library)
     assert ".ftz.f32" in flushed.binary.decode(errors="replace")
+
+
+def _entries(ptx: str) -> dict[str, str]:
+    """Each kernel entry's PTX body, by mangled name."""
+    return {part.split("(", 1)[0]: part for part in re.split(r"\.entry\s+", ptx)[1:]}
+
+
+@pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_16_bit_streams_move_16_bytes_per_access_and_the_norm_keeps_4_loads_in_flight(library, storage):
+    """Packs of 8 fp16/bf16 elements load and store as 128-bit accesses (``v4.u32``), where packs of 4
+    were 64-bit (``v4.u16``); the norm's unrolled loop issues 4 of them before it sums any."""
+    compiled = cuda.compile_module("compute_90", library)
+    entries = _entries(compiled.binary.decode(errors="replace"))
+    vec = cuda.vector_elems(storage)
+    assert vec == 8
+    update = entries[compiled.lowered[cuda.update_kernel_name(RULES["sgd"], storage, torch.float32, vec)]]
+    assert re.search(r"ld\.global\.v4\.u32", update) and re.search(r"st\.global\.v4\.u32", update)
+    assert "v4.u16" not in update
+    norm = entries[compiled.lowered[cuda.norm_kernel_name(storage, vec)]]
+    wide = re.findall(r"ld\.global\.v4\.u32", norm)
+    assert len(wide) == 4 + 1, norm  # the unrolled trip, and the loop over a thread's last packs
 
 
 def test_a_source_that_does_not_compile_fails_with_nvrtc_s_log(library):

@@ -273,11 +273,15 @@ def test_kernel_wrappers_reject_bad_layouts():
     cuda.check_scalar("grad_coef", torch.tensor(0.5), cpu)  # 0-dim is fine too
 
 
-def test_vector_width_follows_alignment():
-    buf = torch.zeros(64)  # allocator alignment: far more than 16 bytes
-    assert cuda.vector_width([buf, buf.half()]) == cuda.VECTOR_ELEMS
-    assert cuda.vector_width([buf[4:], buf.half()[4:]]) == cuda.VECTOR_ELEMS
-    assert cuda.vector_width([buf, buf[1:]]) == 1
+def test_vector_width_is_16_bytes_of_storage_where_every_pointer_allows_it():
+    buf = torch.zeros(64)  # allocator alignment: far more than 32 bytes
+    assert cuda.vector_elems(torch.float32) == 4 and cuda.vector_elems(torch.float16) == 8
+    assert cuda.vector_elems(torch.bfloat16) == 8
+    assert cuda.vector_width([buf, buf.half()], torch.float16) == 8  # fp32 master: a pack of 8 is 32 bytes
+    assert cuda.vector_width([buf[8:], buf.half()[8:]], torch.float16) == 8
+    assert cuda.vector_width([buf[4:], buf.half()[4:]], torch.float16) == 1  # 16-byte aligned, not 8 elements
+    assert cuda.vector_width([buf[4:], buf[8:]], torch.float32) == 4
+    assert cuda.vector_width([buf, buf[1:]], torch.float32) == 1
 
 
 def test_dispatchers_forced_to_torch_equal_the_references(monkeypatch):
@@ -441,8 +445,21 @@ template <typename R, typename T, typename M, int V> static void run(const std::
   for (int j = 0; j < ints[7]; ++j) save(d + "/state" + std::to_string(j) + ".out", a.state[j], n);
 }
 
+// The norm's stage 1 per thread (dpt::sumsq_thread): each emulated thread's partial sum to sumsq.out.
+template <typename T, int V> static void run_sumsq(const std::string& d) {
+  long long ints[2];  // n, nthreads
+  read_into(d + "/ints", ints, 2);
+  const T* x = load<T>(d + "/x", ints[0]);
+  float* out = static_cast<float*>(std::malloc(ints[1] * sizeof(float)));
+  for (long long t = 0; t < ints[1]; ++t) out[t] = dpt::sumsq_thread<T, V>(x, ints[0], t, ints[1]);
+  save(d + "/sumsq.out", out, ints[1]);
+}
+template <typename T> static void run_sumsq_vec(int vec, const std::string& d) {
+  if (vec == 8) run_sumsq<T, 8>(d); else if (vec == 4) run_sumsq<T, 4>(d); else run_sumsq<T, 1>(d);
+}
+
 template <typename R, typename T, typename M> static void run_vec(int vec, const std::string& d) {
-  if (vec == 4) run<R, T, M, 4>(d); else run<R, T, M, 1>(d);
+  if (vec == 8) run<R, T, M, 8>(d); else if (vec == 4) run<R, T, M, 4>(d); else run<R, T, M, 1>(d);
 }
 template <typename R, typename T> static void run_state(const std::string& state, int vec, const std::string& d) {
   if constexpr (R::kStates == 1) {  // the momentum rules also take an fp16 history
@@ -460,6 +477,12 @@ int main(int argc, char** argv) {
   if (argc != 6) return 2;
   const std::string rule = argv[1], storage = argv[2], state = argv[3], d = argv[5];
   const int vec = std::atoi(argv[4]);
+  if (rule == "sumsq") {
+    if (storage == "f32") run_sumsq_vec<float>(vec, d);
+    else if (storage == "f16") run_sumsq_vec<__half>(vec, d);
+    else run_sumsq_vec<__nv_bfloat16>(vec, d);
+    return 0;
+  }
 @RULE_DISPATCH@
   return 2;
 }
@@ -489,6 +512,27 @@ def harness(tmp_path_factory) -> Path:
 
 def _raw_dtype(dtype: torch.dtype) -> np.dtype:
     return _bits(torch.zeros(1, dtype=dtype)).numpy().dtype  # int16 or int32
+
+
+@pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16, torch.float32], ids=["f16", "bf16", "f32"])
+@pytest.mark.parametrize("n, nthreads", [(203, 7), (4099, 16), (96, 3), (5, 8)])
+def test_norm_thread_code_visits_every_element_once_in_a_fixed_order(harness, tmp_path, storage, n, nthreads):
+    """The norm's unrolled per-thread loop on the host: small integers square and sum exactly in fp32, so
+    the emulated threads' partials must add up to the exact sum of squares (an element missed or
+    visited twice would show), at the 16-byte pack width and at 1; and the same input gives the same bits."""
+    x = torch.randint(0, 4, (n,), generator=torch.Generator().manual_seed(n)).to(storage)
+    exact = float((x.double() ** 2).sum())
+    for vec in (cuda.vector_elems(storage), 1):
+        runs = []
+        for rep in range(2):
+            work = tmp_path / f"v{vec}r{rep}"
+            work.mkdir()
+            np.array([n, nthreads], dtype=np.int64).tofile(work / "ints")
+            _bits(x).numpy().tofile(work / "x")
+            subprocess.run([str(harness), "sumsq", _CODES[storage], "f32", str(vec), str(work)], check=True)
+            runs.append(np.fromfile(work / "sumsq.out", dtype=np.float32))
+        assert len(runs[0]) == nthreads and float(runs[0].astype(np.float64).sum()) == exact, (vec, runs[0])
+        assert np.array_equal(runs[0].view(np.int32), runs[1].view(np.int32))
 
 
 def _emulate(harness: Path, work: Path, a: UpdateArgs, *, vec: int, nthreads: int) -> dict[str, torch.Tensor]:
@@ -554,9 +598,9 @@ RULE_CASES = [(r, s, m) for r in RULES for s in (torch.float16, torch.bfloat16, 
                          ids=[f"{r}-{_CODES[s]}-{_CODES[m]}" for r, s, m in RULE_CASES])
 @pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
 def test_cuda_thread_code_matches_reference_bit_exactly(harness, tmp_path, rule, storage, state_dtype, decay):
-    """n = 203 is not a multiple of 4 (tail path) and 7 emulated threads wrap the grid-stride loop;
-    with and without the lr/decay tables, on both vector widths."""
-    for vec in (4, 1):
+    """n = 203 is not a multiple of 4 or 8 (tail path) and 7 emulated threads wrap the grid-stride loop;
+    with and without the lr/decay tables, on both vector widths (16 bytes of storage, and 1)."""
+    for vec in (cuda.vector_elems(storage), 1):
         for tables in (False, True):
             a = _rule_args(rule, storage, state_dtype, 203, seed=4, decay=decay, tables=tables)
             got = _emulate(harness, tmp_path / f"v{vec}t{int(tables)}", a, vec=vec, nthreads=7)
