@@ -23,7 +23,9 @@
 #                     each side's first compile of a precision takes about a minute, later ones hit the cache
 #                     (throughput.py --suite gpu; RESNET50_ARGS, default "--repeats 1 --steps 30 --warmup 10")
 # Opt-in stages (name them in STAGES):
-#   sweep     300 s   ResNet-50 fp16 `dptrain bench --synthetic` at each batch of SWEEP_BATCHES (64 128 256 384)
+#   sweep     300 s   ResNet-50 fp16 `dptrain bench --synthetic` at each batch of SWEEP_BATCHES (32 64 128 256):
+#                     the step time in the batch, step(b) = fixed + b x per_image, fitted in the summary; the
+#                     scaling model's strong scaling takes sweep.log (scaling_model.py --batch-points)
 #   sleep             sleeps GPU_SESSION_TEST_SLEEP_S seconds in a child process, under LIMIT_SLEEP_S (default 2):
 #                     only for tests of the limits (tests/unit/test_gpu_session.py); unknown unless that is set
 #
@@ -183,7 +185,7 @@ raise SystemExit(1 if why else 0)" ;;
         run_stage resnet50 "$PY" benchmarks/throughput.py --suite gpu \
             ${RESNET50_ARGS:---repeats 1 --steps 30 --warmup 10} --out "$WORK" ;;
     sweep)
-        run_stage sweep bash -c 'for b in ${SWEEP_BATCHES:-64 128 256 384}; do
+        run_stage sweep bash -c 'for b in ${SWEEP_BATCHES:-32 64 128 256}; do
             "$0" -m dptrain bench --config launch/configs/resnet50_imagenet.toml --synthetic --steps 30 --warmup 10 \
                 --set data.batch_size=$b --set "train.run_dir=\"$1/sweep_$b\"" || exit; done' "$PY" "$SCRATCH_DIR" ;;
     sleep)

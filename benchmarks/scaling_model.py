@@ -187,6 +187,71 @@ def scale_compute(p: Profile, factor: float) -> Profile:
                    batch_size=round(p.batch_size * factor))
 
 
+@dataclass(frozen=True)
+class BatchCost:
+    """One solver's step time in its batch b: ``fixed_ms + b * per_image_ms``.
+
+    ``fixed_ms`` is what does not shrink with the batch (kernel launches, batch norm and the update
+    over small tensors, the host loop, the input pipeline's per-batch work): at a small per-GPU
+    batch, as strong scaling gives, a step costs more than its share of images. Fitted by least
+    squares from ``dptrain bench`` at 3 or more per-solver batches of one model on one device
+    (:func:`fit_batch_cost`)."""
+
+    fixed_ms: float
+    per_image_ms: float
+    points: tuple[tuple[int, float], ...] = ()
+    """(batch, step ms) the fit came from."""
+    source: str = ""
+
+    def ms(self, batch: float) -> float:
+        return self.fixed_ms + batch * self.per_image_ms
+
+    @property
+    def max_error(self) -> float:
+        """The fit's largest relative error over its own points."""
+        return max((abs(self.ms(b) - t) / t for b, t in self.points), default=0.0)
+
+
+def fit_batch_cost(points: list[tuple[int, float]], source: str = "") -> BatchCost:
+    """Least-squares ``step = fixed + b * per_image`` through (batch, step ms) points at >= 3
+    batches; a negative fixed part (noise at a step that is all per-image work) is fitted as 0."""
+    batches = sorted({b for b, _ in points})
+    if len(batches) < 3:
+        raise ValueError(f"fitting step(b) needs bench at 3 or more batch sizes, got {batches}")
+    b = np.array([x for x, _ in points], dtype=float)
+    t = np.array([y for _, y in points], dtype=float)
+    per_image, fixed = np.polyfit(b, t, 1)
+    if fixed < 0:
+        fixed, per_image = 0.0, float((b * t).sum() / (b * b).sum())
+    if per_image <= 0:
+        raise ValueError(f"step time does not grow with the batch in {sorted(points)}: nothing to fit")
+    return BatchCost(float(fixed), float(per_image), tuple(sorted(points)), source)
+
+
+def batch_points(path: str | Path) -> list[tuple[int, float]]:
+    """(batch_size, step_ms_median) of every one-solver ``dptrain bench`` JSON line in ``path``."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            if r.get("world_size", 1) != 1:
+                raise ValueError(f"{path}: a step(b) fit needs one-solver bench lines; one has world_size "
+                                 f"{r['world_size']}")
+            out.append((int(r["batch_size"]), float(r["step_ms_median"])))
+    return out
+
+
+def scale_to_batch(p: Profile, batch: float, cost: BatchCost | None = None) -> Profile:
+    """The profile at per-solver batch ``batch``: linear in the batch without ``cost``
+    (:func:`scale_compute`), else forward, backward and ready times scaled by the fitted step's
+    ratio ``cost.ms(batch) / cost.ms(p.batch_size)``, so the fixed part stays when the batch falls."""
+    if cost is None:
+        return scale_compute(p, batch / p.batch_size)
+    f = cost.ms(batch) / cost.ms(p.batch_size)
+    return replace(p, forward_ms=p.forward_ms * f, backward_ms=p.backward_ms * f,
+                   buckets=tuple(replace(b, ready_ms=b.ready_ms * f) for b in p.buckets), batch_size=round(batch))
+
+
 def rebucket(p: Profile, bucket_mb: float, first_bucket_mb: float | None = None) -> Profile:
     """The profile re-cut into buckets of ``bucket_mb`` MiB (the first: ``first_bucket_mb``).
 
@@ -592,17 +657,18 @@ def weak_rows(p: Profile, m: Machine, nodes_list: list[int], algorithm: Algorith
 
 
 def strong_rows(p: Profile, m: Machine, nodes_list: list[int], global_batch: int,
-                algorithm: Algorithm, terms: TermsFn | None = None) -> list[dict[str, Any]]:
-    """Rows for every node count whose per-GPU batch G / (nodes g) is a whole number >= 1."""
+                algorithm: Algorithm, terms: TermsFn | None = None, cost: BatchCost | None = None) -> list[dict[str, Any]]:
+    """Rows for every node count whose per-GPU batch G / (nodes g) is a whole number >= 1; compute
+    scales with the per-GPU batch as ``cost`` says (None: linearly)."""
     terms = terms or plain_terms(m)
-    full = scale_compute(p, global_batch / p.batch_size)
+    full = scale_to_batch(p, global_batch, cost)
     t1 = one_solver_ms(full, replace(terms(1), world_size=1))
     rows = []
     for nodes in nodes_list:
         n = nodes * m.gpus_per_node
         if global_batch % n:
             continue
-        q = scale_compute(p, global_batch / n / p.batch_size)
+        q = scale_to_batch(p, global_batch / n, cost)
         pred = simulate_step(q, comm_fn(m, nodes, algorithm), terms(nodes))
         rows.append({"nodes": nodes, "gpus": n, "batch": global_batch // n, "pred": pred, "q": q,
                      "eff": t1 / (n * pred.step_ms), "ips": global_batch / pred.step_ms * 1e3})
@@ -611,11 +677,13 @@ def strong_rows(p: Profile, m: Machine, nodes_list: list[int], global_batch: int
 
 def report_predictions(raw: Profile, key: str, nodes_list: list[int], *, bucket_mb: float | None,
                        first_bucket_mb: float, global_batch: int, sweep_mb: list[float], algorithm: Algorithm,
-                       terms: TermsFn | None = None, real_data: TermsFn | None = None) -> str:
+                       terms: TermsFn | None = None, real_data: TermsFn | None = None,
+                       cost: BatchCost | None = None) -> str:
     """Markdown: weak scaling at ``nodes_list``, bucket sweep, strong scaling and where scaling breaks.
 
     ``raw`` is re-bucketed to ``bucket_mb`` (None: keep its plan); the sweep re-buckets ``raw``.
-    ``terms``: the per-step terms with synthetic data; ``real_data``: with the input ceiling too.
+    ``terms``: the per-step terms with synthetic data; ``real_data``: with the input ceiling too;
+    ``cost``: the step time in the batch for strong scaling (None: compute linear in the batch).
     """
     m = MACHINES[key]
     terms = terms or plain_terms(m)
@@ -648,12 +716,12 @@ def report_predictions(raw: Profile, key: str, nodes_list: list[int], *, bucket_
         auto = auto_plan(q, comm, t) if q.granularity == "parameter" else None
         cells.append(f"{comm_step_ms(simulate_step(auto, comm, t)):.3f} ({len(auto.buckets)} buckets)" if auto else "-")
         out.append(f"| {nodes} node(s), batch {q.batch_size or '?'}/GPU | " + " | ".join(cells) + " |")
-    out += ["", *breakdown_lines(p, m, global_batch, algorithm, terms)]
+    out += ["", *breakdown_lines(p, m, global_batch, algorithm, terms, cost)]
     return "\n".join(out) + "\n"
 
 
 def breakdown_lines(p: Profile, m: Machine, global_batch: int, algorithm: Algorithm,
-                    terms: TermsFn | None = None) -> list[str]:
+                    terms: TermsFn | None = None, cost: BatchCost | None = None) -> list[str]:
     """Where efficiency first falls below EFFICIENCY_FLOOR: nodes (weak), per-GPU batch, nodes (strong)."""
     terms = terms or plain_terms(m)
     out = []
@@ -673,7 +741,8 @@ def breakdown_lines(p: Profile, m: Machine, global_batch: int, algorithm: Algori
             out.append(f"- At 64 nodes, weak scaling falls below {EFFICIENCY_FLOOR} once the per-GPU batch is "
                        f"{b} ({weak_efficiency(q, pred, terms(64)):.2f}): " + explain(q, pred, m, 64, algorithm))
             break
-    strong = strong_rows(p, m, _pow2_up_to(max(1, global_batch // m.gpus_per_node)), global_batch, algorithm, terms)
+    strong = strong_rows(p, m, _pow2_up_to(max(1, global_batch // m.gpus_per_node)), global_batch, algorithm, terms,
+                         cost)
     bad = next((r for r in strong if r["eff"] < EFFICIENCY_FLOOR), None)
     out.append(f"- Strong scaling at global batch {global_batch}: " + ", ".join(
         f"{r['nodes']} nodes (batch {r['batch']}/GPU) {r['eff']:.2f}" for r in strong) + ". " + (
@@ -724,6 +793,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--first-bucket-mb", type=float, default=DEFAULT_FIRST_BUCKET_MB)
     ap.add_argument("--nodes", default="1,4,16,64")
     ap.add_argument("--global-batch", type=int, default=8192, help="strong scaling (Goyal et al. 2017's largest)")
+    ap.add_argument("--batch-points", help="one-solver `dptrain bench` JSON lines at >= 3 batch sizes of the profiled "
+                    "model: strong scaling uses the fitted step(b) = fixed + b x per_image instead of a step linear "
+                    "in the batch")
     ap.add_argument("--sweep-mb", default="1,2,5,10,25,50,100,200")
     ap.add_argument("--algorithm", default="best", choices=("best", "ring", "tree", "hierarchical"))
     ap.add_argument("--calibrate", action="store_true", help="measure gloo allreduce with 2 local processes and fit")
@@ -750,6 +822,7 @@ def main(argv: list[str] | None = None) -> int:
         given = load_profile(args.profile, args.profile_batch) if args.profile else None
         wl = load_workload(Path(args.workload))
         bench_profile = load_profile(args.bench_profile) if args.bench_profile else None
+        cost = fit_batch_cost(batch_points(args.batch_points), args.batch_points) if args.batch_points else None
     except (ValueError, OSError) as e:
         print(f"scaling_model.py: error: {e}", file=sys.stderr)
         return 2
@@ -757,7 +830,11 @@ def main(argv: list[str] | None = None) -> int:
           "Terms beyond the overlap model: contention and host floor from the machine and workload files, "
           f"jitter_cv {wl.jitter_cv:g} (fit, benchmarks/scaling_validate.py), input ceiling per node where the "
           "workload file has one. The validated error of these predictions is in "
-          "benchmarks/results/scaling_validation_*.md.", ""]
+          "benchmarks/results/scaling_validation_*.md.", "",
+          (f"Strong scaling: step(b) = {cost.fixed_ms:.2f} ms + b x {cost.per_image_ms:.3f} ms, fitted from "
+           f"{len(cost.points)} bench runs ({cost.source}; largest error {cost.max_error:.1%})" if cost else
+           "Strong scaling: compute linear in the per-GPU batch (no --batch-points; optimistic at small batches)."),
+          ""]
     for i, key in enumerate(keys):
         raw = given or reference_profile(key, workload=wl)
         if args.write_profile and i == 0:
@@ -767,7 +844,8 @@ def main(argv: list[str] | None = None) -> int:
         md.append(report_predictions(raw, key, nodes, bucket_mb=plan_mb, first_bucket_mb=args.first_bucket_mb,
                                      global_batch=args.global_batch, sweep_mb=sweep, algorithm=args.algorithm,
                                      terms=lambda n, key=key: wl.terms(key, n, synthetic=True),
-                                     real_data=(lambda n, key=key: wl.terms(key, n)) if has_ceiling else None))
+                                     real_data=(lambda n, key=key: wl.terms(key, n)) if has_ceiling else None,
+                                     cost=cost))
     if args.calibrate:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from collective_bench import measure_allreduce

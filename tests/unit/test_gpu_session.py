@@ -182,3 +182,13 @@ def test_the_summary_puts_each_figure_against_its_goal(tmp_path):
     assert row("ResNet-50 fp16: dptrain / eager peer")[-4:] == ["0.983", ">=", "1.250", "MISSED"]
     assert not any(line.strip().startswith("ResNet-50 bf16") for line in lines)  # no peer run: no ratio
     assert lines[-1] == "exit code: 124 (worst stage status)"
+
+
+def test_the_sweep_stage_fits_the_step_time_in_the_batch(tmp_path):
+    (tmp_path / "status.tsv").write_text("sweep\t0\t200\t300\nworst stage status: 0\n")
+    (tmp_path / "sweep.log").write_text("\n".join(json.dumps(
+        {"batch_size": b, "images_per_s": b / (0.01 + b * 0.0004), "step_ms_median": 10.0 + 0.4 * b})
+        for b in (32, 64, 128, 256)) + "\n")
+    lines = load_benchmark("session_summary").render(tmp_path, ["sweep"]).splitlines()
+    fit = next(line for line in lines if "step(b)" in line)
+    assert "step(b) = 10.00 ms + b x 0.4000 ms (largest error 0.0%" in fit

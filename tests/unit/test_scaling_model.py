@@ -314,3 +314,65 @@ def test_repeat_bootstrap_resamples_whole_runs():
     # 1 + 9k/5; k ~ Binomial(5, 0.2) has P(k <= 2) = 0.942 < 0.95, so the interval's top is k = 3
     lo, hi = sc.repeat_bootstrap(runs, stat=np.mean)
     assert lo == pytest.approx(1.0) and hi == pytest.approx(6.4)
+
+
+# ---------------------------------------------------------------------------- step time in the batch
+
+def test_a_fit_of_step_time_in_the_batch_recovers_the_fixed_part():
+    # step(b) = 12 ms + b * 0.5 ms, measured exactly at 4 batches
+    cost = sm.fit_batch_cost([(b, 12.0 + 0.5 * b) for b in (8, 16, 32, 64)], "toy")
+    assert (cost.fixed_ms, cost.per_image_ms) == pytest.approx((12.0, 0.5))
+    assert cost.ms(128) == pytest.approx(76.0) and cost.max_error == pytest.approx(0.0, abs=1e-12)
+    # noise below a step that is all per-image work: no negative fixed part, a line through 0
+    noisy = sm.fit_batch_cost([(8, 3.9), (16, 8.1), (32, 16.2)])
+    assert noisy.fixed_ms == 0.0 and noisy.per_image_ms == pytest.approx((8 * 3.9 + 16 * 8.1 + 32 * 16.2) / 1344)
+    with pytest.raises(ValueError, match=r"3 or more batch sizes, got \[8, 16\]"):
+        sm.fit_batch_cost([(8, 1.0), (16, 2.0), (16, 2.1)])
+    with pytest.raises(ValueError, match="does not grow with the batch"):
+        sm.fit_batch_cost([(8, 5.0), (16, 5.0), (32, 4.0)])
+
+
+def test_at_a_falling_batch_the_fixed_part_stays():
+    p = _toy_profile()  # batch 32: forward 10 + backward 20 ms
+    cost = sm.BatchCost(fixed_ms=16.0, per_image_ms=0.5)  # 32 ms at batch 32, 20 ms at batch 8
+    q = sm.scale_to_batch(p, 8, cost)
+    assert (q.forward_ms, q.backward_ms, q.batch_size) == pytest.approx((6.25, 12.5, 8))
+    assert [b.ready_ms for b in q.buckets] == pytest.approx([5.0 * 0.625, 8.0 * 0.625, 25.0 * 0.625])
+    linear = sm.scale_to_batch(p, 8)
+    assert (linear.forward_ms, linear.backward_ms) == pytest.approx((2.5, 5.0))  # a quarter of the work
+    assert sm.scale_to_batch(p, 32, cost) == p
+
+
+ONE = sm.Machine("one", 1, nvlink=sm.Link(10.0, 5.0, "test"), network=sm.Link(2.0, 20.0, "test"))
+
+
+@pytest.mark.parametrize("cost", [None, sm.BatchCost(16.0, 0.5)], ids=["linear", "fixed+per_image"])
+def test_strong_and_weak_scaling_agree_on_one_gpu(cost):
+    p = _toy_profile()
+    weak = sm.weak_rows(p, ONE, [1], "best")[0]
+    strong = sm.strong_rows(p, ONE, [1], p.batch_size, "best", cost=cost)[0]
+    assert strong["pred"].step_ms == pytest.approx(weak["pred"].step_ms)
+    assert strong["eff"] == pytest.approx(1.0) and weak["eff"] == pytest.approx(1.0)
+
+
+def test_a_fixed_part_lowers_strong_scaling_below_the_linear_model():
+    p = _toy_profile()
+    linear = {r["nodes"]: r["eff"] for r in sm.strong_rows(p, TOY, [1, 2, 4], 256, "best")}
+    fixed = {r["nodes"]: r["eff"] for r in sm.strong_rows(p, TOY, [1, 2, 4], 256, "best",
+                                                          cost=sm.BatchCost(16.0, 0.5))}
+    assert all(fixed[n] < linear[n] for n in (1, 2, 4))
+    assert fixed[4] < fixed[2] < fixed[1]
+    # by hand at 4 nodes of 4 GPUs, batch 16/GPU: one solver at 256 computes 30 ms x (16 + 128) / (16 + 16)
+    # + 2 ms update = 137 ms; a step at 16/GPU is at least 30 x (16 + 8) / 32 + 2 = 24.5 ms, so the fixed
+    # part alone caps the efficiency at 137 / (16 x 24.5) = 0.349 (the linear model: 0.67, communication alone)
+    assert fixed[4] <= 137 / (16 * 24.5) + 1e-9 and linear[4] > 0.6
+
+
+def test_batch_points_read_one_solver_bench_lines(tmp_path):
+    f = tmp_path / "b.jsonl"
+    f.write_text("\n".join(json.dumps({"batch_size": b, "step_ms_median": 10.0 + b, "world_size": 1})
+                           for b in (8, 16, 32)) + "\nnot json\n")
+    assert sm.batch_points(f) == [(8, 18.0), (16, 26.0), (32, 42.0)]
+    f.write_text(json.dumps({"batch_size": 8, "step_ms_median": 1.0, "world_size": 2}))
+    with pytest.raises(ValueError, match="one-solver bench lines; one has world_size 2"):
+        sm.batch_points(f)
