@@ -28,8 +28,10 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/dptrain demo --nproc $(NPROC)
 
+# A deprecation warning fails the CPU suite: it is fixed where it arises (dptrain/csrc/inductor.py explains
+# the one torch-internal case). Not for test-gpu: the GPU image's own packages are not ours to fix.
 test: setup
-	$(PY) -m pytest -q -m "not gpu and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu and not slow" -W error::DeprecationWarning $(PYTEST_ARGS)
 
 # Not in CI: checks that take minutes on 2 cores (every zoo model compiled, tests/unit/test_compiled.py).
 test-slow: setup

@@ -2,13 +2,15 @@
 # Every GPU check in one device call that fits its window, on a machine whose image already has a
 # CUDA torch and CuPy (the lent H100/H200: Python 3.12, torch 2.11 cu130, cupy-cuda13x) but no network.
 #
-#   benchmarks/gpu_session.sh                        # the default stages, <= 12.5 min together
+#   benchmarks/gpu_session.sh                        # the default stages, <= 9 min together (one device call)
+#   STAGES="resnet50_more" benchmarks/gpu_session.sh # a second call: bf16 and CUDA-graph peers (5 min)
 #   STAGES="selfcheck tests" benchmarks/gpu_session.sh
 #   STAGES="sweep" LIMIT_SWEEP_S=400 benchmarks/gpu_session.sh
 #
 # Stages run in the order STAGES gives, each under its own time limit (LIMIT_<STAGE>_S seconds),
 # printed as it starts. A stage past its limit is killed with its whole process group (children
-# too) and reported as "timeout", status 124. Default stages and limits (740 s together):
+# too) and reported as "timeout", status 124. Default stages and limits (540 s together, under a device
+# call's 600 s):
 #   selfcheck  40 s   the kernels' first-use self-check a solver runs (dptrain.kernels.selfcheck)
 #   tests     110 s   pytest -m gpu tests/gpu: kernels vs reference bit for bit, no host sync per step,
 #                     cupy-nccl, fp16/bf16 loss parity; each test under pytest-timeout (PYTEST_TIMEOUT_S,
@@ -18,12 +20,15 @@
 #   data      145 s   ResNet-50 fp16 from an LMDB of photo-like JPEGs vs synthetic (data_stage.py): DATA_IMAGES
 #                     (1500) JPEGs of DATA_SIZE (500) px, data-bench at the defaults, bench from the LMDB and
 #                     bench --synthetic; DATA_ARGS adds options (e.g. "--no-train --set data.batch_size=8")
-#   resnet50  400 s   dptrain bench (model.compile "auto": compiled) vs torch AMP + channels_last, eager and
-#                     under torch.compile (default mode; fp16 also "reduce-overhead"), fp16 and bf16, alternated;
-#                     each side's first compile of a precision takes about a minute, later ones hit the cache
-#                     (throughput.py --suite gpu; RESNET50_ARGS, default "--repeats 1 --steps 30 --warmup 10")
+#   resnet50  200 s   ResNet-50 fp16: dptrain bench (model.compile "auto": compiled) vs torch AMP + channels_last,
+#                     eager and under torch.compile (default mode), alternated; each side's first compile takes
+#                     about a minute (throughput.py --suite gpu --only RESNET50_ONLY; RESNET50_ARGS, default
+#                     "--repeats 1 --steps 30 --warmup 10")
 # Opt-in stages (name them in STAGES):
-#   sweep     300 s   ResNet-50 fp16 `dptrain bench --synthetic` at each batch of SWEEP_BATCHES (32 64 128 256):
+#   resnet50_more 300 s   the rest of the gpu suite: bf16 against the eager and compiled peers, and fp16 against
+#                     the peer in torch.compile's "reduce-overhead" mode (CUDA graphs); RESNET50_MORE_ONLY
+#   sweep     480 s   ResNet-50 fp16 `dptrain bench --synthetic` at each batch of SWEEP_BATCHES (32 64 128 256),
+#                     compiled as dptrain's CUDA default is (a compile per batch):
 #                     the step time in the batch, step(b) = fixed + b x per_image, fitted in the summary; the
 #                     scaling model's strong scaling takes sweep.log (scaling_model.py --batch-points)
 #   sleep             sleeps GPU_SESSION_TEST_SLEEP_S seconds in a child process, under LIMIT_SLEEP_S (default 2):
@@ -49,7 +54,8 @@ OUT=${OUT:-gpu_out}
 STAGES=${STAGES:-"selfcheck tests bandwidth data resnet50"}
 PY=${PYTHON:-python3}
 KILL_AFTER_S=${KILL_AFTER_S:-10}  # SIGKILL this long after the SIGTERM of a timed-out stage
-declare -A LIMIT=([selfcheck]=40 [tests]=110 [bandwidth]=45 [data]=145 [resnet50]=400 [sweep]=300 [sleep]=2)
+declare -A LIMIT=([selfcheck]=40 [tests]=110 [bandwidth]=45 [data]=145 [resnet50]=200 [resnet50_more]=300
+                  [sweep]=480 [sleep]=2)
 
 for stage in $STAGES; do
     if [ -z "${LIMIT[$stage]:-}" ] || { [ "$stage" = sleep ] && [ -z "${GPU_SESSION_TEST_SLEEP_S:-}" ]; }; then
@@ -183,7 +189,13 @@ raise SystemExit(1 if why else 0)" ;;
     resnet50)
         # shellcheck disable=SC2086  # RESNET50_ARGS is a list of options
         run_stage resnet50 "$PY" benchmarks/throughput.py --suite gpu \
-            ${RESNET50_ARGS:---repeats 1 --steps 30 --warmup 10} --out "$WORK" ;;
+            ${RESNET50_ARGS:---repeats 1 --steps 30 --warmup 10} --tag fp16 --out "$WORK" \
+            --only "${RESNET50_ONLY:-fp16 vs torch AMP,fp16 vs torch.compile + torch AMP}" ;;
+    resnet50_more)
+        # shellcheck disable=SC2086  # RESNET50_ARGS is a list of options
+        run_stage resnet50_more "$PY" benchmarks/throughput.py --suite gpu \
+            ${RESNET50_ARGS:---repeats 1 --steps 30 --warmup 10} --tag more --out "$WORK" \
+            --only "${RESNET50_MORE_ONLY:-bf16,reduce-overhead}" ;;
     sweep)
         run_stage sweep bash -c 'for b in ${SWEEP_BATCHES:-32 64 128 256}; do
             "$0" -m dptrain bench --config launch/configs/resnet50_imagenet.toml --synthetic --steps 30 --warmup 10 \

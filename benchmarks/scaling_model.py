@@ -229,25 +229,36 @@ def fit_batch_cost(points: list[tuple[int, float]], source: str = "") -> BatchCo
 
 
 def batch_points(path: str | Path) -> list[tuple[int, float]]:
-    """(batch_size, step_ms_median) of every one-solver ``dptrain bench`` JSON line in ``path``."""
-    out = []
+    """(batch_size, step_ms_median) of every one-solver ``dptrain bench`` JSON line in ``path``, all of
+    one model, precision and device."""
+    out, kinds = [], set()
     for line in Path(path).read_text().splitlines():
         if line.startswith("{"):
             r = json.loads(line)
             if r.get("world_size", 1) != 1:
                 raise ValueError(f"{path}: a step(b) fit needs one-solver bench lines; one has world_size "
                                  f"{r['world_size']}")
+            kinds.add((r.get("model"), r.get("precision"), r.get("device")))
             out.append((int(r["batch_size"]), float(r["step_ms_median"])))
+    if len(kinds) > 1:
+        raise ValueError(f"{path}: the bench lines mix models, precisions or devices {sorted(map(str, kinds))}; "
+                         "fit one at a time")
     return out
 
 
 def scale_to_batch(p: Profile, batch: float, cost: BatchCost | None = None) -> Profile:
     """The profile at per-solver batch ``batch``: linear in the batch without ``cost``
     (:func:`scale_compute`), else forward, backward and ready times scaled by the fitted step's
-    ratio ``cost.ms(batch) / cost.ms(p.batch_size)``, so the fixed part stays when the batch falls."""
+    ratio less the update, which the fit includes and the profile keeps apart:
+    ``(cost.ms(batch) - update) / (cost.ms(p.batch_size) - update)``; the fixed part stays when the
+    batch falls."""
     if cost is None:
         return scale_compute(p, batch / p.batch_size)
-    f = cost.ms(batch) / cost.ms(p.batch_size)
+    base = cost.ms(p.batch_size) - p.update_ms
+    if base <= 0:
+        raise ValueError(f"the fitted step at batch {p.batch_size} ({cost.ms(p.batch_size):.2f} ms) is not longer "
+                         f"than the profile's update ({p.update_ms:.2f} ms): the fit and the profile disagree")
+    f = max(cost.ms(batch) - p.update_ms, 0.0) / base
     return replace(p, forward_ms=p.forward_ms * f, backward_ms=p.backward_ms * f,
                    buckets=tuple(replace(b, ready_ms=b.ready_ms * f) for b in p.buckets), batch_size=round(batch))
 
@@ -656,8 +667,8 @@ def weak_rows(p: Profile, m: Machine, nodes_list: list[int], algorithm: Algorith
     return rows
 
 
-def strong_rows(p: Profile, m: Machine, nodes_list: list[int], global_batch: int,
-                algorithm: Algorithm, terms: TermsFn | None = None, cost: BatchCost | None = None) -> list[dict[str, Any]]:
+def strong_rows(p: Profile, m: Machine, nodes_list: list[int], global_batch: int, algorithm: Algorithm,
+                terms: TermsFn | None = None, cost: BatchCost | None = None) -> list[dict[str, Any]]:
     """Rows for every node count whose per-GPU batch G / (nodes g) is a whole number >= 1; compute
     scales with the per-GPU batch as ``cost`` says (None: linearly)."""
     terms = terms or plain_terms(m)
@@ -707,7 +718,7 @@ def report_predictions(raw: Profile, key: str, nodes_list: list[int], *, bucket_
             "", "| case | " + " | ".join(f"{c:g}" for c in sweep_mb) + " | auto |", "|---|" + "---:|" * (len(sweep_mb) + 1)]
     cases = [(nodes_list[0], raw), (nodes_list[-1], raw)]
     if raw.batch_size >= 8:
-        cases.append((nodes_list[-1], scale_compute(raw, 1 / 8)))
+        cases.append((nodes_list[-1], scale_to_batch(raw, raw.batch_size / 8, cost)))
     for nodes, q in cases:
         comm, t = comm_fn(m, nodes, algorithm), terms(nodes)
         sw = {cap: pred for cap, _, pred in sweep_bucket_sizes(q, comm, sweep_mb, first_bucket_mb, t)}
@@ -735,7 +746,7 @@ def breakdown_lines(p: Profile, m: Machine, global_batch: int, algorithm: Algori
     if not p.batch_size:
         return out + ["- Strong scaling: needs the profile's batch size (--profile-batch)."]
     for b in (p.batch_size // 2**k for k in range(int(math.log2(p.batch_size)) + 1)):
-        q = scale_compute(p, b / p.batch_size)
+        q = scale_to_batch(p, b, cost)
         pred = simulate_step(q, comm_fn(m, 64, algorithm), terms(64))
         if weak_efficiency(q, pred, terms(64)) < EFFICIENCY_FLOOR:
             out.append(f"- At 64 nodes, weak scaling falls below {EFFICIENCY_FLOOR} once the per-GPU batch is "

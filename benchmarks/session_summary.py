@@ -98,7 +98,7 @@ def data_figures(work: Path) -> list[str]:
 def resnet50_figures(work: Path) -> list[str]:
     """dptrain over its peer per case, medians of the runs that finished (a cut-off stage still counts)."""
     runs: dict[str, dict[str, list[float]]] = {}
-    for r in _json_lines(work / "resnet50.log"):
+    for r in [*_json_lines(work / "resnet50.log"), *_json_lines(work / "resnet50_more.log")]:
         if "case" in r:
             for side in ("dptrain", "peer"):
                 if side in r:

@@ -208,14 +208,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny widths (smoke run)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")
-    ap.add_argument("--only", default="", help="run only the cases whose name contains this text")
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this text (or any of "
+                    "several, comma-separated)")
     ap.add_argument("--allow-slow-dtypes", action="store_true",
                     help="run bf16/fp16 CPU cases even where the CPU has no native kernels for them")
     ap.add_argument("--tag", default="", help="suffix of the results file name, e.g. peers or buckets")
     args = ap.parse_args()
     cases = {"cpu": lambda: cpu_cases(args.quick), "layout": layout_cases, "buckets": bucket_cases,
              "gpu": gpu_cases}[args.suite]()
-    cases = [c for c in cases if args.only in c.name]
+    wanted = [w.strip() for w in args.only.split(",")] if args.only else [""]
+    cases = [c for c in cases if any(w in c.name for w in wanted)]
     if args.suite == "buckets":
         from dptrain.dist.planning.probe import AUTO_DONE_ITER
 

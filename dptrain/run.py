@@ -66,7 +66,7 @@ def _train(cfg: TrainConfig, comm: Communicator, stop: StopFlag, *, resume: str 
         if resume_path is not None:
             trainer.resume(resume_path)
         elif resume:
-            trainer.start_over()
+            trainer.snapshots.start_over()
         elif weights_path is not None:
             load_weights(trainer.model, trainer.flat, weights_path, model_name=cfg.model.name, skip=weights_skip)
         return trainer.fit()

@@ -5,8 +5,8 @@ processes: FX graphs, AOT autograd graphs, C++ and Triton kernels. By default th
 ``/tmp/torchinductor_<user>``, which a reboot or a node's tmp cleaner empties, so every
 job on a fresh node pays the full compile again. :func:`prepare` points them at
 ``<cache>/inductor`` (``dptrain.csrc.build.cache_dir``: ``$DPTRAIN_CACHE``, else
-``$XDG_CACHE_HOME/dptrain``, else ``~/.cache/dptrain``) unless the user set
-``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` already.
+``$XDG_CACHE_HOME/dptrain``, else ``~/.cache/dptrain``; Triton's kernels go to its ``triton/``)
+unless the user set ``TORCHINDUCTOR_CACHE_DIR`` already.
 
 The quiet import: torch 2.13's inductor imports ``torch.utils.mkldnn`` (through its pre-grad
 passes), whose module body still decorates fourteen methods with the deprecated
@@ -33,12 +33,12 @@ def inductor_cache() -> Path:
 
 
 def point_caches() -> Path:
-    """Point inductor's and Triton's caches at dptrain's cache folder unless the user set them; the
-    inductor folder. Must run before anything asks inductor for its cache folder: the first ask
-    (``torch._dynamo``'s import does) writes torch's default into the environment, which then looks
-    like the user's choice. ``dptrain``'s import calls it, before anything of dptrain can import torch."""
+    """Point inductor's caches at dptrain's cache folder unless the user set one (Triton's follow:
+    inductor keeps them in ``<folder>/triton/<device>``); the inductor folder. Must run before anything
+    asks inductor for its folder: the first ask (``torch._dynamo``'s import does) writes torch's
+    default into the environment, which then looks like the user's choice. Called by
+    ``dptrain.dist.comm.import_dynamo_first``, the Trainer (first thing) and :func:`prepare`."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "triton"))
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 

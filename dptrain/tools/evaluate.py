@@ -31,7 +31,7 @@ def run_scoring(cfg: TrainConfig, weights: str) -> dict[str, Any] | None:
     comm = open_communicator(cfg, topology)
     peer_failed = False
     try:
-        trainer = Trainer(cfg, comm)
+        trainer = Trainer(cfg, comm, compile_model=False)  # the test phase runs eagerly: no compile to pay
         try:
             if trainer.source.num_test == 0:
                 raise ConfigError("dptrain test needs a test set, and this config has none: set data.test_path to "

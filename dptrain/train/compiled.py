@@ -7,7 +7,8 @@ DDPOptimizer splits a compiled graph at DDP's bucket boundaries for this reason,
 a module wrapped in DDP.) dptrain compiles the model's blocks one by one, each block's
 ``forward`` wrapped in torch.compile (names, parameters and hooks unchanged): a segment is the
 largest module whose parameters fit in one bucket (``reducer.bucket_mb``, :data:`AUTO_BUCKET_MB`
-for "auto"). Each segment's gradients reach the flat buffers when its backward ends, through the same
+for "auto") and in a :data:`MIN_SEGMENTS`-th of the model (:func:`segment_cap`; one solver, with
+nothing to overlap, compiles the whole model as one graph). Each segment's gradients reach the flat buffers when its backward ends, through the same
 post-accumulate hooks as in eager mode, so a bucket launches at most one segment's backward
 later than it would eagerly, while the earlier layers' backward still runs. The fusions that
 matter stay inside a segment (a ResNet block's batch norms, residual add and ReLUs); the glue
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Literal
@@ -56,6 +58,8 @@ log = logging.getLogger(__name__)
 AUTO_BUCKET_MB = 25.0
 """The segment cap when ``reducer.bucket_mb = "auto"`` (its plan is chosen after the compile): the
 default fixed cap."""
+MIN_SEGMENTS = 4
+"""With several solvers, a model is compiled in at least about this many segments (:func:`segment_cap`)."""
 RECOMPILE_LIMIT = 64
 """Compiled variants dynamo keeps per code object (its default, 8, is what a ResNet-50's blocks need)."""
 CPU_COMPILE_AUTO = False
@@ -96,24 +100,30 @@ def segments(model: nn.Module, cap_bytes: float) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def segment_cap(model: nn.Module, bucket_mb: float | str, world_size: int) -> float:
+    """Bytes of parameters per segment: no limit for one solver (no allreduce to overlap: the whole
+    model is one graph, with the most fusion); else the bucket size, and at most a
+    :data:`MIN_SEGMENTS`-th of the model, so that a model smaller than one bucket still hands its
+    last layers' gradients (the first bucket) over before its backward ends."""
+    if world_size == 1:
+        return math.inf
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    bucket = (AUTO_BUCKET_MB if bucket_mb == "auto" else float(bucket_mb)) * 2**20
+    return min(bucket, total / MIN_SEGMENTS)
+
+
 def compile_for_training(model: nn.Module, setting: bool | Literal["auto"], *, storage: str, bucket_mb: float | str,
-                         forward: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, flat: FlatParams,
+                         forward: Callable[[torch.Tensor], torch.Tensor], batch_shape: tuple[int, int, int, int],
+                         dtype: torch.dtype, channels_last: bool, flat: FlatParams,
                          comm: Communicator) -> CompiledModel | None:
     """The model compiled and warmed up where ``model.compile`` resolves to true and the compile
-    works on every rank; None where it runs eagerly. ``batch``: zeros like a training batch."""
-    if not resolve_compile(setting, storage, batch.device):
+    works on every rank; None where it runs eagerly. ``batch_shape``: a training batch's [B, C, H, W]."""
+    if not resolve_compile(setting, storage, comm.device):
         return None
-    cap = AUTO_BUCKET_MB if bucket_mb == "auto" else float(bucket_mb)
-    compiled = CompiledModel(model, cap * 2**20)
-    return compiled if compiled.warm_up(forward, batch, flat, comm) else None
-
-
-def zeros_batch(batch_size: int, sample_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-                channels_last: bool) -> torch.Tensor:
-    """Zeros shaped, typed and laid out as the DeviceFeeder's batches (so the compiled code fits them)."""
-    h, w, c = sample_shape
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty(batch_size, c, h, w, dtype=dtype, device=device, memory_format=fmt).zero_()
+    zeros = torch.empty(batch_shape, dtype=dtype, device=comm.device, memory_format=fmt).zero_()  # as DeviceFeeder's
+    compiled = CompiledModel(model, segment_cap(model, bucket_mb, comm.world_size))
+    return compiled if compiled.warm_up(forward, zeros, flat, comm) else None
 
 
 def eager() -> contextlib.AbstractContextManager[None]:
@@ -130,12 +140,13 @@ class CompiledModel:
         self.enabled = False
         self.compile_s: float | None = None
         """Seconds the start-up compile took (None: not compiled)."""
+        self._own_forward: dict[int, Callable[..., torch.Tensor] | None] = {}
 
     @property
     def names(self) -> list[str]:
         return [n or "<model>" for n, _ in self.parts]
 
-    def compile(self) -> None:
+    def compile(self, log_it: bool = True) -> None:
         """Wrap each segment's forward in torch.compile. (``nn.Module.compile`` would compile the
         call of a torch module such as a Sequential stem as a frame dynamo skips: its layers would
         run eagerly.) The recompile limit is raised: the segments of one class share a code
@@ -143,14 +154,20 @@ class CompiledModel:
         cache = prepare_inductor()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         for _, m in self.parts:
+            self._own_forward[id(m)] = m.__dict__.get("forward")  # a forward set on the instance, kept
             m.forward = torch.compile(m.forward, dynamic=False)
         self.enabled = True
-        log.info("model.compile: %d segment(s): %s; compiled code is cached in %s", len(self.parts),
+        if log_it:
+            log.info("model.compile: %d segment(s): %s; compiled code is cached in %s", len(self.parts),
                  ", ".join(self.names), cache)
 
     def uncompile(self) -> None:
         for _, m in self.parts:
-            m.__dict__.pop("forward", None)  # the class's own forward again
+            own = self._own_forward.get(id(m))
+            if own is None:
+                m.__dict__.pop("forward", None)  # the class's own forward again
+            else:
+                m.forward = own
         self.enabled = False
 
     def warm_up(self, forward: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, flat: FlatParams,
@@ -165,7 +182,7 @@ class CompiledModel:
                      "first start, seconds from the cache)", type(self.model).__name__, len(self.parts))
         error = ""
         try:
-            self.compile()
+            self.compile(comm.rank == 0)
             with _unchanged(self.model, flat):
                 labels = torch.zeros(len(batch), dtype=torch.long, device=batch.device)
                 F.cross_entropy(forward(batch).float(), labels).backward()
@@ -191,7 +208,9 @@ class CompiledModel:
 
 def _cause(e: BaseException) -> str:
     """The innermost cause of a compile failure, in one line (dynamo wraps the compiler's error)."""
-    while (inner := getattr(e, "inner_exception", None) or e.__cause__) is not None:
+    seen = {id(e)}
+    while (inner := getattr(e, "inner_exception", None) or e.__cause__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
         e = inner
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 

@@ -45,8 +45,9 @@ class DisplayWindow:
         self.restart_clock(iteration)
 
     def close(self, iteration: int, comm: Communicator, global_batch: int) -> tuple[dict[str, Any], float]:
-        """Mean loss and images/s since the last display, and the window restarted at
-        ``iteration``; also the host milliseconds per iteration. Collective (the loss sum)."""
+        """Mean loss and images/s since the last display, with the loss window restarted at
+        ``iteration``; also the host milliseconds per iteration. Collective (the loss sum). The
+        caller restarts the clock (:meth:`restart_clock`) once the display's own work is done."""
         loss = self.loss_sum.clone()
         comm.allreduce_sum_(loss)
         loss_iters = max(iteration - self.loss_from, 1)
@@ -56,5 +57,4 @@ class DisplayWindow:
                "images_per_s": round(global_batch * iters / elapsed, 2)}
         self.loss_sum.zero_()
         self.loss_from = iteration
-        self.restart_clock(iteration)
         return rec, 1000.0 * elapsed / iters

@@ -29,7 +29,7 @@ from dptrain.optimizer import MasterOptimizer
 from dptrain.overflow import OverflowLocator, first_nonfinite_layer
 from dptrain.param_groups import resolve_multipliers
 from dptrain.precision import DTYPES, LossScaler, warn_if_slow_on_cpu
-from dptrain.train.compiled import compile_for_training, eager, zeros_batch
+from dptrain.train.compiled import compile_for_training, eager
 from dptrain.train.display import DisplayWindow
 from dptrain.train.scoring import BAD, score, score_record, score_rounds
 from dptrain.train.snapshots import Snapshots
@@ -42,7 +42,8 @@ class Trainer:
     """One solver: model, flat buffers, scaler, reducer, optimizer and data, from the config."""
 
     def __init__(self, cfg: TrainConfig, comm: Communicator, *, tracer: Tracer | None = None,
-                 time_phases: bool = False, stop: StopFlag | None = None) -> None:
+                 time_phases: bool = False, stop: StopFlag | None = None, compile_model: bool = True) -> None:
+        """``compile_model=False``: never compile the model (``dptrain test`` scores eagerly)."""
         point_caches()  # before the CPU layout probe below imports torch._dynamo (dptrain.csrc.inductor)
         self.cfg, self.comm = cfg, comm
         self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
@@ -98,10 +99,11 @@ class Trainer:
                                    self.run_dir.path, config_to_dict(cfg), health=self.health, metrics=self.metrics)
         self.clock = StepClock(self.device)
         self.stragglers = StragglerMonitor(comm, cfg.train.straggler_warn, comm.allgather_object(socket.gethostname()))
-        zeros = zeros_batch(cfg.data.batch_size, self.source.sample_shape, self.dtype, self.device, channels_last)
-        self.compiled = compile_for_training(self.model, cfg.model.compile, storage=cfg.precision.storage,
-                                             bucket_mb=cfg.reducer.bucket_mb, forward=self._forward, batch=zeros,
-                                             flat=self.flat, comm=comm)
+        (h, w, c), b = self.source.sample_shape, cfg.data.batch_size
+        self.compiled = compile_for_training(
+            self.model, cfg.model.compile if compile_model else False, storage=cfg.precision.storage,
+            bucket_mb=cfg.reducer.bucket_mb, forward=self._forward, batch_shape=(b, c, h, w), dtype=self.dtype,
+            channels_last=channels_last, flat=self.flat, comm=comm)
         """The compiled model's segments (None: the model runs eagerly), ``dptrain.train.compiled``."""
 
     # ------------------------------------------------------------------ data
@@ -126,7 +128,9 @@ class Trainer:
         try:
             out = self.model(x)
         except RuntimeError as e:
-            raise input_error(self.cfg, self.source.sample_shape, e) or e
+            if (why := input_error(self.cfg, self.source.sample_shape, e)) is None:
+                raise
+            raise why from e
         self._input_ok = True
         return out
 
@@ -227,10 +231,6 @@ class Trainer:
         self._feeder = None
         self.window.load(state["display"], self.rank, self.iteration)
 
-    def start_over(self) -> None:
-        """``--resume auto`` found no snapshot: start at 0, dropping what a crashed run logged."""
-        self.snapshots.start_over()
-
     # ------------------------------------------------------------------ loop
 
     def _display(self) -> dict[str, Any]:
@@ -257,6 +257,7 @@ class Trainer:
         self.write_metrics(rec)
         log.info("iter %d loss %.4f lr %.5g %.1f img/s scale %g skipped %d", rec["iter"], rec["loss"], rec["lr"],
                  rec["images_per_s"], rec["loss_scale"], rec["skipped_steps"])
+        self.window.restart_clock(self.iteration)  # the next images/s counts steps, not this display's work
         return rec
 
     def write_metrics(self, record: dict[str, Any]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from dptrain.dist.comm import Communicator
 from dptrain.models import MODELS, build_model
 from dptrain.topology import Topology
 from dptrain.train import Trainer
-from dptrain.train.compiled import CPU_COMPILE_AUTO, resolve_compile, segments
+from dptrain.train.compiled import CPU_COMPILE_AUTO, MIN_SEGMENTS, resolve_compile, segment_cap, segments
 
 MB = 2**20
 
@@ -33,6 +34,18 @@ def test_a_resnet_splits_at_its_blocks():
     model = build_model("resnet50", num_classes=1000, width=64, in_channels=3).half()  # 51 MB of fp16
     names = [n for n, _ in segments(model, 25 * MB)]
     assert names == ["stem", "layer1", "layer2", "layer3", "layer4.0", "layer4.1", "layer4.2", "fc"]
+
+
+def test_one_solver_compiles_the_whole_model_and_several_split_even_a_model_smaller_than_a_bucket():
+    model = build_model("resnet18_cifar", num_classes=10, width=32, in_channels=3).to(torch.bfloat16)  # 5.6 MB
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert segment_cap(model, 25.0, world_size=1) == math.inf
+    assert [n for n, _ in segments(model, segment_cap(model, 25.0, world_size=1))] == [""]
+    cap = segment_cap(model, 25.0, world_size=2)
+    assert cap == total / MIN_SEGMENTS
+    names = [n for n, _ in segments(model, cap)]
+    assert len(names) >= MIN_SEGMENTS and names[-1] == "fc", names  # the head's gradients come first
+    assert segment_cap(model, 0.5, world_size=2) == 0.5 * MB and segment_cap(model, "auto", world_size=2) == cap
 
 
 def test_auto_compiles_on_cuda_in_16_bits_and_on_the_cpu_as_measured():

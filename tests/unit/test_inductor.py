@@ -19,7 +19,8 @@ with warnings.catch_warnings(record=True) as caught:
     import_dynamo_first()  # as a solver starts: torch._dynamo's import asks inductor for its cache folder
     where = prepare()
 from torch._inductor.runtime.cache_dir_utils import cache_dir
-print(json.dumps({"where": str(where), "inductor_uses": cache_dir(), "triton": os.environ["TRITON_CACHE_DIR"],
+from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+print(json.dumps({"where": str(where), "inductor_uses": cache_dir(), "triton": triton_cache_dir(0),
                   "deprecations": [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]}))
 """
 
@@ -35,7 +36,7 @@ def run(env: dict[str, str]) -> dict:
 def test_the_compile_caches_live_in_dptrains_cache_folder_and_torchs_own_deprecation_stays_quiet(tmp_path):
     got = run({"DPTRAIN_CACHE": str(tmp_path)})
     assert got["where"] == got["inductor_uses"] == str(tmp_path / "inductor")
-    assert got["triton"] == str(tmp_path / "inductor" / "triton")
+    assert got["triton"].startswith(str(tmp_path / "inductor" / "triton"))  # inductor derives Triton's
     assert got["deprecations"] == []
 
 

@@ -333,14 +333,17 @@ def test_a_fit_of_step_time_in_the_batch_recovers_the_fixed_part():
 
 
 def test_at_a_falling_batch_the_fixed_part_stays():
-    p = _toy_profile()  # batch 32: forward 10 + backward 20 ms
-    cost = sm.BatchCost(fixed_ms=16.0, per_image_ms=0.5)  # 32 ms at batch 32, 20 ms at batch 8
-    q = sm.scale_to_batch(p, 8, cost)
-    assert (q.forward_ms, q.backward_ms, q.batch_size) == pytest.approx((6.25, 12.5, 8))
-    assert [b.ready_ms for b in q.buckets] == pytest.approx([5.0 * 0.625, 8.0 * 0.625, 25.0 * 0.625])
+    p = _toy_profile()  # batch 32: forward 10 + backward 20 ms, update 2 ms
+    cost = sm.BatchCost(fixed_ms=16.0, per_image_ms=0.5)  # the whole step: 32 ms at batch 32 (as p), 20 at 8
+    q = sm.scale_to_batch(p, 8, cost)  # forward + backward: (20 - 2) / (32 - 2) = 0.6 of 30 ms
+    assert (q.forward_ms, q.backward_ms, q.update_ms, q.batch_size) == pytest.approx((6.0, 12.0, 2.0, 8))
+    assert q.compute_ms == pytest.approx(cost.ms(8))  # the update is counted once
+    assert [b.ready_ms for b in q.buckets] == pytest.approx([5.0 * 0.6, 8.0 * 0.6, 25.0 * 0.6])
     linear = sm.scale_to_batch(p, 8)
     assert (linear.forward_ms, linear.backward_ms) == pytest.approx((2.5, 5.0))  # a quarter of the work
     assert sm.scale_to_batch(p, 32, cost) == p
+    with pytest.raises(ValueError, match="not longer than the profile's update"):
+        sm.scale_to_batch(p, 8, sm.BatchCost(fixed_ms=0.0, per_image_ms=0.05))
 
 
 ONE = sm.Machine("one", 1, nvlink=sm.Link(10.0, 5.0, "test"), network=sm.Link(2.0, 20.0, "test"))
@@ -359,13 +362,13 @@ def test_a_fixed_part_lowers_strong_scaling_below_the_linear_model():
     p = _toy_profile()
     linear = {r["nodes"]: r["eff"] for r in sm.strong_rows(p, TOY, [1, 2, 4], 256, "best")}
     fixed = {r["nodes"]: r["eff"] for r in sm.strong_rows(p, TOY, [1, 2, 4], 256, "best",
-                                                          cost=sm.BatchCost(16.0, 0.5))}
+                                                          cost=sm.BatchCost(16.0, 0.5))}  # p's 32 ms at 32
     assert all(fixed[n] < linear[n] for n in (1, 2, 4))
     assert fixed[4] < fixed[2] < fixed[1]
-    # by hand at 4 nodes of 4 GPUs, batch 16/GPU: one solver at 256 computes 30 ms x (16 + 128) / (16 + 16)
-    # + 2 ms update = 137 ms; a step at 16/GPU is at least 30 x (16 + 8) / 32 + 2 = 24.5 ms, so the fixed
-    # part alone caps the efficiency at 137 / (16 x 24.5) = 0.349 (the linear model: 0.67, communication alone)
-    assert fixed[4] <= 137 / (16 * 24.5) + 1e-9 and linear[4] > 0.6
+    # by hand at 4 nodes of 4 GPUs, batch 16/GPU: one solver at 256 takes 16 + 128 = 144 ms; a step at
+    # 16/GPU at least 16 + 8 = 24 ms, so the fixed part alone caps the efficiency at 144 / (16 x 24) = 0.375
+    # (the linear model: 0.67, communication alone)
+    assert fixed[4] <= 144 / (16 * 24) + 1e-9 and linear[4] > 0.6
 
 
 def test_batch_points_read_one_solver_bench_lines(tmp_path):
@@ -375,4 +378,7 @@ def test_batch_points_read_one_solver_bench_lines(tmp_path):
     assert sm.batch_points(f) == [(8, 18.0), (16, 26.0), (32, 42.0)]
     f.write_text(json.dumps({"batch_size": 8, "step_ms_median": 1.0, "world_size": 2}))
     with pytest.raises(ValueError, match="one-solver bench lines; one has world_size 2"):
+        sm.batch_points(f)
+    f.write_text("\n".join(json.dumps({"batch_size": 8, "step_ms_median": 1.0, "model": m}) for m in ("a", "b")))
+    with pytest.raises(ValueError, match="mix models, precisions or devices"):
         sm.batch_points(f)
