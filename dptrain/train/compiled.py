@@ -64,8 +64,8 @@ RECOMPILE_LIMIT = 64
 """Compiled variants dynamo keeps per code object (its default, 8, is what a ResNet-50's blocks need)."""
 CPU_COMPILE_AUTO = False
 """Whether ``model.compile = "auto"`` compiles on the CPU: off, because it did not train faster there
-(benchmarks/results/throughput_layout_cpu2_20261127_compile.md: 2 gloo solvers, ResNet-18 CIFAR bf16,
-compiled and eager alike within the VM's drift)."""
+(benchmarks/results/compile_cpu2_20261127.md: 2 gloo solvers, ResNet-18 CIFAR bf16, compiled no faster
+than eager in two runs)."""
 
 
 def resolve_compile(setting: bool | Literal["auto"], storage: str, device: torch.device) -> bool:
@@ -159,7 +159,7 @@ class CompiledModel:
         self.enabled = True
         if log_it:
             log.info("model.compile: %d segment(s): %s; compiled code is cached in %s", len(self.parts),
-                 ", ".join(self.names), cache)
+                     ", ".join(self.names), cache)
 
     def uncompile(self) -> None:
         for _, m in self.parts:
