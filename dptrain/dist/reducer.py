@@ -147,6 +147,9 @@ class Reducer:
         self.running_stats = list(running_stats or [])
         """Buffers averaged over ranks every synced iteration (BatchNorm's running mean/var)."""
         self._stats_numels = [t.numel() for t in self.running_stats]
+        self._stats_views = [t.detach().view(-1) for t in self.running_stats]
+        """Flat views of the statistics, made once (the buffers are updated in place, as the copy-back
+        below assumes too): a step's launch concatenates them without a Python op per buffer."""
         self._stats_flight: tuple[Launched, torch.Tensor] | None = None
         self._control: torch.Tensor | None = None
         self.world_size = comm.world_size
@@ -311,10 +314,8 @@ class Reducer:
     def _launch_stats(self) -> None:
         """Start the running-statistics average (and the control vector's sum); the caller holds
         the lock and has run every forward of the iteration."""
-        parts = [t.detach().reshape(-1).float() for t in self.running_stats]
-        if self._control is not None:
-            parts.append(self._control)
-        stats = torch.cat(parts)  # one collective for all of it: the statistics, then the control vector
+        parts = self._stats_views if self._control is None else [*self._stats_views, self._control]
+        stats = torch.cat(parts).float()  # one collective for all of it: the statistics, then the control vector
         start_us = now_us()
         try:
             rec = Launched(None, self._collective.allreduce_async(stats), None, start_us)
