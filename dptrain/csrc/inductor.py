@@ -28,17 +28,13 @@ TORCH_OWN_DEPRECATION = r"`torch\.jit\.script_method` is deprecated"
 """The one warning :func:`prepare` silences, during inductor's import only (module docstring)."""
 
 
-def inductor_cache() -> Path:
-    return cache_dir() / "inductor"
-
-
 def point_caches() -> Path:
     """Point inductor's caches at dptrain's cache folder unless the user set one (Triton's follow:
     inductor keeps them in ``<folder>/triton/<device>``); the inductor folder. Must run before anything
     asks inductor for its folder: the first ask (``torch._dynamo``'s import does) writes torch's
     default into the environment, which then looks like the user's choice. Called by
     ``dptrain.dist.comm.import_dynamo_first``, the Trainer (first thing) and :func:`prepare`."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 

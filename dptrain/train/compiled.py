@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain.csrc.inductor import prepare as prepare_inductor
+from dptrain.csrc.inductor import point_caches, prepare as prepare_inductor
 from dptrain.dist.comm import Communicator
 from dptrain.errors import ConfigError
 from dptrain.flat import FlatParams
@@ -79,6 +79,10 @@ def resolve_compile(setting: bool | Literal["auto"], storage: str, device: torch
     return CPU_COMPILE_AUTO
 
 
+def param_bytes(m: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
 def segments(model: nn.Module, cap_bytes: float) -> list[tuple[str, nn.Module]]:
     """The modules compiled one by one (module docstring): the largest whose parameters fit in
     ``cap_bytes``, or a module without children that does not; modules without parameters
@@ -86,7 +90,7 @@ def segments(model: nn.Module, cap_bytes: float) -> list[tuple[str, nn.Module]]:
     out: list[tuple[str, nn.Module]] = []
 
     def visit(name: str, m: nn.Module) -> None:
-        size = sum(p.numel() * p.element_size() for p in m.parameters())
+        size = param_bytes(m)
         children = list(m.named_children())
         if size == 0:
             return
@@ -107,7 +111,7 @@ def segment_cap(model: nn.Module, bucket_mb: float | str, world_size: int) -> fl
     last layers' gradients (the first bucket) over before its backward ends."""
     if world_size == 1:
         return math.inf
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = param_bytes(model)
     bucket = (AUTO_BUCKET_MB if bucket_mb == "auto" else float(bucket_mb)) * 2**20
     return min(bucket, total / MIN_SEGMENTS)
 
@@ -137,7 +141,6 @@ class CompiledModel:
     def __init__(self, model: nn.Module, cap_bytes: float) -> None:
         self.model = model
         self.parts = segments(model, cap_bytes)
-        self.enabled = False
         self.compile_s: float | None = None
         """Seconds the start-up compile took (None: not compiled)."""
         self._own_forward: dict[int, Callable[..., torch.Tensor] | None] = {}
@@ -146,20 +149,16 @@ class CompiledModel:
     def names(self) -> list[str]:
         return [n or "<model>" for n, _ in self.parts]
 
-    def compile(self, log_it: bool = True) -> None:
+    def compile(self) -> None:
         """Wrap each segment's forward in torch.compile. (``nn.Module.compile`` would compile the
         call of a torch module such as a Sequential stem as a frame dynamo skips: its layers would
         run eagerly.) The recompile limit is raised: the segments of one class share a code
         object, and a ResNet's blocks come in up to 8 shapes."""
-        cache = prepare_inductor()
+        prepare_inductor()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         for _, m in self.parts:
             self._own_forward[id(m)] = m.__dict__.get("forward")  # a forward set on the instance, kept
             m.forward = torch.compile(m.forward, dynamic=False)
-        self.enabled = True
-        if log_it:
-            log.info("model.compile: %d segment(s): %s; compiled code is cached in %s", len(self.parts),
-                     ", ".join(self.names), cache)
 
     def uncompile(self) -> None:
         for _, m in self.parts:
@@ -168,7 +167,6 @@ class CompiledModel:
                 m.__dict__.pop("forward", None)  # the class's own forward again
             else:
                 m.forward = own
-        self.enabled = False
 
     def warm_up(self, forward: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, flat: FlatParams,
                 comm: Communicator) -> bool:
@@ -178,11 +176,12 @@ class CompiledModel:
         take, found by ``forward``) is raised as it is, on every rank alike."""
         t0 = time.perf_counter()
         if comm.rank == 0:
-            log.info("model.compile: compiling %s's forward and backward in %d segment(s) (a minute or more on a "
-                     "first start, seconds from the cache)", type(self.model).__name__, len(self.parts))
+            log.info("model.compile: compiling %s's forward and backward in %d segment(s), %s (a minute or more on "
+                     "a first start, seconds from the cache in %s)", type(self.model).__name__, len(self.parts),
+                     ", ".join(self.names), point_caches())
         error = ""
         try:
-            self.compile(comm.rank == 0)
+            self.compile()
             with _unchanged(self.model, flat):
                 labels = torch.zeros(len(batch), dtype=torch.long, device=batch.device)
                 F.cross_entropy(forward(batch).float(), labels).backward()
