@@ -2,25 +2,26 @@
 # Every GPU check in one device call that fits its window, on a machine whose image already has a
 # CUDA torch and CuPy (the lent H100/H200: Python 3.12, torch 2.11 cu130, cupy-cuda13x) but no network.
 #
-#   benchmarks/gpu_session.sh                        # the default stages, <= 9 min together (one device call)
+#   benchmarks/gpu_session.sh                        # the default stages, <= 8 min together (one device call)
 #   STAGES="resnet50_more" benchmarks/gpu_session.sh # a second call: bf16 and CUDA-graph peers (5 min)
 #   STAGES="selfcheck tests" benchmarks/gpu_session.sh
 #   STAGES="sweep" LIMIT_SWEEP_S=400 benchmarks/gpu_session.sh
 #
 # Stages run in the order STAGES gives, each under its own time limit (LIMIT_<STAGE>_S seconds),
 # printed as it starts. A stage past its limit is killed with its whole process group (children
-# too) and reported as "timeout", status 124. Default stages and limits (540 s together, under a device
-# call's 600 s):
-#   selfcheck  40 s   the kernels' first-use self-check a solver runs (dptrain.kernels.selfcheck)
-#   tests     110 s   pytest -m gpu tests/gpu: kernels vs reference bit for bit, no host sync per step,
+# too) and reported as "timeout", status 124. Default stages and limits (480 s together, under a device
+# call's 600 s; selfcheck and tests get about twice their times on the H200 of 2026-11-27, 17 s
+# and 39 s; data and resnet50 each allow for one cold torch.compile, about 50 s there):
+#   selfcheck  30 s   the kernels' first-use self-check a solver runs (dptrain.kernels.selfcheck)
+#   tests      80 s   pytest -m gpu tests/gpu: kernels vs reference bit for bit, no host sync per step,
 #                     cupy-nccl, fp16/bf16 loss parity; each test under pytest-timeout (PYTEST_TIMEOUT_S,
 #                     default 60) where the plugin is installed, else under the stage limit alone
-#   bandwidth  45 s   the update and grad-norm kernels against a same-size device copy (update_bandwidth.py;
+#   bandwidth  40 s   the update and grad-norm kernels against a same-size device copy (update_bandwidth.py;
 #                     BANDWIDTH_ARGS adds options)
-#   data      145 s   ResNet-50 fp16 from an LMDB of photo-like JPEGs vs synthetic (data_stage.py): DATA_IMAGES
+#   data      140 s   ResNet-50 fp16 from an LMDB of photo-like JPEGs vs synthetic (data_stage.py): DATA_IMAGES
 #                     (1500) JPEGs of DATA_SIZE (500) px, data-bench at the defaults, bench from the LMDB and
 #                     bench --synthetic; DATA_ARGS adds options (e.g. "--no-train --set data.batch_size=8")
-#   resnet50  200 s   ResNet-50 fp16: dptrain bench (model.compile "auto": compiled) vs torch AMP + channels_last,
+#   resnet50  190 s   ResNet-50 fp16: dptrain bench (model.compile "auto": compiled) vs torch AMP + channels_last,
 #                     eager and under torch.compile (default mode), alternated; each side's first compile takes
 #                     about a minute (throughput.py --suite gpu --only RESNET50_ONLY; RESNET50_ARGS, default
 #                     "--repeats 1 --steps 30 --warmup 10")
@@ -54,7 +55,7 @@ OUT=${OUT:-gpu_out}
 STAGES=${STAGES:-"selfcheck tests bandwidth data resnet50"}
 PY=${PYTHON:-python3}
 KILL_AFTER_S=${KILL_AFTER_S:-10}  # SIGKILL this long after the SIGTERM of a timed-out stage
-declare -A LIMIT=([selfcheck]=40 [tests]=110 [bandwidth]=45 [data]=145 [resnet50]=200 [resnet50_more]=300
+declare -A LIMIT=([selfcheck]=30 [tests]=80 [bandwidth]=40 [data]=140 [resnet50]=190 [resnet50_more]=300
                   [sweep]=480 [sleep]=2)
 
 for stage in $STAGES; do

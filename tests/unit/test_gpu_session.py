@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -124,6 +125,16 @@ def test_a_signal_to_the_session_ends_the_running_stage_and_packs_what_is_done(t
     assert "sleep       interrupted" in (tmp_path / "out" / "summary.txt").read_text()
     assert "child pid" in _archived(tmp_path, "sleep.log")
     assert {p.name for p in (tmp_path / "out").iterdir()} == OUT_FILES
+
+
+def test_the_default_stages_fit_in_eight_minutes_in_the_issue_order():
+    """Issue 32: the default stages take <= 8 minutes together, in order self-check, tests, bandwidth, data,
+    resnet50; read from the script's own defaults, so a raised limit fails here."""
+    script = (REPO / "benchmarks" / "gpu_session.sh").read_text()
+    default = re.search(r'^STAGES=\$\{STAGES:-"([^"]+)"\}', script, re.M).group(1).split()
+    limits = dict(re.findall(r"\[(\w+)\]=(\d+)", re.search(r"^declare -A LIMIT=\(([^)]*)\)", script, re.M).group(1)))
+    assert default == ["selfcheck", "tests", "bandwidth", "data", "resnet50"]
+    assert sum(int(limits[s]) for s in default) <= 8 * 60
 
 
 def test_an_unknown_stage_is_refused_before_anything_runs(tmp_path):
