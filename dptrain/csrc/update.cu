@@ -459,36 +459,38 @@ dptrain_rmsprop_update(T* grads, float* master, T* params, M* square_avg, M* mom
 }
 
 // ---------------------------------------------------------------------------------------------
-// dptrain_sumsq_partial<T, V>: stage 1 of the L2 norm. Each block writes the fp32 sum of squares of
-// the elements its threads visit (grid-stride) to partials[blockIdx.x]. Two stages instead of
-// atomicAdd keep the result deterministic for a given n and alignment.
+// dptrain_norm<T, V>: the L2 norm in one launch: out[0] = sqrt(sum of squares), in fp32.
+// Each block writes the fp32 sum of squares of the elements its threads visit (grid-stride) to
+// partials[blockIdx.x]; the block that arrives last (an atomicInc on `arrived`, after a fence) sums
+// the partials in index order, thread t taking t, t + 256, ..., then a block reduction, and writes
+// the root. That order depends only on the grid, and the grid only on n, so the result is
+// deterministic for a given n and alignment, whichever block is last. No atomicAdd of floats.
+// atomicInc wraps at gridDim.x - 1, so `arrived` is 0 again when the kernel ends: the host zeroes it
+// once and reuses it on its stream. One launch instead of two halves the host's share of a call.
 // Host wrapper: kernels.cuda.grad_norm (via kernels.grad_norm), on torch's current stream.
 // Launch: grid (min(cdiv(n/V, 256), 1024),) -- a function of n only, for determinism; block (256,).
 // Arguments:
-//   x         const T*   [n] storage dtype gradient buffer, contiguous (16-byte aligned if V > 1)
-//   n         long long  elements
-//   partials  float*     [gridDim.x] fp32 scratch, one per block
+//   x         const T*        [n] storage dtype gradient buffer, contiguous (16-byte aligned if V > 1)
+//   n         long long       elements
+//   partials  float*          [>= gridDim.x] fp32 scratch, one per block
+//   arrived   unsigned int*   [1] blocks done so far; 0 before the launch, and 0 again after it
+//   out       float*          [] fp32 result: the L2 norm (inf/NaN when any input was)
 template <typename T, int V>
 __global__ void __launch_bounds__(dpt::kBlockThreads)
-dptrain_sumsq_partial(const T* x, long long n, float* partials) {
+dptrain_norm(const T* x, long long n, float* partials, unsigned int* arrived, float* out) {
   const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const float acc = dpt::block_sum(dpt::sumsq_thread<T, V>(x, n, tid, static_cast<long long>(gridDim.x) * blockDim.x));
-  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
-}
-
-// ---------------------------------------------------------------------------------------------
-// dptrain_norm_finish: stage 2 of the L2 norm: out[0] = sqrt(sum(partials)), in fp32.
-// Host wrapper: kernels.cuda.grad_norm, right after dptrain_sumsq_partial on the same stream.
-// Launch: grid (1,), block (256,).
-// Arguments:
-//   partials  const float*  [count] fp32 block sums from stage 1
-//   count     int           number of partials (<= 1024)
-//   out       float*        [] fp32 result: the L2 norm (inf/NaN when any input was)
-__global__ void __launch_bounds__(dpt::kBlockThreads)
-dptrain_norm_finish(const float* partials, int count, float* out) {
-  float acc = 0.0f;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) acc = acc + partials[i];
-  acc = dpt::block_sum(acc);
-  if (threadIdx.x == 0) out[0] = sqrtf(acc);
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    partials[blockIdx.x] = acc;
+    __threadfence();  // this block's partial is visible to every block before its arrival is counted
+    last = atomicInc(arrived, gridDim.x - 1) == gridDim.x - 1;
+  }
+  __syncthreads();  // `last` is read below, and block_sum's shared sums are free for the second reduction
+  if (!last) return;
+  float total = 0.0f;
+  for (int i = threadIdx.x; i < static_cast<int>(gridDim.x); i += blockDim.x) total = total + __ldcg(partials + i);
+  total = dpt::block_sum(total);
+  if (threadIdx.x == 0) out[0] = sqrtf(total);
 }
 #endif  // __CUDACC__

@@ -56,11 +56,10 @@ FALLBACK_BLOCKS_PER_SM = 8
 """Blocks per SM assumed when the occupancy API is unavailable: a 256-thread block with up to
 ~48 registers per thread fits 5 per SM (64k registers), so 8 is under two waves."""
 NORM_MAX_BLOCKS = 1024
-"""Stage-1 blocks of the norm; a function of n only, so the sum order is deterministic."""
+"""Blocks of the norm, at most; a function of n only, so the sum order is deterministic."""
 
 CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 STORAGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-NORM_FINISH = "dptrain_norm_finish"
 
 
 def vector_elems(storage: torch.dtype) -> int:
@@ -73,7 +72,7 @@ def update_kernel_name(rule: Rule, storage: torch.dtype, state: torch.dtype, vec
 
 
 def norm_kernel_name(dtype: torch.dtype, vec: int) -> str:
-    return f"dptrain_sumsq_partial<{CTYPES[dtype]}, {vec}>"
+    return f"dptrain_norm<{CTYPES[dtype]}, {vec}>"
 
 
 def name_expressions() -> tuple[str, ...]:
@@ -81,7 +80,7 @@ def name_expressions() -> tuple[str, ...]:
     updates = tuple(update_kernel_name(r, s, m, v) for r in RULES.values() for s in STORAGE_DTYPES
                     for m in r.state_dtypes for v in (vector_elems(s), 1))
     norms = tuple(norm_kernel_name(s, v) for s in STORAGE_DTYPES for v in (vector_elems(s), 1))
-    return updates + norms + (NORM_FINISH,)
+    return updates + norms
 
 
 def compile_module(arch: str, library: str | None = None) -> nvrtc.Compiled:
@@ -164,11 +163,12 @@ def _resident_blocks(expr: str, device_index: int) -> int:
         return FALLBACK_BLOCKS_PER_SM
 
 
-def _launch(expr: str, device: torch.device, blocks: int, args: tuple) -> None:
-    """Launch kernel ``expr`` on torch's current stream of ``device``; asynchronous."""
+def _launch(expr: str, device: torch.device, blocks: int, args: tuple, stream: int | None = None) -> None:
+    """Launch kernel ``expr`` on torch's stream ``stream`` (a handle; default the current stream of
+    ``device``); asynchronous."""
     cupy = cupy_module()
     fn = loaded(device.index).functions[expr]
-    stream = _stream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    stream = _stream(torch.cuda.current_stream(device).cuda_stream if stream is None else stream, device.index)
     with cupy.cuda.Device(device.index):
         fn((blocks,), (BLOCK_THREADS,), args, stream=stream)
 
@@ -249,14 +249,25 @@ def update(a: UpdateArgs) -> None:
     _launch(expr, dev, max(1, min(-(-(a.numel // vec) // BLOCK_THREADS), cap)), args)
 
 
+@functools.cache
+def _norm_scratch(device_index: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm's block partials ([NORM_MAX_BLOCKS] fp32) and arrival counter ([1] uint32 as int32,
+    zeroed here once; the kernel leaves it 0) for one stream: reused by every call on that stream,
+    whose launches run in order, so a call never allocates them or zeroes them again."""
+    device = torch.device("cuda", device_index)
+    return (torch.empty(NORM_MAX_BLOCKS, dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device))
+
+
 def grad_norm(grads: torch.Tensor) -> torch.Tensor:
-    """Two-stage L2 norm on the current stream: block sums of squares, then their sum's sqrt."""
+    """L2 norm in fp32 on the current stream: one launch (``dptrain_norm``), one allocation (the result)."""
     n = grads.numel()
     check_flat("grads", grads, n, STORAGE_DTYPES, grads.device)
     vec = vector_width([grads], grads.dtype)
     blocks = max(1, min(-(-(n // vec) // BLOCK_THREADS), NORM_MAX_BLOCKS))
-    partials = torch.empty(blocks, dtype=torch.float32, device=grads.device)  # [blocks] fp32 scratch
+    stream = torch.cuda.current_stream(grads.device).cuda_stream
+    partials, arrived = _norm_scratch(grads.device.index, stream)
     out = torch.empty((), dtype=torch.float32, device=grads.device)  # [] fp32
-    _launch(norm_kernel_name(grads.dtype, vec), grads.device, blocks, (_ptr(grads), np.int64(n), _ptr(partials)))
-    _launch(NORM_FINISH, grads.device, 1, (_ptr(partials), np.int32(blocks), _ptr(out)))
+    _launch(norm_kernel_name(grads.dtype, vec), grads.device, blocks,
+            (_ptr(grads), np.int64(n), _ptr(partials), _ptr(arrived), _ptr(out)), stream)
     return out

@@ -74,6 +74,20 @@ def test_16_bit_streams_move_16_bytes_per_access_and_the_norm_keeps_4_loads_in_f
     assert len(wide) == 4 + 1, norm  # the unrolled trip, and the loop over a thread's last packs
 
 
+def test_the_norm_is_one_kernel_whose_last_block_sums_the_partials(library):
+    """One launch per norm: each block publishes its partial behind a fence (``membar.gl``) and counts
+    itself in (``atom.global.inc``, which wraps the counter back to 0); the last block reads the
+    partials past L1 (``ld.global.cg``) and no float is added atomically, so the sum order stays fixed."""
+    compiled = cuda.compile_module("compute_90", library)
+    entries = _entries(compiled.binary.decode(errors="replace"))
+    assert not [name for name in cuda.name_expressions() if "sumsq" in name or "finish" in name]
+    for storage in cuda.STORAGE_DTYPES:
+        norm = entries[compiled.lowered[cuda.norm_kernel_name(storage, cuda.vector_elems(storage))]]
+        assert len(re.findall(r"atom\.global\.inc\.u32", norm)) == 1, norm
+        assert "membar.gl" in norm and re.search(r"ld\.global\.cg\.f32", norm)
+        assert not re.search(r"atom\.global\.add\.f32|red\.global\.add\.f32", norm)
+
+
 def test_a_source_that_does_not_compile_fails_with_nvrtc_s_log(library):
     broken = cuda.SOURCE.read_text().replace("namespace dpt {", "namespace dpt { this is not C++;", 1)
     with pytest.raises(nvrtc.NvrtcError, match=r"compiling update\.cu for sm_90 failed: NVRTC_ERROR_COMPILATION\n"

@@ -9,6 +9,7 @@ emulated grid and is compared bit-for-bit with the reference.
 """
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -164,6 +165,28 @@ def test_reference_clipping_enters_through_grad_coef():
     assert torch.allclose(master, torch.tensor([1 - 0.3, 1 - 0.4, 1.0, 1.0]), rtol=0, atol=1e-7)
 
 
+def test_the_cuda_norm_is_one_launch_and_its_scratch_is_made_once_per_stream(monkeypatch):
+    """The host path of kernels.cuda.grad_norm, with the launch and the stream stubbed (no GPU here):
+    one kernel per call, the grid a function of n, the partials and counter allocated once per stream."""
+    launches, made = [], []
+    monkeypatch.setattr(cuda, "_launch", lambda expr, device, blocks, args, stream=None:
+                        launches.append((expr, blocks, len(args), stream)))
+    stream = SimpleNamespace(cuda_stream=1234)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+
+    def scratch(device_index, handle):
+        made.append(handle)
+        return torch.empty(cuda.NORM_MAX_BLOCKS), torch.zeros(1, dtype=torch.int32)
+    monkeypatch.setattr(cuda, "_norm_scratch", functools.cache(scratch))
+    grads = torch.zeros(10_000, dtype=torch.float16)
+    for _ in range(3):
+        assert cuda.grad_norm(grads).shape == ()
+    stream.cuda_stream = 5678
+    cuda.grad_norm(torch.zeros(10**7, dtype=torch.float32))
+    assert launches == [("dptrain_norm<__half, 8>", 5, 5, 1234)] * 3 + [("dptrain_norm<float, 4>", 1024, 5, 5678)]
+    assert made == [1234, 5678]
+
+
 def test_grad_norm_reference_propagates_non_finite():
     g = torch.tensor([3.0, 4.0], dtype=torch.float16)
     assert grad_norm_reference(g).item() == 5.0
@@ -307,7 +330,7 @@ def test_package_imports_without_cupy():
 
 def test_cuda_source_exists_with_every_name_expression():
     src = cuda.SOURCE.read_text()
-    for name in (*(f"dptrain_{r}_update" for r in RULES), "dptrain_sumsq_partial", "dptrain_norm_finish"):
+    for name in (*(f"dptrain_{r}_update" for r in RULES), "dptrain_norm"):
         assert f"{name}(" in src
     assert "#include <cuda_fp16.h>" in src and "#include <cuda_bf16.h>" in src
     for rule in RULES.values():
