@@ -23,17 +23,23 @@ beyond that (:class:`Terms`, each documented with its source in the profile file
 
     compute = forward + backward + update, at least host_ms_per_step (launch + host loop)
     T_N = max(compute + contention * overlapped comm + exposed + stats + jitter_cv * compute * E[max of N normals],
-              N_node * batch / input_images_per_s_per_node)
+              N_node * batch / input_images_per_s_per_node, batch / input_images_per_s_per_process)
 
 and an allreduce progresses at overlap_rate of its speed while backward runs (1 on GPUs).
 
 contention: NCCL kernels take SMs and HBM from the backward they overlap; stats: the running
 statistics' allreduce where it is not overlapped; jitter: the slowest of N ranks sets the pace;
-the input pipeline's ceiling per node. Weak-scaling efficiency = T_1 / T_N.
+the input pipeline's ceilings, per node and per solver process. Weak-scaling efficiency = T_1 / T_N.
+
+The input ceilings are stated, never fitted to a scaling result: an input path
+(``benchmarks/profiles/inputs.toml``, :class:`InputPath`) gives a cited rate per node, or what
+``dptrain data-bench`` measures (CPU ms per image, one process's ceiling), which
+:func:`input_rates` turns into a node's rate with the machine's CPU cores. A path with no rate is
+not modelled, and a prediction made with it says so (compute and communication only).
 
 Machines (``benchmarks/profiles/machines/*.toml``: GPUs per node, HBM, NVLink/NVSwitch, NIC,
 contention) and workloads (``benchmarks/profiles/workloads/*.toml``: one-GPU rate, batch,
-gradient bytes, jitter, input ceiling per machine) are data files to copy and edit for your
+gradient bytes, jitter, input path per machine) are data files to copy and edit for your
 cluster. ``benchmarks/scaling_validate.py`` checks the model against published tables.
 
     python benchmarks/scaling_model.py                       # DGX H100, reference ResNet-50 profile
@@ -337,6 +343,8 @@ class Machine:
     contention: float = 0.0
     """Fraction of the communication time that overlaps backward which backward loses to it."""
     sources: tuple[tuple[str, str], ...] = ()
+    cpu_cores: int = 0
+    """Physical CPU cores per node, for an input path priced in CPU time per image (0: unknown)."""
 
 
 def _link(d: dict[str, Any] | None) -> Link | None:
@@ -350,12 +358,60 @@ def load_machine(path: Path) -> Machine:
         return Machine(str(d["name"]), int(d["gpus_per_node"]), _link(d["nvlink"]), _link(d.get("network")),
                        _link(d.get("nvls")), float(d.get("launch_us", 0.0)), float(d["hbm_gbs"]),
                        float(d.get("contention", 0.0)),
-                       tuple((k, str(v)) for k, v in d.items() if k.endswith("_source")))
+                       tuple((k, str(v)) for k, v in d.items() if k.endswith("_source")), int(d.get("cpu_cores", 0)))
     except (KeyError, TypeError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"{path}: not a machine profile ({e!r}); start from machines/dgx-h100.toml") from e
 
 
 MACHINES: dict[str, Machine] = {p.stem: load_machine(p) for p in sorted((PROFILES / "machines").glob("*.toml"))}
+
+
+# ---------------------------------------------------------------------------------------- input paths
+
+@dataclass(frozen=True)
+class InputPath:
+    """An input pipeline's rate, stated with its source (``benchmarks/profiles/inputs.toml``): a
+    cited rate per node, or ``dptrain data-bench``'s measurement on one node (CPU ms per image over
+    all its threads, and one process's own ceiling, the GIL's). Never fitted from a scaling row."""
+
+    name: str
+    images_per_s_per_node: float = 0.0
+    """A cited or measured rate for a whole node (0: derive it from the CPU time, if any)."""
+    cpu_ms_per_image: float = 0.0
+    """Host CPU time per image, all threads together (``data-bench``'s ``cpu_ms_per_image``)."""
+    process_images_per_s: float = 0.0
+    """One solver process's ceiling, whatever the cores (1 / the GIL held per image; 0: none)."""
+    source: str = ""
+
+    @property
+    def stated(self) -> bool:
+        """Whether the path has any rate; without one a prediction is compute and communication only."""
+        return bool(self.images_per_s_per_node or self.cpu_ms_per_image or self.process_images_per_s)
+
+
+def input_rates(path: InputPath | None, cpu_cores: int) -> tuple[float, float]:
+    """(images/s per node, images/s per solver process) of ``path`` on a node of ``cpu_cores``
+    physical cores; 0 where nothing bounds it. A node's rate is the stated one, else
+    cores x 1000 / CPU ms per image (every core decoding, at the measuring host's speed per core)."""
+    if path is None:
+        return 0.0, 0.0
+    node = path.images_per_s_per_node
+    if not node and path.cpu_ms_per_image and cpu_cores:
+        node = cpu_cores * 1e3 / path.cpu_ms_per_image
+    return node, path.process_images_per_s
+
+
+def load_inputs(path: Path = PROFILES / "inputs.toml") -> dict[str, InputPath]:
+    """The input paths of ``path`` by name ([paths.<name>] tables)."""
+    try:
+        d = tomllib.loads(Path(path).read_text())["paths"]
+        return {k: InputPath(k, float(v.get("images_per_s_per_node", 0.0)), float(v.get("cpu_ms_per_image", 0.0)),
+                             float(v.get("process_images_per_s", 0.0)), str(v["source"])) for k, v in d.items()}
+    except (KeyError, TypeError, AttributeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"{path}: not an input-paths file ({e!r}); each [paths.NAME] needs a source") from e
+
+
+INPUTS: dict[str, InputPath] = load_inputs()
 
 
 # ---------------------------------------------------------------------------------------- collectives
@@ -430,7 +486,9 @@ class Terms:
     contention: float = 0.0
     jitter_cv: float = 0.0
     input_images_per_s_per_node: float = 0.0
-    """0: the input pipeline is not modelled (synthetic data)."""
+    """0: the input pipeline is not modelled (synthetic data, or an input path with no rate)."""
+    input_images_per_s_per_process: float = 0.0
+    """One solver process's own input ceiling (0: none)."""
     stats_bytes: int = 0
     stats_exposed: bool = False
     """True for DDP (buffers broadcast before forward); dptrain overlaps the statistics' allreduce."""
@@ -455,10 +513,17 @@ class StepPrediction:
     """The input pipeline's time per step at its ceiling (0: not modelled)."""
 
 
+def input_ms(batch: float, solvers_on_node: int, t: Terms) -> float:
+    """The input pipeline's time for one solver's batch when ``solvers_on_node`` solvers share the
+    node's ceiling, or its own process ceiling binds first; 0 when neither is modelled."""
+    node = solvers_on_node * batch / t.input_images_per_s_per_node * 1e3 if t.input_images_per_s_per_node else 0.0
+    own = batch / t.input_images_per_s_per_process * 1e3 if t.input_images_per_s_per_process else 0.0
+    return max(node, own)
+
+
 def one_solver_ms(p: Profile, t: Terms = Terms()) -> float:
     """T_1: one solver, no communication, the whole node's input pipeline."""
-    compute = max(p.compute_ms, t.host_ms_per_step)
-    return max(compute, p.batch_size / t.input_images_per_s_per_node * 1e3 if t.input_images_per_s_per_node else 0.0)
+    return max(max(p.compute_ms, t.host_ms_per_step), input_ms(p.batch_size, 1, t))
 
 
 def simulate_step(p: Profile, comm_ms: Callable[[float], float], t: Terms = Terms()) -> StepPrediction:
@@ -469,10 +534,9 @@ def simulate_step(p: Profile, comm_ms: Callable[[float], float], t: Terms = Term
     stats = comm_ms(t.stats_bytes) if (t.stats_exposed and t.stats_bytes and t.world_size > 1) else 0.0
     contention = t.contention * o.overlapped_ms
     jitter = t.jitter_cv * compute * expected_max_normal(t.world_size)
-    per_node = min(t.world_size, t.gpus_per_node)
-    input_ms = per_node * p.batch_size / t.input_images_per_s_per_node * 1e3 if t.input_images_per_s_per_node else 0.0
-    step = max(compute + contention + o.exposed_ms + stats + jitter, input_ms)
-    return StepPrediction(step, o.exposed_ms, o.comm_end_ms, o.busy_ms, contention, jitter, input_ms)
+    feed = input_ms(p.batch_size, min(t.world_size, t.gpus_per_node), t)
+    step = max(compute + contention + o.exposed_ms + stats + jitter, feed)
+    return StepPrediction(step, o.exposed_ms, o.comm_end_ms, o.busy_ms, contention, jitter, feed)
 
 
 def comm_fn(m: Machine, nodes: int, algorithm: Algorithm = "best", gpus_per_node: int | None = None) -> Callable[[int], float]:
@@ -533,7 +597,7 @@ def fit_alpha_beta(sizes_bytes: list[float], times_s: list[float], n: int, relat
 @dataclass(frozen=True)
 class Workload:
     """A workload profile (benchmarks/profiles/workloads/*.toml): the model and, per machine, its
-    one-GPU rate, batch, gradient bytes and input ceiling, with the per-step terms."""
+    one-GPU rate, batch, gradient bytes and input path (a name in inputs.toml), with the per-step terms."""
 
     model: str
     update_bytes_per_param: int
@@ -542,11 +606,34 @@ class Workload:
     host_ms_per_step: float
     machines: dict[str, dict[str, Any]]
 
-    def terms(self, key: str, nodes: int, stats_exposed: bool = False, synthetic: bool = False) -> Terms:
-        m, w = MACHINES[key], self.machines.get(key, {})
+    def batch_cost(self, key: str) -> BatchCost | None:
+        """step(b) on machine ``key``'s GPU: its ``step_fixed_ms`` (fitted by scaling_validate.py on
+        published strong-scaling rows) + b x per_image, through the one-GPU rate at its batch; None
+        when the file states no fixed cost (compute linear in the batch)."""
+        w = self.machines.get(key, {})
+        if "step_fixed_ms" not in w:
+            return None
+        fixed, batch = float(w["step_fixed_ms"]), int(w["batch_size"])
+        step = batch / float(w["images_per_s"]) * 1e3
+        return BatchCost(fixed, (step - fixed) / batch, source=str(w.get("step_fixed_source", "workload file")))
+
+    def input_path(self, key: str) -> InputPath | None:
+        """The machine's input path (its ``input`` name in inputs.toml), None when it names none."""
+        name = self.machines.get(key, {}).get("input")
+        if name is not None and name not in INPUTS:
+            raise ValueError(f"workload machine {key}: input = {name!r} is not in {PROFILES / 'inputs.toml'} "
+                             f"({sorted(INPUTS)})")
+        return INPUTS.get(name) if name else None
+
+    def terms(self, key: str, nodes: int, stats_exposed: bool = False, synthetic: bool = False,
+              path: InputPath | None = None) -> Terms:
+        """The per-step terms on ``nodes`` nodes of machine ``key``; the input ceilings from ``path``
+        (default: the machine's input path), none when ``synthetic``."""
+        m = MACHINES[key]
+        node, process = (0.0, 0.0) if synthetic else input_rates(path or self.input_path(key), m.cpu_cores)
         return Terms(contention=m.contention, jitter_cv=self.jitter_cv, stats_bytes=self.stats_bytes,
                      stats_exposed=stats_exposed, host_ms_per_step=self.host_ms_per_step,
-                     input_images_per_s_per_node=0.0 if synthetic else float(w.get("input_images_per_s_per_node", 0.0)),
+                     input_images_per_s_per_node=node, input_images_per_s_per_process=process,
                      world_size=nodes * m.gpus_per_node, gpus_per_node=m.gpus_per_node)
 
 
@@ -631,15 +718,19 @@ def _pow2_up_to(limit: int) -> list[int]:
     return [2**k for k in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
 
 
-def explain(p: Profile, pred: StepPrediction, m: Machine, nodes: int, algorithm: Algorithm) -> str:
-    """Why the efficiency is what it is: exposed comm, latency vs bandwidth, replicated update."""
+def explain(p: Profile, pred: StepPrediction, m: Machine, nodes: int, algorithm: Algorithm,
+            cost: BatchCost | None = None) -> str:
+    """Why the efficiency is what it is: exposed comm, latency vs bandwidth, replicated update, and
+    with ``cost`` the part of the step that does not shrink with the batch."""
     costs = [allreduce_cost(b.nbytes, m, nodes, algorithm) for b in p.buckets]
     lat, xfer = sum(c.latency_ms for c in costs), sum(c.transfer_ms for c in costs)
     bound = "latency-bound" if lat > xfer else "bandwidth-bound"
     return (f"exposed comm {pred.exposed_ms:.2f} ms = {pred.exposed_ms / pred.step_ms:.0%} of the {pred.step_ms:.2f} ms "
             f"step; {len(costs)} allreduces take {lat + xfer:.2f} ms per step against {p.backward_ms:.2f} ms of "
             f"backward, {lat:.2f} ms of it latency ({bound}); the update ({p.update_ms:.2f} ms, "
-            f"{p.update_ms / pred.step_ms:.0%}) runs on every GPU and does not shrink with more GPUs")
+            f"{p.update_ms / pred.step_ms:.0%}) runs on every GPU and does not shrink with more GPUs"
+            + (f"; the step's fixed part ({cost.fixed_ms:.2f} ms, {cost.fixed_ms / pred.step_ms:.0%} of the step) "
+               "does not shrink with the batch" if cost else ""))
 
 
 TermsFn = Callable[[int], Terms]
@@ -689,7 +780,7 @@ def strong_rows(p: Profile, m: Machine, nodes_list: list[int], global_batch: int
 def report_predictions(raw: Profile, key: str, nodes_list: list[int], *, bucket_mb: float | None,
                        first_bucket_mb: float, global_batch: int, sweep_mb: list[float], algorithm: Algorithm,
                        terms: TermsFn | None = None, real_data: TermsFn | None = None,
-                       cost: BatchCost | None = None) -> str:
+                       cost: BatchCost | None = None, input_name: str = "the input path") -> str:
     """Markdown: weak scaling at ``nodes_list``, bucket sweep, strong scaling and where scaling breaks.
 
     ``raw`` is re-bucketed to ``bucket_mb`` (None: keep its plan); the sweep re-buckets ``raw``.
@@ -704,7 +795,7 @@ def report_predictions(raw: Profile, key: str, nodes_list: list[int], *, bucket_
            f"update {p.update_ms:.2f} ms, {p.total_bytes / MIB:.1f} MiB of gradients in {len(p.buckets)} buckets; "
            f"algorithm {algorithm}.", "",
            "| nodes | GPUs | largest bucket allreduce | comm busy ms | exposed ms | contention ms | jitter ms | step ms "
-           "| weak efficiency, synthetic data | with the input ceiling | images/s (synthetic) |",
+           f"| weak efficiency, synthetic data | fed by {input_name} | images/s (synthetic) |",
            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in weak_rows(p, m, nodes_list, algorithm, terms):
         ips = f"{r['ips']:,.0f}" if r["ips"] else "-"
@@ -750,7 +841,7 @@ def breakdown_lines(p: Profile, m: Machine, global_batch: int, algorithm: Algori
         pred = simulate_step(q, comm_fn(m, 64, algorithm), terms(64))
         if weak_efficiency(q, pred, terms(64)) < EFFICIENCY_FLOOR:
             out.append(f"- At 64 nodes, weak scaling falls below {EFFICIENCY_FLOOR} once the per-GPU batch is "
-                       f"{b} ({weak_efficiency(q, pred, terms(64)):.2f}): " + explain(q, pred, m, 64, algorithm))
+                       f"{b} ({weak_efficiency(q, pred, terms(64)):.2f}): " + explain(q, pred, m, 64, algorithm, cost))
             break
     strong = strong_rows(p, m, _pow2_up_to(max(1, global_batch // m.gpus_per_node)), global_batch, algorithm, terms,
                          cost)
@@ -758,7 +849,7 @@ def breakdown_lines(p: Profile, m: Machine, global_batch: int, algorithm: Algori
     out.append(f"- Strong scaling at global batch {global_batch}: " + ", ".join(
         f"{r['nodes']} nodes (batch {r['batch']}/GPU) {r['eff']:.2f}" for r in strong) + ". " + (
         f"Below {EFFICIENCY_FLOOR} from {bad['nodes']} nodes: " + explain(bad["q"], bad["pred"], m, bad["nodes"],
-                                                                        algorithm) if bad else ""))
+                                                                        algorithm, cost) if bad else ""))
     return out
 
 
@@ -839,24 +930,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     md = [f"## Scaling model predictions ({datetime.date.today():%Y-%m-%d})", "",
           "Terms beyond the overlap model: contention and host floor from the machine and workload files, "
-          f"jitter_cv {wl.jitter_cv:g} (fit, benchmarks/scaling_validate.py), input ceiling per node where the "
-          "workload file has one. The validated error of these predictions is in "
-          "benchmarks/results/scaling_validation_*.md.", "",
+          f"jitter_cv {wl.jitter_cv:g} (fit, benchmarks/scaling_validate.py); the input ceilings of the machine's "
+          "input path (benchmarks/profiles/inputs.toml: stated or measured, never fitted). The validated error of "
+          "these predictions is in benchmarks/results/scaling_validation_*.md.", "",
           (f"Strong scaling: step(b) = {cost.fixed_ms:.2f} ms + b x {cost.per_image_ms:.3f} ms, fitted from "
            f"{len(cost.points)} bench runs ({cost.source}; largest error {cost.max_error:.1%})" if cost else
-           "Strong scaling: compute linear in the per-GPU batch (no --batch-points; optimistic at small batches)."),
-          ""]
+           "Strong scaling: step(b) = the workload file's fixed step cost per machine + b x per image, where it "
+           "states one (fitted on a published strong-scaling row by scaling_validate.py), else compute linear in "
+           "the per-GPU batch (optimistic at small batches)."), ""]
     for i, key in enumerate(keys):
         raw = given or reference_profile(key, workload=wl)
         if args.write_profile and i == 0:
             Path(args.write_profile).write_text(json.dumps(profile_to_json(raw), indent=1))
         plan_mb = args.bucket_mb or (DEFAULT_BUCKET_MB if raw.granularity == "parameter" else None)
-        has_ceiling = bool(wl.machines.get(key, {}).get("input_images_per_s_per_node"))
+        path = wl.input_path(key)
+        has_ceiling = bool(path and path.stated)
         md.append(report_predictions(raw, key, nodes, bucket_mb=plan_mb, first_bucket_mb=args.first_bucket_mb,
                                      global_batch=args.global_batch, sweep_mb=sweep, algorithm=args.algorithm,
                                      terms=lambda n, key=key: wl.terms(key, n, synthetic=True),
                                      real_data=(lambda n, key=key: wl.terms(key, n)) if has_ceiling else None,
-                                     cost=cost))
+                                     cost=cost or (None if given else wl.batch_cost(key)),
+                                     input_name=f"{path.name}'s input path" if has_ceiling else "the input path"))
     if args.calibrate:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from collective_bench import measure_allreduce
