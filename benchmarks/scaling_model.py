@@ -401,6 +401,22 @@ def input_rates(path: InputPath | None, cpu_cores: int) -> tuple[float, float]:
     return node, path.process_images_per_s
 
 
+def input_path_from_data_bench(path: str | Path) -> InputPath:
+    """dptrain's input path as ``dptrain data-bench`` measured it on one node of the machine being
+    predicted (its last JSON line in ``path``): CPU ms per image, and images/s of one solver process
+    at the defaults as that process's ceiling. Measured elsewhere, the per-process rate is that
+    host's, not the target's: run it on the node."""
+    recs = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip().startswith("{")]
+    recs = [r for r in recs if "cpu_ms_per_image" in r and "images_per_s" in r]
+    if not recs:
+        raise ValueError(f"{path}: no `dptrain data-bench` JSON line (with cpu_ms_per_image and images_per_s)")
+    r = recs[-1]
+    return InputPath("data-bench", cpu_ms_per_image=float(r["cpu_ms_per_image"]),
+                     process_images_per_s=float(r["images_per_s"]),
+                     source=f"{path}: dptrain data-bench, {r['images_per_s']:,.0f} img/s per process at "
+                            f"{r['cpu_ms_per_image']} CPU ms per image on a host of {r.get('host_cores', '?')} cores")
+
+
 def load_inputs(path: Path = PROFILES / "inputs.toml") -> dict[str, InputPath]:
     """The input paths of ``path`` by name ([paths.<name>] tables)."""
     try:
@@ -898,6 +914,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch-points", help="one-solver `dptrain bench` JSON lines at >= 3 batch sizes of the profiled "
                     "model: strong scaling uses the fitted step(b) = fixed + b x per_image instead of a step linear "
                     "in the batch")
+    ap.add_argument("--input-bench", help="a `dptrain data-bench` JSON line measured on one node of the machine: "
+                    "the real-data column uses it (CPU ms per image x the machine's cores; images/s per process) "
+                    "instead of the workload's input path")
     ap.add_argument("--sweep-mb", default="1,2,5,10,25,50,100,200")
     ap.add_argument("--algorithm", default="best", choices=("best", "ring", "tree", "hierarchical"))
     ap.add_argument("--calibrate", action="store_true", help="measure gloo allreduce with 2 local processes and fit")
@@ -925,6 +944,7 @@ def main(argv: list[str] | None = None) -> int:
         wl = load_workload(Path(args.workload))
         bench_profile = load_profile(args.bench_profile) if args.bench_profile else None
         cost = fit_batch_cost(batch_points(args.batch_points), args.batch_points) if args.batch_points else None
+        measured = input_path_from_data_bench(args.input_bench) if args.input_bench else None
     except (ValueError, OSError) as e:
         print(f"scaling_model.py: error: {e}", file=sys.stderr)
         return 2
@@ -943,12 +963,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.write_profile and i == 0:
             Path(args.write_profile).write_text(json.dumps(profile_to_json(raw), indent=1))
         plan_mb = args.bucket_mb or (DEFAULT_BUCKET_MB if raw.granularity == "parameter" else None)
-        path = wl.input_path(key)
+        path = measured or wl.input_path(key)
         has_ceiling = bool(path and path.stated)
         md.append(report_predictions(raw, key, nodes, bucket_mb=plan_mb, first_bucket_mb=args.first_bucket_mb,
                                      global_batch=args.global_batch, sweep_mb=sweep, algorithm=args.algorithm,
                                      terms=lambda n, key=key: wl.terms(key, n, synthetic=True),
-                                     real_data=(lambda n, key=key: wl.terms(key, n)) if has_ceiling else None,
+                                     real_data=(lambda n, key=key, path=path: wl.terms(key, n, path=path))
+                                     if has_ceiling else None,
                                      cost=cost or (None if given else wl.batch_cost(key)),
                                      input_name=f"{path.name}'s input path" if has_ceiling else "the input path"))
     if args.calibrate:

@@ -327,6 +327,23 @@ def test_the_input_time_takes_the_tighter_of_the_node_and_the_process_ceiling():
     assert sm.simulate_step(p, lambda nbytes: 0.0, t).step_ms == pytest.approx(64.0)
 
 
+def test_a_data_bench_line_measured_on_the_node_becomes_its_input_path(tmp_path, capsys):
+    line = tmp_path / "data.jsonl"
+    line.write_text("starting\n" + json.dumps({"images_per_s": 900.0, "cpu_ms_per_image": 40.0, "host_cores": 16}) + "\n")
+    path = sm.input_path_from_data_bench(line)
+    assert (path.cpu_ms_per_image, path.process_images_per_s) == (40.0, 900.0)
+    assert sm.input_rates(path, 112) == (2800.0, 900.0)  # 112 cores x 1000 / 40 ms binds under 8 x 900
+    # so slow a pipeline binds on DGX H100: one solver waits on its process (256 / 900 s), eight on the
+    # node (8 x 256 / 2800 s), and the real-data column is their ratio
+    assert sm.main(["--machines", "dgx-h100", "--nodes", "1", "--input-bench", str(line)]) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| 1 | 8 |"))
+    synthetic, fed = (float(c) for c in row.split("|")[9:11])
+    assert fed == pytest.approx((256 / 900) / (8 * 256 / 2800), abs=0.001) and synthetic > 0.9
+    (tmp_path / "empty.jsonl").write_text("{}\n")
+    assert sm.main(["--input-bench", str(tmp_path / "empty.jsonl")]) == 2
+    assert "no `dptrain data-bench` JSON line" in capsys.readouterr().err
+
+
 def test_the_workload_prices_dptrain_s_input_path_with_the_machine_s_cores():
     wl = sm.load_workload()
     t = wl.terms("dgx-h100", 1)
