@@ -135,8 +135,9 @@ def bucket_cases() -> list[Case]:
 def gpu_cases() -> list[Case]:
     """ResNet-50, batch 256, NHWC on both sides; dptrain at its defaults (``model.compile = "auto"``:
     compiled on CUDA) against the eager peer and the compiled one, in torch.compile's default mode
-    and, for fp16, in "reduce-overhead" (CUDA graphs). One dptrain run per round serves every peer
-    of its precision (see main)."""
+    and, for fp16, in "reduce-overhead" (CUDA graphs) against dptrain's ``model.compile =
+    "reduce-overhead"``. One dptrain run per round serves every peer of its precision and settings
+    (see main)."""
     common = dict(model="resnet50", width=64, num_classes=1000, image_size=224, batch_size=256, channels_last=True)
     cases = []
     for prec, amp in (("fp16", "torch AMP (autocast + GradScaler)"), ("bf16", "torch autocast bf16")):
@@ -144,7 +145,7 @@ def gpu_cases() -> list[Case]:
                   Case(f"ResNet-50 {prec} vs torch.compile + {amp}", 1, precision=prec, peer_compile="default",
                        **common)]
     cases.append(Case("ResNet-50 fp16 vs torch.compile reduce-overhead + torch AMP", 1, precision="fp16",
-                      peer_compile="reduce-overhead", **common))
+                      peer_compile="reduce-overhead", extra_sets=["model.compile=reduce-overhead"], **common))
     return cases
 
 

@@ -40,12 +40,14 @@ class ModelConfig:
     channels_last: bool | Literal["auto"] = "auto"
     """Store activations NHWC. "auto": wherever it was measured faster (``dptrain.layout``: CUDA
     with fp16/bf16 storage; CPU with bf16 where the CPU runs it natively); true/false force it."""
-    compile: bool | Literal["auto"] = "auto"
+    compile: bool | Literal["auto", "reduce-overhead"] = "auto"
     """Compile the model's forward and backward with torch.compile, in segments that keep the
     allreduce overlapped with backward (``dptrain.train.compiled``). Fuses the memory-bound
     batch-norm, add and ReLU passes; costs a compile at start-up (a minute or more the first time,
     seconds from the cache). "auto": on CUDA with fp16/bf16 storage, off on the CPU (it did not
-    train faster there); a failed compile falls back to eager with one warning."""
+    train faster there); a failed compile falls back to eager with one warning. "reduce-overhead":
+    compiled as true, and on CUDA forward and backward replay as CUDA graphs (torch.compile's mode
+    of that name), one solver only: the allreduce cannot join the graphs."""
 
     def __post_init__(self) -> None:
         from dptrain.models import MODELS

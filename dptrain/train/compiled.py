@@ -25,12 +25,18 @@ any rank, every rank trains eagerly, with one warning naming the rank and the er
 eagerly (``torch.compiler.set_stance("force_eager")``): both are rare, and a compiled
 evaluation graph would cost a second compile.
 
-**Not built yet: the step as a CUDA graph** (torch.compile's "reduce-overhead" mode, or
-``torch.cuda.graphs``). The step already makes no host sync, so forward, backward and the update
-could be captured with one solver. With several, the allreduces stand in the way: they are
-launched from autograd hooks, by Python that counts each bucket's gradients; to join a graph they
-must be issued in a fixed order on a stream the capture follows, through NCCL's graph support
-(2.9 and later), with the communicator used by nothing outside the graph; gloo cannot be captured.
+**CUDA graphs, one solver** (``model.compile = "reduce-overhead"``): the compiled forward and
+backward are recorded once and replayed as CUDA graphs (torch.compile's mode of that name,
+cudagraph trees), which removes their kernel launches from the host's work; each micro-batch marks a
+new step first (``torch.compiler.cudagraph_mark_step_begin``), since the graphs' outputs are
+overwritten by the next replay. The gradients leave the graph through the same hand-over as
+eagerly: each is copied into its flat buffer before the next replay. The update (one fused kernel
+per group) and the loss stay outside. With several solvers the allreduces stand in the way: they
+are launched from autograd hooks, by Python that counts each bucket's gradients; to join a graph
+they must be issued in a fixed order on a stream the capture follows, through NCCL's graph support
+(2.9 and later), with the communicator used by nothing outside the graph, and gloo cannot be
+captured at all; so "reduce-overhead" with several solvers is refused at start-up. Not yet run on
+a GPU.
 
 **Caches.** ``dptrain.csrc.inductor``: a second start of the same recipe loads the compiled
 code from ``<cache>/inductor`` instead of compiling it again.
@@ -60,6 +66,9 @@ AUTO_BUCKET_MB = 25.0
 default fixed cap."""
 MIN_SEGMENTS = 4
 """With several solvers, a model is compiled in at least about this many segments (:func:`segment_cap`)."""
+CUDA_GRAPH_WARMUPS = 3
+"""Start-up passes with CUDA graphs: cudagraph trees run a compiled graph once plainly, record it on
+the next call and replay it after, so a failure to record or replay falls back at start-up."""
 RECOMPILE_LIMIT = 64
 """Compiled variants dynamo keeps per code object (its default, 8, is what a ResNet-50's blocks need)."""
 CPU_COMPILE_AUTO = False
@@ -68,10 +77,15 @@ CPU_COMPILE_AUTO = False
 than eager in two runs)."""
 
 
-def resolve_compile(setting: bool | Literal["auto"], storage: str, device: torch.device) -> bool:
+Setting = bool | Literal["auto", "reduce-overhead"]
+
+
+def resolve_compile(setting: Setting, storage: str, device: torch.device) -> bool:
     """``model.compile`` as a bool: the setting, or for "auto" CUDA with fp16/bf16 storage (where
     the memory-bound batch-norm, add and ReLU traffic it fuses is a large share of the step) and
     the CPU as :data:`CPU_COMPILE_AUTO` says."""
+    if setting == "reduce-overhead":
+        return True
     if setting != "auto":
         return bool(setting)
     if device.type == "cuda":
@@ -116,7 +130,7 @@ def segment_cap(model: nn.Module, bucket_mb: float | str, world_size: int) -> fl
     return min(bucket, total / MIN_SEGMENTS)
 
 
-def compile_for_training(model: nn.Module, setting: bool | Literal["auto"], *, storage: str, bucket_mb: float | str,
+def compile_for_training(model: nn.Module, setting: Setting, *, storage: str, bucket_mb: float | str,
                          forward: Callable[[torch.Tensor], torch.Tensor], batch_shape: tuple[int, int, int, int],
                          dtype: torch.dtype, channels_last: bool, flat: FlatParams,
                          comm: Communicator) -> CompiledModel | None:
@@ -124,9 +138,14 @@ def compile_for_training(model: nn.Module, setting: bool | Literal["auto"], *, s
     works on every rank; None where it runs eagerly. ``batch_shape``: a training batch's [B, C, H, W]."""
     if not resolve_compile(setting, storage, comm.device):
         return None
+    graphs = setting == "reduce-overhead"
+    if graphs and comm.world_size > 1:
+        raise ConfigError(f"model.compile = \"reduce-overhead\" replays forward and backward as CUDA graphs with one "
+                          f"solver only ({comm.world_size} here: the allreduce cannot join the graphs); set "
+                          f"model.compile = true")
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     zeros = torch.empty(batch_shape, dtype=dtype, device=comm.device, memory_format=fmt).zero_()  # as DeviceFeeder's
-    compiled = CompiledModel(model, segment_cap(model, bucket_mb, comm.world_size))
+    compiled = CompiledModel(model, segment_cap(model, bucket_mb, comm.world_size), cuda_graphs=graphs)
     return compiled if compiled.warm_up(forward, zeros, flat, comm) else None
 
 
@@ -138,12 +157,20 @@ def eager() -> contextlib.AbstractContextManager[None]:
 class CompiledModel:
     """Compiles a model's segments and checks them at start-up (module docstring)."""
 
-    def __init__(self, model: nn.Module, cap_bytes: float) -> None:
+    def __init__(self, model: nn.Module, cap_bytes: float, cuda_graphs: bool = False) -> None:
         self.model = model
         self.parts = segments(model, cap_bytes)
+        self.cuda_graphs = cuda_graphs
+        """torch.compile's "reduce-overhead" mode: CUDA graphs on CUDA (module docstring)."""
         self.compile_s: float | None = None
         """Seconds the start-up compile took (None: not compiled)."""
         self._own_forward: dict[int, Callable[..., torch.Tensor] | None] = {}
+
+    def step_begins(self) -> None:
+        """Before each micro-batch's forward: with CUDA graphs, the previous replay's outputs are
+        done with (cudagraph trees would otherwise refuse to overwrite them)."""
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
 
     @property
     def names(self) -> list[str]:
@@ -158,7 +185,7 @@ class CompiledModel:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         for _, m in self.parts:
             self._own_forward[id(m)] = m.__dict__.get("forward")  # a forward set on the instance, kept
-            m.forward = torch.compile(m.forward, dynamic=False)
+            m.forward = torch.compile(m.forward, dynamic=False, mode="reduce-overhead" if self.cuda_graphs else None)
 
     def uncompile(self) -> None:
         for _, m in self.parts:
@@ -176,15 +203,19 @@ class CompiledModel:
         take, found by ``forward``) is raised as it is, on every rank alike."""
         t0 = time.perf_counter()
         if comm.rank == 0:
-            log.info("model.compile: compiling %s's forward and backward in %d segment(s), %s (a minute or more on "
-                     "a first start, seconds from the cache in %s)", type(self.model).__name__, len(self.parts),
-                     ", ".join(self.names), point_caches())
+            log.info("model.compile: compiling %s's forward and backward in %d segment(s), %s%s (a minute or more "
+                     "on a first start, seconds from the cache in %s)", type(self.model).__name__, len(self.parts),
+                     ", ".join(self.names), ", as CUDA graphs" if self.cuda_graphs and comm.device.type == "cuda"
+                     else "", point_caches())
         error = ""
         try:
             self.compile()
             with _unchanged(self.model, flat):
                 labels = torch.zeros(len(batch), dtype=torch.long, device=batch.device)
-                F.cross_entropy(forward(batch).float(), labels).backward()
+                for _ in range(CUDA_GRAPH_WARMUPS if self.cuda_graphs else 1):  # record and replay, failures here
+                    self.step_begins()
+                    F.cross_entropy(forward(batch).float(), labels).backward()
+                    flat.zero_grads()
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager, on every rank

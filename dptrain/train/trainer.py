@@ -153,6 +153,8 @@ class Trainer:
                 self.clock.batch_ready()
                 last = micro == n - 1
                 with self.phases("forward"):
+                    if self.compiled is not None:
+                        self.compiled.step_begins()
                     logits = self._forward(x).float()  # [B, num_classes]
                     loss = F.cross_entropy(logits, y, label_smoothing=self.cfg.solver.label_smoothing) / n
                 self._iter_loss += loss.detach()

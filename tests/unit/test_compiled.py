@@ -15,7 +15,14 @@ from dptrain.dist.comm import Communicator
 from dptrain.models import MODELS, build_model
 from dptrain.topology import Topology
 from dptrain.train import Trainer
-from dptrain.train.compiled import CPU_COMPILE_AUTO, MIN_SEGMENTS, resolve_compile, segment_cap, segments
+from dptrain.train.compiled import (
+    CPU_COMPILE_AUTO,
+    CUDA_GRAPH_WARMUPS,
+    MIN_SEGMENTS,
+    resolve_compile,
+    segment_cap,
+    segments,
+)
 
 MB = 2**20
 
@@ -77,6 +84,46 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_warning(tmp_path, monke
         assert "training eagerly" in warnings[0]
         t.train_step()  # eager from here
         assert torch.isfinite(t._iter_loss)
+    finally:
+        t.close()
+        torch._dynamo.reset()
+
+
+def test_reduce_overhead_is_refused_with_several_solvers_before_anything_compiles():
+    from types import SimpleNamespace
+
+    from dptrain.errors import ConfigError
+    from dptrain.train.compiled import compile_for_training
+
+    model = build_model("lenet", num_classes=10, width=8, in_channels=1)
+    comm = SimpleNamespace(world_size=2, rank=0, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r'model.compile = "reduce-overhead" replays forward and backward as CUDA '
+                                          r"graphs with one solver only \(2 here.*set model.compile = true"):
+        compile_for_training(model, "reduce-overhead", storage="bf16", bucket_mb=25.0, forward=model,
+                             batch_shape=(2, 1, 28, 28), dtype=torch.float32, channels_last=False, flat=None,
+                             comm=comm)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert resolve_compile("reduce-overhead", "fp32", torch.device("cpu"))
+
+
+def test_reduce_overhead_trains_one_solver_and_marks_each_step(tmp_path, monkeypatch):
+    """On the CPU the mode compiles as true (CUDA graphs are CUDA's); the step marks come once per
+    micro-batch, before its forward, and the run trains."""
+    prepare_inductor()
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    cfg = load_config(None, ["model.name=lenet", "data.source=digits", "data.batch_size=16", "solver.iter_size=2",
+                             "model.compile=reduce-overhead", f"train.run_dir={json.dumps(str(tmp_path))}"])
+    t = Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cpu")))
+    try:
+        assert t.compiled is not None and t.compiled.cuda_graphs and t.compiled.names == ["<model>"]
+        assert len(marks) == CUDA_GRAPH_WARMUPS  # the start-up passes: run, record, replay
+        losses = []
+        for _ in range(8):
+            t.train_step()
+            losses.append(float(t._iter_loss))
+        assert len(marks) == CUDA_GRAPH_WARMUPS + 8 * 2
+        assert losses[-1] < losses[0], losses
     finally:
         t.close()
         torch._dynamo.reset()
