@@ -468,7 +468,7 @@ template <typename R, typename T, typename M, int V> static void run(const std::
   for (int j = 0; j < ints[7]; ++j) save(d + "/state" + std::to_string(j) + ".out", a.state[j], n);
 }
 
-// The norm's stage 1 per thread (dpt::sumsq_thread): each emulated thread's partial sum to sumsq.out.
+// The norm's per-thread part (dpt::sumsq_thread): each emulated thread's partial sum to sumsq.out.
 template <typename T, int V> static void run_sumsq(const std::string& d) {
   long long ints[2];  // n, nthreads
   read_into(d + "/ints", ints, 2);

@@ -302,4 +302,4 @@ def test_update_cu_still_holds_the_cuda_kernels_behind_its_guard():
     text = native.SOURCES[1].read_text()
     guard = text.index("#if defined(__CUDACC__)  // the kernels")
     kernels_at = [m.start() for m in re.finditer(r"^__global__ ", text, flags=re.MULTILINE)]
-    assert len(kernels_at) == len(RULES) + 2 and min(kernels_at) > guard  # one per rule, the norm's two stages
+    assert len(kernels_at) == len(RULES) + 1 and min(kernels_at) > guard  # one per rule, and the norm
