@@ -3,7 +3,7 @@
 # CUDA torch and CuPy (the lent H100/H200: Python 3.12, torch 2.11 cu130, cupy-cuda13x) but no network.
 #
 #   benchmarks/gpu_session.sh                        # the default stages, <= 8 min together (one device call)
-#   STAGES="resnet50_more" benchmarks/gpu_session.sh # a second call: bf16, and CUDA graphs on both sides (6 min)
+#   STAGES="resnet50_more" benchmarks/gpu_session.sh # a second call: bf16, CUDA graphs, segments (7 min)
 #   STAGES="selfcheck tests" benchmarks/gpu_session.sh
 #   STAGES="sweep" LIMIT_SWEEP_S=400 benchmarks/gpu_session.sh
 #
@@ -26,9 +26,10 @@
 #                     about a minute (throughput.py --suite gpu --only RESNET50_ONLY; RESNET50_ARGS, default
 #                     "--repeats 1 --steps 30 --warmup 10")
 # Opt-in stages (name them in STAGES):
-#   resnet50_more 360 s   the rest of the gpu suite: bf16 against the eager and compiled peers, and fp16 with
+#   resnet50_more 420 s   the rest of the gpu suite: bf16 against the eager and compiled peers, fp16 with
 #                     model.compile = "reduce-overhead" against the peer in torch.compile's mode of that name
-#                     (both CUDA graphs); RESNET50_MORE_ONLY
+#                     (both CUDA graphs), and fp16 compiled in segments as several solvers cut the model
+#                     (model.compile_graphs = "segments") against the compiled peer; RESNET50_MORE_ONLY
 #   sweep     480 s   ResNet-50 fp16 `dptrain bench --synthetic` at each batch of SWEEP_BATCHES (32 64 128 256),
 #                     compiled as dptrain's CUDA default is (a compile per batch):
 #                     the step time in the batch, step(b) = fixed + b x per_image, fitted in the summary; the
@@ -56,7 +57,7 @@ OUT=${OUT:-gpu_out}
 STAGES=${STAGES:-"selfcheck tests bandwidth data resnet50"}
 PY=${PYTHON:-python3}
 KILL_AFTER_S=${KILL_AFTER_S:-10}  # SIGKILL this long after the SIGTERM of a timed-out stage
-declare -A LIMIT=([selfcheck]=30 [tests]=80 [bandwidth]=40 [data]=140 [resnet50]=190 [resnet50_more]=360
+declare -A LIMIT=([selfcheck]=30 [tests]=80 [bandwidth]=40 [data]=140 [resnet50]=190 [resnet50_more]=420
                   [sweep]=480 [sleep]=2)
 
 for stage in $STAGES; do
@@ -197,7 +198,7 @@ raise SystemExit(1 if why else 0)" ;;
         # shellcheck disable=SC2086  # RESNET50_ARGS is a list of options
         run_stage resnet50_more "$PY" benchmarks/throughput.py --suite gpu \
             ${RESNET50_ARGS:---repeats 1 --steps 30 --warmup 10} --tag more --out "$WORK" \
-            --only "${RESNET50_MORE_ONLY:-bf16,reduce-overhead}" ;;
+            --only "${RESNET50_MORE_ONLY:-bf16,reduce-overhead,segments}" ;;
     sweep)
         run_stage sweep bash -c 'for b in ${SWEEP_BATCHES:-32 64 128 256}; do
             "$0" -m dptrain bench --config launch/configs/resnet50_imagenet.toml --synthetic --steps 30 --warmup 10 \

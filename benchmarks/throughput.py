@@ -146,6 +146,11 @@ def gpu_cases() -> list[Case]:
                        **common)]
     cases.append(Case("ResNet-50 fp16 vs torch.compile reduce-overhead + torch AMP", 1, precision="fp16",
                       peer_compile="reduce-overhead", extra_sets=["model.compile=reduce-overhead"], **common))
+    # the cut several solvers compile (one graph per bucket-sized block), measured on one GPU: what it costs
+    # against the one graph a single solver compiles (the "fp16 vs torch.compile" case)
+    cases.append(Case("ResNet-50 fp16, segments vs torch.compile + torch AMP (autocast + GradScaler)", 1,
+                      precision="fp16", peer_compile="default", extra_sets=["model.compile_graphs=segments"],
+                      **common))
     return cases
 
 

@@ -7,8 +7,12 @@ DDPOptimizer splits a compiled graph at DDP's bucket boundaries for this reason,
 a module wrapped in DDP.) dptrain compiles the model's blocks one by one, each block's
 ``forward`` wrapped in torch.compile (names, parameters and hooks unchanged): a segment is the
 largest module whose parameters fit in one bucket (``reducer.bucket_mb``, :data:`AUTO_BUCKET_MB`
-for "auto") and in a :data:`MIN_SEGMENTS`-th of the model (:func:`segment_cap`; one solver, with
-nothing to overlap, compiles the whole model as one graph). Each segment's gradients reach the flat buffers when its backward ends, through the same
+for "auto") and in a :data:`MIN_SEGMENTS`-th of the model (:func:`segment_cap`). One solver, with
+nothing to overlap, compiles the whole model as one graph, and so does the CPU
+(``model.compile_graphs = "auto"``): there, inductor's C++ kernels for a segment's batch-norm
+backward ran 5-10x slower than the same operations in one graph (ResNet-18 CIFAR, bf16: 7 segments
+took 110-124 ms a step against 65 ms whole and 62-101 ms eager, in plain torch, dptrain aside), so
+2 CPU solvers compiled in segments trained at 0.66x eager (benchmarks/results/compile_cpu2_20261127.md). Each segment's gradients reach the flat buffers when its backward ends, through the same
 post-accumulate hooks as in eager mode, so a bucket launches at most one segment's backward
 later than it would eagerly, while the earlier layers' backward still runs. The fusions that
 matter stay inside a segment (a ResNet block's batch norms, residual add and ReLUs); the glue
@@ -97,10 +101,17 @@ def param_bytes(m: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in m.parameters())
 
 
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+"""Modules whose forward only chains their children: splitting one costs no fusion."""
+
+
 def segments(model: nn.Module, cap_bytes: float) -> list[tuple[str, nn.Module]]:
     """The modules compiled one by one (module docstring): the largest whose parameters fit in
-    ``cap_bytes``, or a module without children that does not; modules without parameters
-    between them stay eager. In forward order of registration; the root's name is ""."""
+    ``cap_bytes``; one that does not is split into its children only if it is the root or a
+    container (:data:`CONTAINERS`), so a block with its own forward (a ResNet block's residual add
+    and ReLUs) stays one segment even past the cap: split into its layers, it would lose the fusions
+    compile is for (a batch norm and the ReLU after it) and run its glue eagerly. Modules without
+    parameters between segments stay eager. In forward order of registration; the root's name is ""."""
     out: list[tuple[str, nn.Module]] = []
 
     def visit(name: str, m: nn.Module) -> None:
@@ -108,7 +119,7 @@ def segments(model: nn.Module, cap_bytes: float) -> list[tuple[str, nn.Module]]:
         children = list(m.named_children())
         if size == 0:
             return
-        if size <= cap_bytes or not children:
+        if size <= cap_bytes or not children or (name and not isinstance(m, CONTAINERS)):
             out.append((name, m))
             return
         for child, c in children:
@@ -118,34 +129,41 @@ def segments(model: nn.Module, cap_bytes: float) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def segment_cap(model: nn.Module, bucket_mb: float | str, world_size: int) -> float:
-    """Bytes of parameters per segment: no limit for one solver (no allreduce to overlap: the whole
-    model is one graph, with the most fusion); else the bucket size, and at most a
-    :data:`MIN_SEGMENTS`-th of the model, so that a model smaller than one bucket still hands its
-    last layers' gradients (the first bucket) over before its backward ends."""
-    if world_size == 1:
+Graphs = Literal["auto", "whole", "segments"]
+
+
+def segment_cap(model: nn.Module, bucket_mb: float | str, world_size: int, graphs: Graphs = "auto",
+                device_type: str = "cuda") -> float:
+    """Bytes of parameters per segment: no limit (the whole model is one graph, with the most
+    fusion) for "whole", and for "auto" with one solver (no allreduce to overlap) or on the CPU
+    (module docstring); else the bucket size, and at most a :data:`MIN_SEGMENTS`-th of the model, so
+    that a model smaller than one bucket still hands its last layers' gradients (the first bucket)
+    over before its backward ends."""
+    if graphs == "whole" or (graphs == "auto" and (world_size == 1 or device_type == "cpu")):
         return math.inf
     total = param_bytes(model)
     bucket = (AUTO_BUCKET_MB if bucket_mb == "auto" else float(bucket_mb)) * 2**20
     return min(bucket, total / MIN_SEGMENTS)
 
 
-def compile_for_training(model: nn.Module, setting: Setting, *, storage: str, bucket_mb: float | str,
-                         forward: Callable[[torch.Tensor], torch.Tensor], batch_shape: tuple[int, int, int, int],
+def compile_for_training(model: nn.Module, setting: Setting, *, graphs: Graphs = "auto", storage: str,
+                         bucket_mb: float | str, forward: Callable[[torch.Tensor], torch.Tensor],
+                         batch_shape: tuple[int, int, int, int],
                          dtype: torch.dtype, channels_last: bool, flat: FlatParams,
                          comm: Communicator) -> CompiledModel | None:
     """The model compiled and warmed up where ``model.compile`` resolves to true and the compile
     works on every rank; None where it runs eagerly. ``batch_shape``: a training batch's [B, C, H, W]."""
     if not resolve_compile(setting, storage, comm.device):
         return None
-    graphs = setting == "reduce-overhead"
-    if graphs and comm.world_size > 1:
+    cuda_graphs = setting == "reduce-overhead"
+    if cuda_graphs and comm.world_size > 1:
         raise ConfigError(f"model.compile = \"reduce-overhead\" replays forward and backward as CUDA graphs with one "
                           f"solver only ({comm.world_size} here: the allreduce cannot join the graphs); set "
                           f"model.compile = true")
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     zeros = torch.empty(batch_shape, dtype=dtype, device=comm.device, memory_format=fmt).zero_()  # as DeviceFeeder's
-    compiled = CompiledModel(model, segment_cap(model, bucket_mb, comm.world_size), cuda_graphs=graphs)
+    cap = segment_cap(model, bucket_mb, comm.world_size, graphs, comm.device.type)
+    compiled = CompiledModel(model, cap, cuda_graphs=cuda_graphs)
     return compiled if compiled.warm_up(forward, zeros, flat, comm) else None
 
 

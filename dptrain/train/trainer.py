@@ -101,9 +101,9 @@ class Trainer:
         self.stragglers = StragglerMonitor(comm, cfg.train.straggler_warn, comm.allgather_object(socket.gethostname()))
         (h, w, c), b = self.source.sample_shape, cfg.data.batch_size
         self.compiled = compile_for_training(
-            self.model, cfg.model.compile if compile_model else False, storage=cfg.precision.storage,
-            bucket_mb=cfg.reducer.bucket_mb, forward=self._forward, batch_shape=(b, c, h, w), dtype=self.dtype,
-            channels_last=channels_last, flat=self.flat, comm=comm)
+            self.model, cfg.model.compile if compile_model else False, graphs=cfg.model.compile_graphs,
+            storage=cfg.precision.storage, bucket_mb=cfg.reducer.bucket_mb, forward=self._forward,
+            batch_shape=(b, c, h, w), dtype=self.dtype, channels_last=channels_last, flat=self.flat, comm=comm)
         """The compiled model's segments (None: the model runs eagerly), ``dptrain.train.compiled``."""
 
     # ------------------------------------------------------------------ data

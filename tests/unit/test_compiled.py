@@ -53,6 +53,16 @@ def test_one_solver_compiles_the_whole_model_and_several_split_even_a_model_smal
     names = [n for n, _ in segments(model, cap)]
     assert len(names) >= MIN_SEGMENTS and names[-1] == "fc", names  # the head's gradients come first
     assert segment_cap(model, 0.5, world_size=2) == 0.5 * MB and segment_cap(model, "auto", world_size=2) == cap
+    # "auto" compiles one graph on the CPU, where segment graphs ran slower; "whole" and "segments" force it
+    assert segment_cap(model, 25.0, world_size=2, device_type="cpu") == math.inf
+    assert segment_cap(model, 25.0, world_size=2, graphs="whole") == math.inf
+    assert segment_cap(model, 25.0, world_size=1, graphs="segments", device_type="cpu") == cap
+
+
+def test_a_block_past_the_cap_stays_whole_and_only_containers_split():
+    model = build_model("resnet18_cifar", num_classes=10, width=32, in_channels=3).to(torch.bfloat16)
+    names = [n for n, _ in segments(model, segment_cap(model, 25.0, world_size=2))]
+    assert names == ["stem", "layer1", "layer2", "layer3", "layer4.0", "layer4.1", "fc"]  # not layer4.0.conv1, ...
 
 
 def test_auto_compiles_on_cuda_in_16_bits_and_on_the_cpu_as_measured():
