@@ -44,8 +44,8 @@ class ModelConfig:
     """Compile the model's forward and backward with torch.compile, in segments that keep the
     allreduce overlapped with backward (``dptrain.train.compiled``). Fuses the memory-bound
     batch-norm, add and ReLU passes; costs a compile at start-up (a minute or more the first time,
-    seconds from the cache). "auto": on CUDA with fp16/bf16 storage, off on the CPU (it did not
-    train faster there); a failed compile falls back to eager with one warning. "reduce-overhead":
+    seconds from the cache). "auto": on CUDA with fp16/bf16 storage, off on the CPU (a step ran
+    1.07-1.09x faster there, but each start pays the compile); a failed compile falls back to eager with one warning. "reduce-overhead":
     compiled as true, and on CUDA forward and backward replay as CUDA graphs (torch.compile's mode
     of that name), one solver only: the allreduce cannot join the graphs."""
     compile_graphs: Literal["auto", "whole", "segments"] = "auto"
