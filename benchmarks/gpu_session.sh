@@ -2,14 +2,15 @@
 # Every GPU check in one device call that fits its window, on a machine whose image already has a
 # CUDA torch and CuPy (the lent H100/H200: Python 3.12, torch 2.11 cu130, cupy-cuda13x) but no network.
 #
-#   benchmarks/gpu_session.sh                        # the default stages, <= 8 min together (one device call)
+#   benchmarks/gpu_session.sh                        # the default stages, limits of 8 min together (one device call)
 #   STAGES="resnet50_more" benchmarks/gpu_session.sh # a second call: bf16, CUDA graphs, segments (7 min)
 #   STAGES="selfcheck tests" benchmarks/gpu_session.sh
 #   STAGES="sweep" LIMIT_SWEEP_S=400 benchmarks/gpu_session.sh
 #
 # Stages run in the order STAGES gives, each under its own time limit (LIMIT_<STAGE>_S seconds),
 # printed as it starts. A stage past its limit is killed with its whole process group (children
-# too) and reported as "timeout", status 124. Default stages and limits (480 s together, under a device
+# too) and reported as "timeout", status 124. Default stages and limits (480 s together; with the
+# environment probe (30 s at most), a SIGKILL 5 s after each SIGTERM and the packing, under a device
 # call's 600 s; selfcheck and tests get about twice their times on the H200 of 2026-11-27, 17 s
 # and 39 s; data and resnet50 each allow for one cold torch.compile, about 50 s there):
 #   selfcheck  30 s   the kernels' first-use self-check a solver runs (dptrain.kernels.selfcheck)
@@ -56,7 +57,7 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}
 STAGES=${STAGES:-"selfcheck tests bandwidth data resnet50"}
 PY=${PYTHON:-python3}
-KILL_AFTER_S=${KILL_AFTER_S:-10}  # SIGKILL this long after the SIGTERM of a timed-out stage
+KILL_AFTER_S=${KILL_AFTER_S:-5}  # SIGKILL this long after the SIGTERM of a timed-out stage
 declare -A LIMIT=([selfcheck]=30 [tests]=80 [bandwidth]=40 [data]=140 [resnet50]=190 [resnet50_more]=420
                   [sweep]=480 [sleep]=2)
 
@@ -89,7 +90,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout itself, no install step
 export PYTHONUNBUFFERED=1
 
-timeout -k 5 60 "$PY" - <<'EOF' 2>&1 | tee "$WORK/env.txt"
+timeout -k 5 30 "$PY" - <<'EOF' 2>&1 | tee "$WORK/env.txt"
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu",
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)

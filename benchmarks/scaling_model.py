@@ -654,12 +654,20 @@ class Workload:
 
 
 def load_workload(path: Path = PROFILES / "workloads" / "resnet50.toml") -> Workload:
+    """A workload profile; every machine's ``input`` names a path in inputs.toml (checked here)."""
     d = tomllib.loads(Path(path).read_text())
     try:
-        return Workload(str(d["model"]), int(d["update_bytes_per_param"]), int(d["stats_bytes"]),
-                        float(d["jitter_cv"]), float(d["host_ms_per_step"]), dict(d["machines"]))
+        wl = Workload(str(d["model"]), int(d["update_bytes_per_param"]), int(d["stats_bytes"]),
+                      float(d["jitter_cv"]), float(d["host_ms_per_step"]), dict(d["machines"]))
     except KeyError as e:
         raise ValueError(f"{path}: workload profile lacks {e}; start from workloads/resnet50.toml") from e
+    for key, w in wl.machines.items():
+        if "input_images_per_s_per_node" in w:
+            raise ValueError(f"{path}: [machines.{key}] input_images_per_s_per_node is no longer read (an input "
+                             f"ceiling is never a number fitted per machine): name an input path instead, "
+                             f"input = \"<a [paths.NAME] of {PROFILES / 'inputs.toml'}>\"")
+        wl.input_path(key)  # raises on a name inputs.toml lacks
+    return wl
 
 
 UPDATE_BYTES_PER_PARAM = 20

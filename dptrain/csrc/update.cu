@@ -488,6 +488,7 @@ dptrain_norm(const T* x, long long n, float* partials, unsigned int* arrived, fl
   }
   __syncthreads();  // `last` is read below, and block_sum's shared sums are free for the second reduction
   if (!last) return;
+  __threadfence();  // acquire: the partials the other blocks fenced before counting in are read after it
   float total = 0.0f;
   for (int i = threadIdx.x; i < static_cast<int>(gridDim.x); i += blockDim.x) total = total + __ldcg(partials + i);
   total = dpt::block_sum(total);

@@ -249,14 +249,24 @@ def update(a: UpdateArgs) -> None:
     _launch(expr, dev, max(1, min(-(-(a.numel // vec) // BLOCK_THREADS), cap)), args)
 
 
-@functools.cache
+_NORM_SCRATCH: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+"""(device, stream) -> the norm's scratch on that stream (:func:`_norm_scratch`)."""
+
+
 def _norm_scratch(device_index: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm's block partials ([NORM_MAX_BLOCKS] fp32) and arrival counter ([1] uint32 as int32,
     zeroed here once; the kernel leaves it 0) for one stream: reused by every call on that stream,
-    whose launches run in order, so a call never allocates them or zeroes them again."""
-    device = torch.device("cuda", device_index)
-    return (torch.empty(NORM_MAX_BLOCKS, dtype=torch.float32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device))
+    whose launches run in order, so a call never allocates them or zeroes them again. Made outside
+    any CUDA graph capture, which would record the zeroing instead of running it."""
+    key = (device_index, stream)
+    if key not in _NORM_SCRATCH:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kernels.cuda.grad_norm: first call on this stream inside a CUDA graph capture; "
+                               "call it once on the stream before capturing, so its scratch is made and zeroed")
+        device = torch.device("cuda", device_index)
+        _NORM_SCRATCH[key] = (torch.empty(NORM_MAX_BLOCKS, dtype=torch.float32, device=device),
+                              torch.zeros(1, dtype=torch.int32, device=device))
+    return _NORM_SCRATCH[key]
 
 
 def grad_norm(grads: torch.Tensor) -> torch.Tensor:

@@ -208,6 +208,26 @@ def test_norm_kernel_matches_reference(dtype, n):
 
 
 @cupy_kernels
+def test_one_launch_norm_reuses_its_counter_across_sizes_and_streams():
+    """dptrain_norm's last block resets the arrival counter: one stream alternating a one-block and a
+    1024-block grid, and two side streams at once (each with its own scratch), give the bits a fresh
+    call gives, and every counter is 0 afterwards."""
+    small, big = torch.randn(7, device="cuda").half(), torch.randn(1 << 22, device="cuda").half()
+    want = {id(small): kernels.grad_norm(small).clone(), id(big): kernels.grad_norm(big).clone()}
+    got = [(x, kernels.grad_norm(x)) for _ in range(5) for x in (small, big)]
+    sides = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in sides:
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            got += [(x, kernels.grad_norm(x)) for _ in range(5) for x in (big, small)]
+    torch.cuda.synchronize()
+    for x, norm in got:
+        assert torch.equal(_bits(norm), _bits(want[id(x)]))
+    for partials, arrived in cuda._NORM_SCRATCH.values():
+        assert int(arrived.item()) == 0
+
+
+@cupy_kernels
 @pytest.mark.parametrize("bad, check", [(float("inf"), torch.isinf), (float("nan"), torch.isnan)])
 def test_norm_kernel_propagates_non_finite(bad, check):
     x = torch.randn(10_000, device="cuda").half()

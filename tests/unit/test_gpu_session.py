@@ -203,3 +203,16 @@ def test_the_sweep_stage_fits_the_step_time_in_the_batch(tmp_path):
     lines = load_benchmark("session_summary").render(tmp_path, ["sweep"]).splitlines()
     fit = next(line for line in lines if "step(b)" in line)
     assert "step(b) = 10.00 ms + b x 0.4000 ms (largest error 0.0%" in fit
+
+
+def test_each_resnet50_case_is_graded_against_its_own_goal():
+    """The compiled peer's goal for the default cut; no goal for CUDA graphs or the segment cut
+    measured on one GPU (diagnostics, reported without a verdict)."""
+    goal = load_benchmark("session_summary").resnet50_goal
+    load = load_benchmark("throughput")
+    names = [c.name for c in load.gpu_cases()]
+    assert goal("ResNet-50 fp16 vs torch AMP (autocast + GradScaler)") == 1.25
+    assert goal("ResNet-50 fp16 vs torch.compile + torch AMP (autocast + GradScaler)") == 1.05
+    assert [n for n in names if goal(n) is None] == [
+        "ResNet-50 fp16 vs torch.compile reduce-overhead + torch AMP",
+        "ResNet-50 fp16, segments vs torch.compile + torch AMP (autocast + GradScaler)"]

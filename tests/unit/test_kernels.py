@@ -9,7 +9,6 @@ emulated grid and is compared bit-for-bit with the reference.
 """
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 import subprocess
@@ -166,25 +165,40 @@ def test_reference_clipping_enters_through_grad_coef():
 
 
 def test_the_cuda_norm_is_one_launch_and_its_scratch_is_made_once_per_stream(monkeypatch):
-    """The host path of kernels.cuda.grad_norm, with the launch and the stream stubbed (no GPU here):
-    one kernel per call, the grid a function of n, the partials and counter allocated once per stream."""
+    """The host path of kernels.cuda.grad_norm, with the launch, the stream and the CUDA allocations
+    stubbed (no GPU here): one kernel per call, the grid a function of n, the partials and counter
+    made once per stream (the counter zeroed then), and never first inside a CUDA graph capture."""
     launches, made = [], []
     monkeypatch.setattr(cuda, "_launch", lambda expr, device, blocks, args, stream=None:
                         launches.append((expr, blocks, len(args), stream)))
     stream = SimpleNamespace(cuda_stream=1234)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(cuda, "_NORM_SCRATCH", {})
+    real_empty, real_zeros = torch.empty, torch.zeros
 
-    def scratch(device_index, handle):
-        made.append(handle)
-        return torch.empty(cuda.NORM_MAX_BLOCKS), torch.zeros(1, dtype=torch.int32)
-    monkeypatch.setattr(cuda, "_norm_scratch", functools.cache(scratch))
+    def on_cpu(make, what):
+        def wrapped(*shape, dtype=None, device=None, **kw):
+            if device is not None and torch.device(device).type == "cuda":
+                made.append((what, shape, dtype))
+                device = "cpu"
+            return make(*shape, dtype=dtype, device=device, **kw)
+        return wrapped
+    monkeypatch.setattr(torch, "empty", on_cpu(real_empty, "empty"))
+    monkeypatch.setattr(torch, "zeros", on_cpu(real_zeros, "zeros"))
     grads = torch.zeros(10_000, dtype=torch.float16)
     for _ in range(3):
         assert cuda.grad_norm(grads).shape == ()
     stream.cuda_stream = 5678
     cuda.grad_norm(torch.zeros(10**7, dtype=torch.float32))
     assert launches == [("dptrain_norm<__half, 8>", 5, 5, 1234)] * 3 + [("dptrain_norm<float, 4>", 1024, 5, 5678)]
-    assert made == [1234, 5678]
+    scratch = [("empty", (cuda.NORM_MAX_BLOCKS,), torch.float32), ("zeros", (1,), torch.int32)]
+    assert made == scratch * 2  # once per stream, whatever the calls
+    assert set(cuda._NORM_SCRATCH) == {(None, 1234), (None, 5678)}
+    stream.cuda_stream = 9
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"first call on this stream inside a CUDA graph capture; call it once"):
+        cuda.grad_norm(grads)
 
 
 def test_grad_norm_reference_propagates_non_finite():

@@ -296,6 +296,13 @@ def test_bad_workload_and_rows_are_named(tmp_path):
                     'images_per_s_n = 8.0\nrole = "fit-input"\nsource = "s"\n')
     with pytest.raises(ValueError, match=r"rows \['x'\] need role fit\|check, a machine in"):
         sv.load_rows(rows)
+    good = sm.PROFILES / "workloads" / "resnet50.toml"
+    wl.write_text(good.read_text().replace('input = "dptrain"', "input_images_per_s_per_node = 16621.0", 1))
+    with pytest.raises(ValueError, match=r"input_images_per_s_per_node is no longer read .*input = "):
+        sm.load_workload(wl)
+    wl.write_text(good.read_text().replace('input = "dptrain"', 'input = "dali"', 1))
+    with pytest.raises(ValueError, match=r"input = 'dali' is not in .*inputs.toml"):
+        sm.load_workload(wl)
     paths = tmp_path / "inputs.toml"
     paths.write_text('[paths.x]\ncpu_ms_per_image = 1.0\n')
     with pytest.raises(ValueError, match=r"inputs.toml: not an input-paths file .*needs a source"):
