@@ -28,6 +28,7 @@ import argparse
 import datetime
 import sys
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,9 +37,19 @@ import scaling_model as sm  # noqa: E402
 
 GOAL_PP = 5.0
 """The issue's target: every check row within 5 percentage points of efficiency."""
-JITTER_GRID = [i / 2000 for i in range(201)]  # cv 0 .. 0.1 in steps of 0.0005
+JITTER_MAX, JITTER_STEP = 0.1, 0.0005
+"""jitter_cv is searched over 0 .. 0.1 to 0.0005."""
 FIXED_GRID_STEPS = 400
-"""Candidate fixed step costs per machine: 0 .. the fit row's smaller step, in this many steps."""
+"""The fixed step cost per machine is searched over 0 .. the fit row's smaller step, to 1/400 of it."""
+
+
+def grid_min(cost: Callable[[float], float], hi: float, steps: int, coarse: int = 20) -> float:
+    """The argmin of ``cost`` over ``hi * i / steps`` for i in 0 .. steps: a coarse pass every
+    ``steps / coarse`` points, then every point within one coarse step of its best (the sums of
+    squares fitted here have one minimum)."""
+    stride = max(1, steps // coarse)
+    best = min(range(0, steps + 1, stride), key=lambda i: cost(hi * i / steps))
+    return hi * min(range(max(0, best - stride), min(steps, best + stride) + 1), key=lambda i: cost(hi * i / steps)) / steps
 
 
 @dataclass(frozen=True)
@@ -136,8 +147,8 @@ def predict(row: Row, wl: sm.Workload, fixed: FixedCosts | None = None, plain: b
 def fit_jitter(rows: list[Row], wl: sm.Workload) -> float:
     """jitter_cv by least squares over the weak fit rows in ``rows``."""
     fit_rows = [r for r in rows if r.role == "fit" and not r.strong]
-    return min(JITTER_GRID, key=lambda cv: sum((predict(r, replace(wl, jitter_cv=cv)) - r.efficiency) ** 2
-                                               for r in fit_rows))
+    return grid_min(lambda cv: sum((predict(r, replace(wl, jitter_cv=cv)) - r.efficiency) ** 2 for r in fit_rows),
+                    JITTER_MAX, round(JITTER_MAX / JITTER_STEP))
 
 
 def fit_fixed(rows: list[Row], wl: sm.Workload) -> FixedCosts:
@@ -146,8 +157,8 @@ def fit_fixed(rows: list[Row], wl: sm.Workload) -> FixedCosts:
     for machine in sorted({r.machine for r in rows if r.role == "fit" and r.strong}):
         mine = [r for r in rows if r.role == "fit" and r.strong and r.machine == machine]
         top = min(min(r.base_batch, r.batch_size) / (r.images_per_s_1 / r.gpus_1) * 1e3 for r in mine)
-        grid = [top * i / FIXED_GRID_STEPS for i in range(FIXED_GRID_STEPS)]
-        out[machine] = min(grid, key=lambda f: sum((predict(r, wl, {machine: f}) - r.efficiency) ** 2 for r in mine))
+        out[machine] = grid_min(lambda f: sum((predict(r, wl, {machine: f}) - r.efficiency) ** 2 for r in mine),
+                                top * (FIXED_GRID_STEPS - 1) / FIXED_GRID_STEPS, FIXED_GRID_STEPS - 1)
     return out
 
 
