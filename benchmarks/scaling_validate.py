@@ -48,8 +48,9 @@ def grid_min(cost: Callable[[float], float], hi: float, steps: int, coarse: int 
     ``steps / coarse`` points, then every point within one coarse step of its best (the sums of
     squares fitted here have one minimum)."""
     stride = max(1, steps // coarse)
-    best = min(range(0, steps + 1, stride), key=lambda i: cost(hi * i / steps))
-    return hi * min(range(max(0, best - stride), min(steps, best + stride) + 1), key=lambda i: cost(hi * i / steps)) / steps
+    at = lambda i: cost(hi * i / steps)  # noqa: E731
+    best = min(range(0, steps + 1, stride), key=at)
+    return hi * min(range(max(0, best - stride), min(steps, best + stride) + 1), key=at) / steps
 
 
 @dataclass(frozen=True)

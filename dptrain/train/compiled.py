@@ -5,20 +5,23 @@ gradients back at its end. Compiled whole, the model would hand every gradient o
 end of backward, and every bucket's allreduce would start after it: no overlap. (torch's
 DDPOptimizer splits a compiled graph at DDP's bucket boundaries for this reason, but only for
 a module wrapped in DDP.) dptrain compiles the model's blocks one by one, each block's
-``forward`` wrapped in torch.compile (names, parameters and hooks unchanged): a segment is the
-largest module whose parameters fit in one bucket, or a block past it that is not a container
-(:func:`segments`: a block is never cut into its layers) (``reducer.bucket_mb``, :data:`AUTO_BUCKET_MB`
-for "auto") and in a :data:`MIN_SEGMENTS`-th of the model (:func:`segment_cap`). One solver, with
-nothing to overlap, compiles the whole model as one graph, and so does the CPU
-(``model.compile_graphs = "auto"``): there, inductor's C++ kernels for a segment's batch-norm
-backward ran 5-10x slower than the same operations in one graph (ResNet-18 CIFAR, bf16: 7 segments
-took 110-124 ms a step against 65 ms whole and 62-101 ms eager, in plain torch, dptrain aside), so
-2 CPU solvers compiled in segments trained at 0.75x eager, the median of 6 paired rounds
-(benchmarks/results/compile_cpu2_20261127.md). Each segment's gradients reach the flat buffers when its backward ends, through the same
-post-accumulate hooks as in eager mode, so a bucket launches at most one segment's backward
-later than it would eagerly, while the earlier layers' backward still runs. The fusions that
-matter stay inside a segment (a ResNet block's batch norms, residual add and ReLUs); the glue
-between segments (pooling, flatten) runs eagerly.
+``forward`` wrapped in torch.compile (names, parameters and hooks unchanged). A segment is the
+largest module whose parameters fit in one bucket (``reducer.bucket_mb``, :data:`AUTO_BUCKET_MB`
+for "auto") and in a :data:`MIN_SEGMENTS`-th of the model (:func:`segment_cap`); a block past
+that cap stays one segment unless it is a container (:func:`segments`: a block is never cut
+into its layers). Each segment's gradients reach the flat buffers when its backward ends,
+through the same post-accumulate hooks as in eager mode, so a bucket launches at most one
+segment's backward later than it would eagerly, while the earlier layers' backward still runs.
+The fusions that matter stay inside a segment (a ResNet block's batch norms, residual add and
+ReLUs); the glue between segments (pooling, flatten) runs eagerly.
+
+**One graph where segments do not pay** (``model.compile_graphs = "auto"``; "whole" and
+"segments" force either cut). One solver, with nothing to overlap, compiles the whole model as
+one graph, and so does the CPU: there, inductor's C++ kernels for some of a segment's fused
+batch-norm backward took 13.5 ms where the same operations took 1-2.5 ms in one graph (plain
+torch, ResNet-18 CIFAR bf16: 7 segments 110-124 ms a step, whole 65 ms, eager 62-101 ms), and 2
+CPU solvers compiled in segments trained at 0.75x eager, the median of 6 paired rounds
+(benchmarks/results/compile_cpu2_20261127.md).
 
 **When.** The compile runs at start-up, on a batch of zeros of the training shape (the
 data's batch size, sample shape, dtype and layout): forward and backward of every segment,
