@@ -14,6 +14,7 @@ from dist_harness import run_ranks
 from dptrain.config import load_config
 from dptrain.csrc.inductor import prepare as prepare_inductor
 from dptrain.dist.comm import Communicator
+from dptrain.errors import ConfigError
 from dptrain.observe.trace import Tracer
 from dptrain.train import Trainer
 
@@ -70,8 +71,17 @@ def _fallback(rank: int, out: str) -> dict:
     return {"compiled": compiled, "warnings": records}
 
 
+def _refused(out: str) -> str:
+    """model.compile = "reduce-overhead" with 2 solvers: the ConfigError each rank raises (exit 2)."""
+    try:
+        _trainer(f"{out}/graphs", "model.compile=reduce-overhead").close()
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
 def _compile_rank(rank: int, world: int, out: str) -> None:
-    got = {"fallback": _fallback(rank, out)}
+    got = {"fallback": _fallback(rank, out), "refused": _refused(out)}
     eager = _trainer(f"{out}/eager", "model.compile=false")
     got["eager"] = _windows(_losses(eager, ITERS))
     eager.close()
@@ -109,6 +119,9 @@ def test_compiled_training_tracks_eager_overlaps_and_resumes_bit_exact(tmp_path)
     run_ranks(2, _compile_rank, str(tmp_path), timeout_s=300)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert r0["fallback"]["compiled"] is False and r1["fallback"]["compiled"] is False, "every rank falls back"
+    for r in (r0, r1):  # refused alike on every rank, before any rank waits in a collective
+        assert r["refused"].startswith('model.compile = "reduce-overhead" replays forward and backward as CUDA '
+                                       "graphs with one solver only (2 here"), r["refused"]
     assert len(r0["fallback"]["warnings"]) == 1 and r1["fallback"]["warnings"] == []
     assert "model.compile failed on rank 1 (RuntimeError: injected on rank 1)" in r0["fallback"]["warnings"][0]
     assert r0["cache_files"] > 0
