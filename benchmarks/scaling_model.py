@@ -234,18 +234,29 @@ def fit_batch_cost(points: list[tuple[int, float]], source: str = "") -> BatchCo
     return BatchCost(float(fixed), float(per_image), tuple(sorted(points)), source)
 
 
+def json_lines(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of ``path``, one per line that starts with "{" (a command's JSON output among its log)."""
+    return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip().startswith("{")]
+
+
+def last_json_line(path: str | Path, keys: tuple[str, ...], what: str) -> dict[str, Any]:
+    """The last JSON line of ``path`` that has every one of ``keys``; ``what`` names it in the error."""
+    recs = [r for r in json_lines(path) if all(k in r for k in keys)]
+    if not recs:
+        raise ValueError(f"{path}: no {what} JSON line (with {' and '.join(keys)})")
+    return recs[-1]
+
+
 def batch_points(path: str | Path) -> list[tuple[int, float]]:
     """(batch_size, step_ms_median) of every one-solver ``dptrain bench`` JSON line in ``path``, all of
     one model, precision and device."""
     out, kinds = [], set()
-    for line in Path(path).read_text().splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            if r.get("world_size", 1) != 1:
-                raise ValueError(f"{path}: a step(b) fit needs one-solver bench lines; one has world_size "
-                                 f"{r['world_size']}")
-            kinds.add((r.get("model"), r.get("precision"), r.get("device")))
-            out.append((int(r["batch_size"]), float(r["step_ms_median"])))
+    for r in json_lines(path):
+        if r.get("world_size", 1) != 1:
+            raise ValueError(f"{path}: a step(b) fit needs one-solver bench lines; one has world_size "
+                             f"{r['world_size']}")
+        kinds.add((r.get("model"), r.get("precision"), r.get("device")))
+        out.append((int(r["batch_size"]), float(r["step_ms_median"])))
     if len(kinds) > 1:
         raise ValueError(f"{path}: the bench lines mix models, precisions or devices {sorted(map(str, kinds))}; "
                          "fit one at a time")
@@ -406,11 +417,7 @@ def input_path_from_data_bench(path: str | Path) -> InputPath:
     predicted (its last JSON line in ``path``): CPU ms per image, and images/s of one solver process
     at the defaults as that process's ceiling. Measured elsewhere, the per-process rate is that
     host's, not the target's: run it on the node."""
-    recs = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip().startswith("{")]
-    recs = [r for r in recs if "cpu_ms_per_image" in r and "images_per_s" in r]
-    if not recs:
-        raise ValueError(f"{path}: no `dptrain data-bench` JSON line (with cpu_ms_per_image and images_per_s)")
-    r = recs[-1]
+    r = last_json_line(path, ("cpu_ms_per_image", "images_per_s"), "`dptrain data-bench`")
     return InputPath("data-bench", cpu_ms_per_image=float(r["cpu_ms_per_image"]),
                      process_images_per_s=float(r["images_per_s"]),
                      source=f"{path}: dptrain data-bench, {r['images_per_s']:,.0f} img/s per process at "
@@ -898,14 +905,6 @@ def calibration_report(points: list[tuple[int, float]], n: int, alpha_us: float,
     return "\n".join(out) + "\n"
 
 
-def _read_bench(path: str) -> dict[str, Any]:
-    recs = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip().startswith("{")]
-    recs = [r for r in recs if "step_ms_median" in r]
-    if not recs:
-        raise ValueError(f"{path}: no dptrain bench JSON line (with step_ms_median)")
-    return recs[-1]
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--machines", default="dgx-h100", help=f"comma-separated from {sorted(MACHINES)} "
@@ -986,7 +985,7 @@ def main(argv: list[str] | None = None) -> int:
 
         points = measure_allreduce([int(s) for s in args.sizes.split(",")], world_size=2, iters=args.iters)
         alpha_us, busbw = fit_alpha_beta([s for s, _ in points], [t for _, t in points], 2)
-        bench = _read_bench(args.measured_bench) if args.measured_bench else None
+        bench = last_json_line(args.measured_bench, ("step_ms_median",), "dptrain bench") if args.measured_bench else None
         import platform
 
         import torch
