@@ -29,6 +29,12 @@ def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key} must be {bound}, got {value!r}")
 
 
+CompileSetting = bool | Literal["auto", "reduce-overhead"]
+"""``model.compile``'s values (``dptrain.train.compiled``)."""
+CompileGraphs = Literal["auto", "whole", "segments"]
+"""``model.compile_graphs``' values: how the compiled model is cut."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = "lenet"
@@ -40,7 +46,7 @@ class ModelConfig:
     channels_last: bool | Literal["auto"] = "auto"
     """Store activations NHWC. "auto": wherever it was measured faster (``dptrain.layout``: CUDA
     with fp16/bf16 storage; CPU with bf16 where the CPU runs it natively); true/false force it."""
-    compile: bool | Literal["auto", "reduce-overhead"] = "auto"
+    compile: CompileSetting = "auto"
     """Compile the model's forward and backward with torch.compile, in segments that keep the
     allreduce overlapped with backward (``dptrain.train.compiled``). Fuses the memory-bound
     batch-norm, add and ReLU passes; costs a compile at start-up (a minute or more the first time,
@@ -49,7 +55,7 @@ class ModelConfig:
     eager with one warning. "reduce-overhead": compiled as true, and on CUDA forward and backward
     replay as CUDA graphs (torch.compile's mode of that name), one solver only: the allreduce
     cannot join the graphs."""
-    compile_graphs: Literal["auto", "whole", "segments"] = "auto"
+    compile_graphs: CompileGraphs = "auto"
     """How ``model.compile`` cuts the model. "segments": one graph per bucket-sized block, so each
     bucket's allreduce starts while the earlier layers' backward runs; "whole": one graph, every
     gradient handed over at the end of backward (the most fusion, no overlap). "auto": segments

@@ -57,12 +57,12 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dptrain.config import CompileGraphs, CompileSetting
 from dptrain.csrc.inductor import point_caches, prepare as prepare_inductor
 from dptrain.dist.comm import Communicator
 from dptrain.errors import ConfigError
@@ -87,10 +87,7 @@ but every start then pays a compile (13 s from the cache, about 50 s cold), more
 runs (tests, ``make demo``, the digits recipes) save; ``model.compile = true`` turns it on."""
 
 
-Setting = bool | Literal["auto", "reduce-overhead"]
-
-
-def resolve_compile(setting: Setting, storage: str, device: torch.device) -> bool:
+def resolve_compile(setting: CompileSetting, storage: str, device: torch.device) -> bool:
     """``model.compile`` as a bool: the setting, or for "auto" CUDA with fp16/bf16 storage (where
     the memory-bound batch-norm, add and ReLU traffic it fuses is a large share of the step) and
     the CPU as :data:`CPU_COMPILE_AUTO` says."""
@@ -135,10 +132,7 @@ def segments(model: nn.Module, cap_bytes: float) -> list[tuple[str, nn.Module]]:
     return out
 
 
-Graphs = Literal["auto", "whole", "segments"]
-
-
-def segment_cap(model: nn.Module, bucket_mb: float | str, world_size: int, graphs: Graphs = "auto",
+def segment_cap(model: nn.Module, bucket_mb: float | str, world_size: int, graphs: CompileGraphs = "auto",
                 device_type: str = "cuda") -> float:
     """Bytes of parameters per segment: no limit (the whole model is one graph, with the most
     fusion) for "whole", and for "auto" with one solver (no allreduce to overlap) or on the CPU
@@ -152,7 +146,7 @@ def segment_cap(model: nn.Module, bucket_mb: float | str, world_size: int, graph
     return min(bucket, total / MIN_SEGMENTS)
 
 
-def compile_for_training(model: nn.Module, setting: Setting, *, graphs: Graphs = "auto", storage: str,
+def compile_for_training(model: nn.Module, setting: CompileSetting, *, graphs: CompileGraphs = "auto", storage: str,
                          bucket_mb: float | str, forward: Callable[[torch.Tensor], torch.Tensor],
                          batch_shape: tuple[int, int, int, int],
                          dtype: torch.dtype, channels_last: bool, flat: FlatParams,
