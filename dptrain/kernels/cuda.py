@@ -8,16 +8,20 @@ Every rule's kernel takes the same argument list, built once here from :class:`U
 
 and is named ``dptrain_<rule>_update<T, M, V>`` (storage dtype, state dtype, vector width).
 Kernels launch on torch's current stream with raw ``data_ptr()`` pointers: no copies, no
-host sync. The module is compiled once per process and device by :mod:`.nvrtc`, with
-:data:`NVRTC_OPTIONS` and nothing else (CuPy never compiles it, so none of CuPy's own
-options, such as ``-ftz=true``, apply). CuPy is imported lazily: the package imports
+host sync. The module is compiled by :mod:`.nvrtc`, with :data:`NVRTC_OPTIONS` and nothing
+else (CuPy never compiles it, so none of CuPy's own options, such as ``-ftz=true``, apply),
+once per GPU architecture: the cubin is kept in ``<cache>/nvrtc`` (``dptrain.csrc.build.cache_dir``)
+under a hash of everything that makes it, so later processes load it instead of spending
+seconds in NVRTC (:func:`compile_module_cached`). CuPy is imported lazily: the package imports
 without it.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
+import os
 import tempfile
 import warnings
 from pathlib import Path
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dptrain.csrc.build import cache_dir
 from dptrain.errors import SetupError
 from dptrain.kernels import nvrtc
 from dptrain.kernels.spec import RULES, Rule, UpdateArgs, rule_of
@@ -92,6 +97,34 @@ def compile_module(arch: str, library: str | None = None) -> nvrtc.Compiled:
                               name_expressions=name_expressions(), arch=arch, library=lib)
 
 
+def compile_module_cached(arch: str, library: str | None = None) -> nvrtc.Compiled:
+    """:func:`compile_module`, through ``<cache>/nvrtc``: the cubin and its lowered names are
+    stored under a hash of the sources (update.cu and the csrc headers), the options, the
+    names, ``arch`` and the NVRTC library and version, so a change of any makes a new entry. A
+    cache that cannot be read or written costs a compile, nothing else; a wrong cubin would
+    still be caught by the first-use self-check (``kernels.selfcheck``)."""
+    lib = library or nvrtc.find_library()
+    sources = [SOURCE.read_text(), *(h.read_text() for h in sorted(SOURCE.parent.glob("*.h")))]
+    key = hashlib.sha256(json.dumps([sources, NVRTC_OPTIONS, name_expressions(), arch, lib,
+                                     nvrtc.version(lib)]).encode()).hexdigest()[:24]
+    stem = cache_dir() / "nvrtc" / f"update-{arch}-{key}"
+    binary, names = stem.with_suffix(".cubin"), stem.with_suffix(".json")
+    try:
+        return nvrtc.Compiled(arch, binary.read_bytes(), json.loads(names.read_text()), "", ())
+    except (OSError, ValueError):
+        pass
+    compiled = compile_module(arch, lib)
+    try:  # the names last: an entry is whole once its names exist
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        for path, data in ((binary, compiled.binary), (names, json.dumps(compiled.lowered).encode())):
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+    except OSError as e:
+        log.debug("cannot cache the NVRTC build in %s (%s)", stem.parent, e)
+    return compiled
+
+
 # --------------------------------------------------------------------------------------- CuPy
 
 
@@ -113,7 +146,7 @@ class _Loaded:
         cupy = cupy_module()
         major, minor = torch.cuda.get_device_capability(device_index)
         cuda_major = int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
-        compiled = compile_module(f"sm_{major}{minor}", nvrtc.find_library(cuda_major))
+        compiled = compile_module_cached(f"sm_{major}{minor}", nvrtc.find_library(cuda_major))
         # CuPy loads a cubin from a file (cuModuleLoad); the file is only needed while loading
         digest = hashlib.sha256(compiled.binary).hexdigest()[:16]
         with tempfile.TemporaryDirectory(prefix="dptrain-cubin-") as d:

@@ -31,14 +31,52 @@ def library() -> str:
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_update_cu_compiles_for_each_target_gpu_and_every_name_lowers(library, arch):
-    compiled = cuda.compile_module(arch, library)
+def test_update_cu_compiles_for_each_target_gpu_and_every_name_lowers(library, arch, tmp_path, monkeypatch):
+    """Compiled as a solver does (through the cache); the second process's load comes from the cache."""
+    monkeypatch.setenv("DPTRAIN_CACHE", str(tmp_path))
+    compiled = cuda.compile_module_cached(arch, library)
     assert compiled.binary.startswith(ELF_MAGIC), "a cubin for the target GPU"
     assert set(compiled.lowered) == set(cuda.name_expressions())
     for expr, low in compiled.lowered.items():
         assert low.startswith("_Z") or low == expr, f"{expr} did not lower to a mangled name: {low}"
     assert "error" not in compiled.log.lower() and "warning" not in compiled.log.lower(), compiled.log
     assert compiled.options[:len(cuda.NVRTC_OPTIONS)] == cuda.NVRTC_OPTIONS  # nothing added before ours
+    monkeypatch.setattr(cuda, "compile_module", lambda *a: pytest.fail("compiled again, not loaded from the cache"))
+    again = cuda.compile_module_cached(arch, library)
+    assert (again.binary, again.lowered) == (compiled.binary, compiled.lowered)
+
+
+def test_the_nvrtc_cache_compiles_again_when_what_makes_the_cubin_changes(tmp_path, monkeypatch):
+    """A changed source, header, option or NVRTC is a new entry; an entry without its names (a
+    process killed while writing) is compiled again. NVRTC itself is stood in for."""
+    monkeypatch.setenv("DPTRAIN_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "update.cu").write_text("// v1")
+    (src / "host_half.h").write_text("// h1")
+    monkeypatch.setattr(cuda, "SOURCE", src / "update.cu")
+    monkeypatch.setattr(nvrtc, "version", lambda lib: (13, 0))
+    builds = []
+
+    def fake_compile(arch, lib):
+        builds.append(arch)
+        return nvrtc.Compiled(arch, f"cubin {len(builds)}".encode(), {"f": "_Zf"}, "", ())
+
+    monkeypatch.setattr(cuda, "compile_module", fake_compile)
+    first = cuda.compile_module_cached("sm_90", "libnvrtc.so")
+    assert cuda.compile_module_cached("sm_90", "libnvrtc.so").binary == first.binary == b"cubin 1"
+    assert len(builds) == 1
+    (src / "host_half.h").write_text("// h2")
+    assert cuda.compile_module_cached("sm_90", "libnvrtc.so").binary == b"cubin 2"
+    monkeypatch.setattr(nvrtc, "version", lambda lib: (13, 1))
+    assert cuda.compile_module_cached("sm_90", "libnvrtc.so").binary == b"cubin 3"
+    monkeypatch.setattr(cuda, "NVRTC_OPTIONS", (*cuda.NVRTC_OPTIONS, "-lineinfo"))
+    assert cuda.compile_module_cached("sm_90", "libnvrtc.so").binary == b"cubin 4"
+    assert cuda.compile_module_cached("sm_80", "libnvrtc.so").binary == b"cubin 5"
+    for names in (tmp_path / "cache" / "nvrtc").glob("update-sm_80-*.json"):
+        names.unlink()
+    assert cuda.compile_module_cached("sm_80", "libnvrtc.so").binary == b"cubin 6"
+    assert not list((tmp_path / "cache" / "nvrtc").glob("*.tmp"))
 
 
 def test_ptx_keeps_subnormals_and_rounds_every_multiply_and_add(library):
