@@ -160,7 +160,10 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         "peak_mem_bytes": peak_mem_bytes(device),
         "startup_s": round(startup_s, 2),
         "compiled": trainer.compiled is not None,
-        "cuda_graphs": trainer.compiled is not None and trainer.compiled.cuda_graphs and trainer.device.type == "cuda",
+        # recorded and replayed: asked for, on CUDA, and no graph skipped at start-up
+        "cuda_graphs": (trainer.compiled is not None and trainer.compiled.cuda_graphs and trainer.device.type == "cuda"
+                        and trainer.compiled.cuda_graph_skips == 0),
+        "cuda_graph_skips": trainer.compiled.cuda_graph_skips if trainer.compiled is not None else None,
         "compile_s": round(trainer.compiled.compile_s, 2) if trainer.compiled is not None else None,
         "solver": cfg.solver.type,
         "update_kernel": kernels.update_backend(trainer.flat.groups[0].grads, cpu_fused=cfg.solver.cpu_fused_update),

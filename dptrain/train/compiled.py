@@ -182,6 +182,9 @@ class CompiledModel:
         """torch.compile's "reduce-overhead" mode: CUDA graphs on CUDA (module docstring)."""
         self.compile_s: float | None = None
         """Seconds the start-up compile took (None: not compiled)."""
+        self.cuda_graph_skips = 0
+        """Graphs that cudagraph trees ran without recording during the start-up passes (a CPU tensor,
+        an input mutation, an op it cannot capture): they run compiled, but not as CUDA graphs."""
         self._own_forward: dict[int, Callable[..., torch.Tensor] | None] = {}
 
     def step_begins(self) -> None:
@@ -226,6 +229,7 @@ class CompiledModel:
                      ", ".join(self.names), ", as CUDA graphs" if self.cuda_graphs and comm.device.type == "cuda"
                      else "", point_caches())
         error = ""
+        skips = _cudagraph_skips()
         try:
             self.compile()
             with _unchanged(self.model, flat):
@@ -251,7 +255,21 @@ class CompiledModel:
         self.compile_s = time.perf_counter() - t0
         if comm.rank == 0:
             log.info("model.compile: compiled in %.1f s", self.compile_s)
+        if self.cuda_graphs:
+            # cudagraph trees skip a graph they cannot record with no error, only a counter and a
+            # log line that is off by default; on the CPU every graph is skipped (there are none)
+            self.cuda_graph_skips = _cudagraph_skips() - skips
+            if self.cuda_graph_skips and comm.device.type == "cuda":
+                log.warning("model.compile = \"reduce-overhead\": %d compiled graph(s) run without CUDA graphs "
+                            "(TORCH_LOGS=cudagraphs says why)", self.cuda_graph_skips)
         return True
+
+
+def _cudagraph_skips() -> int:
+    """Graphs inductor's cudagraph trees have declined to record in this process so far."""
+    from torch._dynamo.utils import counters  # dynamo's own import, on first use
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def _cause(e: BaseException) -> str:
