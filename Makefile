@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-gpu test-slurm bench clean
+.PHONY: setup demo test test-slow test-gpu test-slurm bench gpu-wheels clean
 
 $(PY):
 	@echo "setup 1/3: creating $(VENV) with $$($(PYTHON) --version 2>&1)"
@@ -48,6 +48,15 @@ test-slurm: setup
 
 bench: setup
 	$(PY) benchmarks/throughput.py
+
+# The wheels benchmarks/gpu_session.sh installs on a lent GPU machine, which has no network and whose
+# image lacks them: lmdb (the data stage and tests/gpu/test_data_gpu.py) and pytest-timeout, for the
+# image's Python (GPU_PYTHON, 3.12). Carry .whl/ with the device call (carry: [".whl"]).
+GPU_PYTHON ?= 3.12
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux2014_x86_64 -d .whl lmdb pytest-timeout
+	@ls .whl
 
 clean:
 	rm -rf runs .pytest_cache

@@ -10,6 +10,7 @@ where the stages failed.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import re
 import statistics
@@ -52,14 +53,17 @@ def _json_lines(log: Path) -> list[dict]:
     return out
 
 
-def _verdict(value: float | None, goal: float) -> str:
-    return "-" if value is None else "met" if value >= goal else "MISSED"
+def _verdict(value: float | None, goal: float, at_most: bool = False) -> str:
+    if value is None:
+        return "-"
+    return "met" if (value <= goal if at_most else value >= goal) else "MISSED"
 
 
-def _figure(what: str, value: float | None, goal: float | None, fmt: str = "{:.3f}") -> str:
+def _figure(what: str, value: float | None, goal: float | None, fmt: str = "{:.3f}", at_most: bool = False) -> str:
+    """One figure's row; the goal is a floor, or with ``at_most`` a ceiling."""
     shown = "-" if value is None else fmt.format(value)
-    goal_text = "" if goal is None else f">= {fmt.format(goal)}"
-    verdict = "" if goal is None else _verdict(value, goal)
+    goal_text = "" if goal is None else f"{'<=' if at_most else '>='} {fmt.format(goal)}"
+    verdict = "" if goal is None else _verdict(value, goal, at_most)
     return f"  {what:<44} {shown:>10}  {goal_text:<10} {verdict}"
 
 
@@ -96,22 +100,46 @@ def data_figures(work: Path) -> list[str]:
     return lines
 
 
+PEAK_MEMORY_GOAL = 1.0
+"""dptrain's peak memory / the compiled peer's (default mode), the compile issue's: no higher."""
+
+
 def resnet50_figures(work: Path) -> list[str]:
-    """dptrain over its peer per case, medians of the runs that finished (a cut-off stage still counts)."""
-    runs: dict[str, dict[str, list[float]]] = {}
+    """dptrain over its peer per case, medians of the runs that finished (a cut-off stage still
+    counts), and against the compiled peer also peak memory. Below a ratio: runs that failed, and
+    dptrain runs that were not what the case measures (model.compile fell back to eager, or CUDA
+    graphs were skipped), from the fields throughput.py repeats in its progress lines."""
+    runs: dict[str, dict[str, list[dict]]] = {}
     for r in [*_json_lines(work / "resnet50.log"), *_json_lines(work / "resnet50_more.log")]:
-        if "case" in r:
-            for side in ("dptrain", "peer"):
-                if side in r:
-                    runs.setdefault(r["case"], {}).setdefault(side, []).append(r[side])
+        for side in ("dptrain", "peer"):
+            if "case" in r and side in r:
+                runs.setdefault(r["case"], {}).setdefault(side, []).append(r)
     lines = []
     for case, sides in runs.items():
-        if sides.get("dptrain") and sides.get("peer"):
-            ratio = statistics.median(sides["dptrain"]) / statistics.median(sides["peer"])
-            precision, peer = case.removeprefix("ResNet-50 ").split(" vs ", 1)
-            peer = ("compiled " + ("(reduce-overhead)" if "reduce-overhead" in peer else "peer")
-                    if "torch.compile" in peer else "eager peer")
+        done = {side: [r for r in recs if r[side] is not None] for side, recs in sides.items()}
+        precision, peer = case.removeprefix("ResNet-50 ").split(" vs ", 1)
+        peer = ("compiled " + ("(reduce-overhead)" if "reduce-overhead" in peer else "peer")
+                if "torch.compile" in peer else "eager peer")
+        if done.get("dptrain") and done.get("peer"):
+            ratio = (statistics.median(r["dptrain"] for r in done["dptrain"])
+                     / statistics.median(r["peer"] for r in done["peer"]))
             lines.append(_figure(f"ResNet-50 {precision}: dptrain / {peer}", ratio, resnet50_goal(case)))
+            mem = [statistics.median(r["peak_mem_bytes"] for r in done[side]) if all(
+                r.get("peak_mem_bytes") for r in done[side]) else None for side in ("dptrain", "peer")]
+            if resnet50_goal(case) == RESNET50_GOAL_COMPILED and None not in mem:
+                lines.append(_figure(f"ResNet-50 {precision}: peak memory dptrain / {peer}", mem[0] / mem[1],
+                                     PEAK_MEMORY_GOAL, at_most=True))
+        eager = sum(r.get("compiled") is False for r in done.get("dptrain", []))
+        no_graphs = sum(r.get("cuda_graphs") is False for r in done.get("dptrain", [])
+                        if "reduce-overhead" in case and r.get("compiled"))
+        if eager:
+            lines.append(f"    dptrain ran eagerly in {eager} run(s): model.compile fell back (its warning is in the log)")
+        if no_graphs:
+            lines.append(f"    dptrain ran without CUDA graphs in {no_graphs} run(s): cudagraph trees skipped them")
+        for side, recs in sides.items():
+            errors = [r.get("error", "") for r in recs if r[side] is None]
+            if errors:
+                lines.append(f"    {side}: {len(errors)} run(s) failed: {errors[-1][:80]}")
     return lines
 
 
@@ -142,7 +170,12 @@ def _tests_line(work: Path) -> str:
     text = log.read_text(errors="replace")
     counts = re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected|errors?)\b.*?)(?: =*)?$", text, re.M)
     cut = "; a test hit pytest-timeout" if "+ Timeout +" in text else ""
-    return (counts[-1] if counts else "no pytest summary") + cut
+    if counts:
+        return counts[-1] + cut
+    # cut off before its summary: pytest -v's result per test, as far as it got
+    so_far = collections.Counter(re.findall(r"^\S+::\S+ (PASSED|FAILED|ERROR|SKIPPED)", text, re.M))
+    done = ", ".join(f"{n} {word.lower()}" for word, n in so_far.items())
+    return f"no pytest summary (cut off){'; so far ' + done if done else ''}" + cut
 
 
 def render(work: Path, stages: list[str]) -> str:

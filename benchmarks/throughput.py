@@ -189,6 +189,19 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     return json.loads(lines[-1])
 
 
+PROGRESS_KEYS = ("compiled", "cuda_graphs", "compile_s", "startup_s", "peak_mem_bytes")
+"""Fields of a run's record repeated in its progress line, beside images/s: what
+benchmarks/session_summary.py reads from a stage log (whether dptrain really ran compiled, and
+each side's peak memory), even when the stage is cut off before the results file is written."""
+
+
+def progress_line(case: str, side: str, rec: dict | None, error: str | None = None) -> str:
+    """The line printed after each run: images/s (None for a run that failed, with its error)."""
+    out = {"case": case, side: rec["images_per_s"] if rec else None}
+    out.update({k: rec[k] for k in PROGRESS_KEYS if rec and rec.get(k) is not None})
+    return json.dumps({**out, "error": error} if error else out)
+
+
 def render(rows: list[dict], machine: str, date: str, raw: list[dict]) -> str:
     out = [f"# dptrain vs peers: throughput ({date})", "", f"Machine: {machine}", "",
            "Median images/s over the repeats; both sides measured alternately in the same run, same model, "
@@ -196,11 +209,13 @@ def render(rows: list[dict], machine: str, date: str, raw: list[dict]) -> str:
            "round in reverse order (and the peer first), so no run always follows the same one.", "",
            "| case | world | dptrain img/s | peer | peer img/s | ratio | dptrain exposed comm ms |",
            "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        peer = f"{r['peer_ips']:.1f}" if r["peer_ips"] else "-"
-        ratio = f"{r['dptrain_ips'] / r['peer_ips']:.3f}x" if r["peer_ips"] else "-"
-        out.append(f"| {r['case']} | {r['world_size']} | {r['dptrain_ips']:.1f} | {r['peer_name'] or '-'} | "
-                   f"{peer} | {ratio} | {r['exposed_comm_ms']:.1f} |")
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    for r in rows:  # "-": no such side, or every run of it failed
+        ratio = f"{r['dptrain_ips'] / r['peer_ips']:.3f}x" if r["peer_ips"] and r["dptrain_ips"] else "-"
+        out.append(f"| {r['case']} | {r['world_size']} | {num(r['dptrain_ips'])} | {r['peer_name'] or '-'} | "
+                   f"{num(r['peer_ips'])} | {ratio} | {num(r['exposed_comm_ms'])} |")
     out += ["", "Raw JSON lines:", "", "```"] + [json.dumps(x) for x in raw] + ["```", ""]
     return "\n".join(out)
 
@@ -249,7 +264,7 @@ def main() -> int:
             if c.peer:
                 print(" ".join([*(f"{k}={v}" for k, v in c.peer_env.items()), *peer_cmd(c, args.steps, args.warmup)]))
         return 0
-    raw = []
+    raw, failed = [], 0
     for rep in range(args.repeats):  # round-robin: a slow spell on a shared host lands on every case alike
         # and every other round in reverse order (ABBA), so that no run always follows the same one
         ran: dict[str, dict] = {}  # one run per distinct command and round: cases that differ only in the peer share it
@@ -259,31 +274,44 @@ def main() -> int:
                 argv, env = cmd(c, args.steps, args.warmup), c.peer_env if side == "peer" else c.env
                 key = json.dumps([argv, env])
                 shared = key in ran
-                rec = ran[key] if shared else run_json(argv, env)
+                try:
+                    rec = ran[key] if shared else run_json(argv, env)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other runs still count
+                    failed += 1
+                    why = str(e).strip().splitlines()
+                    print(str(e), file=sys.stderr)
+                    print(progress_line(c.name, side, None, why[-1] if why else type(e).__name__), flush=True)
+                    continue
                 ran[key] = rec
                 raw.append({"case": c.name, "side": side, "repeat": rep, **({"shared_run": True} if shared else {}),
                             **rec})
-                print(json.dumps({"case": c.name, side: rec["images_per_s"]}), flush=True)
+                print(progress_line(c.name, side, rec), flush=True)
+    if not raw:
+        print(f"every run failed ({failed})", file=sys.stderr)
+        return 1
     rows = []
     for c in cases:
         ours = [r for r in raw if r["case"] == c.name and r["side"] == "dptrain"]
         theirs = [r for r in raw if r["case"] == c.name and r["side"] == "peer"]
         rows.append({"case": c.name, "world_size": c.world_size,
-                     "dptrain_ips": statistics.median(r["images_per_s"] for r in ours),
+                     "dptrain_ips": statistics.median(r["images_per_s"] for r in ours) if ours else None,
                      "peer_ips": statistics.median(r["images_per_s"] for r in theirs) if theirs else None,
                      "peer_name": theirs[-1].get("peer") if theirs else None,
-                     "exposed_comm_ms": statistics.median(r["exposed_comm_ms"] for r in ours)})
-    device = raw[0]["device"]
+                     "exposed_comm_ms": statistics.median(r["exposed_comm_ms"] for r in ours) if ours else None})
+    ours = next((r for r in raw if r["side"] == "dptrain"), None)  # bench's record names the machine
+    device = ours["device"] if ours else "unknown device"
     hw = (f"cpu{len(os.sched_getaffinity(0))}" if args.suite != "gpu"
           else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_"))
-    machine = f"{device}; {platform.platform()}; torch {raw[0]['versions']['torch']}"
+    machine = f"{device}; {platform.platform()}; torch {ours['versions']['torch'] if ours else '?'}"
     date = datetime.date.today().strftime("%Y%m%d")
     suffix = f"_{args.tag}" if args.tag else ""
     path = Path(args.out) / f"throughput_{args.suite}_{hw}_{date}{suffix}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(rows, machine, date, raw))
     print(f"wrote {path}")
-    return 0
+    if failed:
+        print(f"{failed} run(s) failed; the table has the others", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -26,8 +26,12 @@ Two times per pass on CUDA:
   kernels, not the host (``*_dispatch_hidden`` says whether the spin outlasted the queueing).
   The fractions of the copy come from these. On the CPU there is only the wall time.
 
-On the CPU the buffers stay in the caches between calls when they fit, so use a ``--numel``
-well past the last-level cache to time memory (``--storage bf16`` on a CPU with native bf16).
+Calls in a row take their turns over several copies of the buffers, enough that together they
+span ``--footprint-mb`` (256 MB, five times an H100's 50 MB L2): the norm reads 51 MB of ResNet-50
+gradients, which a second call in a row would otherwise find partly in L2, and so would the
+copy of the same bytes, each by its own share. ``buffers_rotated`` in the record says how many
+copies each pass used (the update moves 562 MB per call and needs none). On the CPU the same
+keeps the last-level cache out of a small ``--numel``'s times.
 
     python benchmarks/update_bandwidth.py                     # CUDA: kernel + reference + copy
     python benchmarks/update_bandwidth.py --device cpu --storage bf16 --numel 10000000
@@ -35,10 +39,13 @@ well past the last-level cache to time memory (``--storage bf16`` on a CPU with 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import statistics
 import time
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,6 +76,10 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 GOALS = {"update": 0.90, "norm": 0.75}
 """Issue 32: bandwidth by kernel time as a fraction of a same-size device copy's, on H100/H200."""
+FOOTPRINT_MB = 256
+"""Bytes the rotated copies of a pass's buffers span together, at least (module docstring)."""
+MAX_COPIES = 16
+"""At most this many copies per pass (a tiny ``--numel`` would otherwise ask for thousands)."""
 SPIN_CYCLES = 50_000_000
 """torch.cuda._sleep length before the event-timed calls (~25-35 ms at 1.5-2 GHz): far longer
 than the host needs to queue 20 calls of either pass, so the GPU never waits for the host."""
@@ -100,6 +111,17 @@ def _buffers(n: int, storage: torch.dtype, momentum: torch.dtype, device: torch.
         "grad_coef": torch.full((1,), 2.0**-16, device=device),  # [1] fp32
         "found_inf": torch.zeros(1, device=device),  # [1] fp32
     }
+
+
+def copies_for(nbytes: int, footprint_bytes: int) -> int:
+    """How many copies of a pass's buffers span ``footprint_bytes`` (1 to :data:`MAX_COPIES`)."""
+    return max(1, min(MAX_COPIES, math.ceil(footprint_bytes / max(nbytes, 1))))
+
+
+def _in_turn(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call that runs ``calls`` in turn, one per call."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
 
 
 def _median_ms(fn: Callable[[], object], device: torch.device, *, iters: int, repeats: int, warmup: int) -> float:
@@ -182,29 +204,25 @@ def _time(fn: Callable[[], object], nbytes: int, device: torch.device, args) -> 
     return Timing(nbytes, wall, *_kernel_ms(fn, iters=args.iters, repeats=args.repeats))
 
 
-def _measure(backend: str, b: dict[str, torch.Tensor], nbytes: dict[str, int], device: torch.device,
-             args) -> dict[str, Timing]:
-    """The update and the norm with ``backend``, as {pass: Timing}."""
+def _measure(backend: str, sets: list[dict[str, torch.Tensor]], norm_grads: list[torch.Tensor],
+             nbytes: dict[str, int], device: torch.device, args) -> dict[str, Timing]:
+    """The update (over the buffer ``sets`` in turn) and the norm (over ``norm_grads`` in turn)
+    with ``backend``, as {pass: Timing}."""
     os.environ[kernels.KERNELS_ENV] = backend
-
-    update_args = UpdateArgs(rule="sgd", grads=b["grads"], master=b["master"], params=b["params"],
-                             state=(b["momentum"],), grad_coef=b["grad_coef"], found_inf=b["found_inf"],
-                             hyper=Hyper(lr=0.1, momentum=0.9, weight_decay=5e-5))
-
-    def update() -> None:
-        kernels.update(update_args)
-
-    def norm() -> None:
-        kernels.grad_norm(b["grads"])
-
+    hyper = Hyper(lr=0.1, momentum=0.9, weight_decay=5e-5)
+    updates = [UpdateArgs(rule="sgd", grads=b["grads"], master=b["master"], params=b["params"], state=(b["momentum"],),
+                          grad_coef=b["grad_coef"], found_inf=b["found_inf"], hyper=hyper) for b in sets]
+    update = _in_turn([functools.partial(kernels.update, u) for u in updates])
+    norm = _in_turn([functools.partial(kernels.grad_norm, g) for g in norm_grads])
     return {"update": _time(update, nbytes["update"], device, args), "norm": _time(norm, nbytes["norm"], device, args)}
 
 
-def _copy(nbytes: int, device: torch.device, args) -> Timing:
-    """``dst.copy_(src)`` moving ``nbytes`` (half of them read, half written), timed as the passes are."""
-    src = torch.ones(nbytes // 2, dtype=torch.uint8, device=device)  # [nbytes/2] bytes, read once
-    dst = torch.empty_like(src)  # [nbytes/2] bytes, written once
-    return _time(lambda: dst.copy_(src), 2 * src.numel(), device, args)
+def _copy(nbytes: int, copies: int, device: torch.device, args) -> Timing:
+    """``dst.copy_(src)`` moving ``nbytes`` (half of them read, half written), over ``copies``
+    pairs in turn, timed as the passes are."""
+    pairs = [(torch.ones(nbytes // 2, dtype=torch.uint8, device=device),  # [nbytes/2] bytes, read once
+              torch.empty(nbytes // 2, dtype=torch.uint8, device=device)) for _ in range(copies)]  # written once
+    return _time(_in_turn([functools.partial(dst.copy_, src) for src, dst in pairs]), 2 * (nbytes // 2), device, args)
 
 
 def _side(times: dict[str, Timing] | None, peak: float | None,
@@ -215,26 +233,30 @@ def _side(times: dict[str, Timing] | None, peak: float | None,
     return {k: v for name, t in times.items() for k, v in t.figures(name, peak, copy.get(name)).items()}
 
 
-def _run(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, dict[str, Timing]], dict[str, Timing]]:
-    """Every backend's update and norm, then the same-size copies: ({backend: {pass: Timing}}, {pass: Timing})."""
+def _run(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, dict[str, Timing]], dict[str, Timing],
+                                                                   dict[str, int]]:
+    """Every backend's update and norm, then the same-size copies: ({backend: {pass: Timing}},
+    {pass: Timing}, {pass: copies rotated})."""
     storage, momentum = DTYPES[args.storage], DTYPES[args.momentum]
-    b = _buffers(args.numel, storage, momentum, device)
     nbytes = {"update": args.numel * update_bytes_per_elem(storage, momentum, larc=False),
-              "norm": b["grads"].numel() * b["grads"].element_size()}
+              "norm": args.numel * storage.itemsize}
+    rotated = {what: copies_for(nb, args.footprint_mb * 2**20) for what, nb in nbytes.items()}
+    sets = [_buffers(args.numel, storage, momentum, device) for _ in range(rotated["update"])]
+    norm_grads = [sets[i]["grads"] if i < len(sets) else sets[0]["grads"].clone() for i in range(rotated["norm"])]
     if device.type == "cuda":
         backends = ["cupy", "torch"]
     else:  # without a usable host library (no C++ compiler), the in-place passes and the reference only
         backends = [*(["native"] if native.unusable() is None else []), "inplace", "torch"]
     previous = os.environ.get(kernels.KERNELS_ENV)
     try:
-        results = {bk: _measure(bk, b, nbytes, device, args) for bk in backends}
+        results = {bk: _measure(bk, sets, norm_grads, nbytes, device, args) for bk in backends}
     finally:
         if previous is None:
             os.environ.pop(kernels.KERNELS_ENV, None)
         else:
             os.environ[kernels.KERNELS_ENV] = previous
-    del b  # the copies' buffers take the memory back
-    return results, {what: _copy(nb, device, args) for what, nb in nbytes.items()}
+    del sets, norm_grads  # the copies' buffers take the memory back
+    return results, {what: _copy(nb, rotated[what], device, args) for what, nb in nbytes.items()}, rotated
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -245,6 +267,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     p.add_argument("--iters", type=int, default=20, help="calls per timed repeat")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats; the median is reported")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (compilation, allocator)")
+    p.add_argument("--footprint-mb", type=int, default=FOOTPRINT_MB,
+                   help="calls in a row rotate over copies of the buffers spanning this many MB (0: one copy)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = p.parse_args(argv)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -252,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     name = device_name(device)
     peak_entry = peak_bandwidth(name) if cuda else None
     peak = peak_entry[0] if peak_entry else None
-    results, copy = _run(args, device)
+    results, copy, rotated = _run(args, device)
     kernel = _side(results.get("cupy" if cuda else "native"), peak, copy)
     reference = _side(results["torch"], peak, copy)
     record: dict[str, object] = {
@@ -273,6 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "goals_met": ({what: kernel[f"{what}_fraction_of_copy"] >= goal for what, goal in GOALS.items()}
                       if kernel and cuda else None),
         "kernel_speedup": round(reference["update_ms"] / kernel["update_ms"], 2) if kernel else None,
+        "buffers_rotated": rotated,
+        "footprint_mb": args.footprint_mb,
         "timing": {"iters": args.iters, "repeats": args.repeats, "warmup": args.warmup, "stat": "median",
                    "fraction_of_copy_from": "kernel time (CUDA events)" if cuda else "wall time"},
         "versions": versions(),

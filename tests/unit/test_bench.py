@@ -85,6 +85,36 @@ def test_throughput_dry_run_lists_every_case_and_its_peer():
     assert len(buckets) == 6 and all(f"--warmup={AUTO_DONE_ITER} " in ln for ln in buckets)
 
 
+def test_a_failed_run_costs_its_own_figure_not_the_others(tmp_path, monkeypatch, capsys):
+    """throughput.py --suite gpu with the compiled peer's run failing: the other runs still run and
+    print their progress lines (with what session_summary.py reads: compiled, peak memory), the table
+    shows "-" for the missing side, and the exit code is 1."""
+    from benchmark_scripts import load_benchmark
+
+    throughput = load_benchmark("throughput")
+
+    def fake_run(argv, env=None):
+        if "--compile=default" in argv:
+            raise RuntimeError("peer.py failed (1):\nRuntimeError: CUDA out of memory")
+        if "peer.py" in " ".join(argv):
+            return {"images_per_s": 6000.0, "peer": "autocast fp16", "peak_mem_bytes": 11e9}
+        return {"images_per_s": 7000.0, "exposed_comm_ms": 0.0, "compiled": True, "cuda_graphs": False,
+                "peak_mem_bytes": 10e9, "device": "NVIDIA H200", "versions": {"torch": "2.11.0"}}
+
+    monkeypatch.setattr(throughput, "run_json", fake_run)
+    monkeypatch.setattr(sys, "argv", ["throughput.py", "--suite", "gpu", "--repeats", "1", "--out", str(tmp_path),
+                                      "--only", "fp16 vs torch AMP,fp16 vs torch.compile + torch AMP"])
+    assert throughput.main() == 1
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    assert {"case": "ResNet-50 fp16 vs torch.compile + torch AMP (autocast + GradScaler)", "peer": None,
+            "error": "RuntimeError: CUDA out of memory"} in lines
+    assert {"case": "ResNet-50 fp16 vs torch AMP (autocast + GradScaler)", "dptrain": 7000.0, "compiled": True,
+            "cuda_graphs": False, "peak_mem_bytes": 10e9} in lines
+    table = next(tmp_path.glob("throughput_gpu_nvidia_h200_*.md")).read_text()
+    assert "| ResNet-50 fp16 vs torch AMP (autocast + GradScaler) | 1 | 7000.0 | autocast fp16 | 6000.0 | 1.167x |" in table
+    assert "| ResNet-50 fp16 vs torch.compile + torch AMP (autocast + GradScaler) | 1 | 7000.0 | - | - | - |" in table
+
+
 def test_no_phase_steps_means_no_phase_times_rather_than_zeros(tmp_path, capsys):
     cfg = tmp_path / "b.toml"
     cfg.write_text(f'[model]\nname = "lenet"\n[data]\nbatch_size = 4\nimage_size = 32\n[train]\nrun_dir = "{tmp_path}"\n')

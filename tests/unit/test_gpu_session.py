@@ -135,6 +135,37 @@ def test_the_default_stages_fit_in_eight_minutes_in_the_issue_order():
     limits = dict(re.findall(r"\[(\w+)\]=(\d+)", re.search(r"^declare -A LIMIT=\(([^)]*)\)", script, re.M).group(1)))
     assert default == ["selfcheck", "tests", "bandwidth", "data", "resnet50"]
     assert sum(int(limits[s]) for s in default) <= 8 * 60
+    # and with the second call (resnet50_more) inside a lent GPU's 15 minutes: one start of ~30 s,
+    # and each call's environment probe (at most 30 s) beside its stages
+    assert sum(int(limits[s]) for s in default) + int(limits["resnet50_more"]) + 30 + 2 * 30 <= 15 * 60
+
+
+def test_the_summary_tells_a_cut_off_test_run_a_failed_run_a_fallback_and_peak_memory(tmp_path):
+    """pytest cut off before its summary: its -v results so far. A resnet50 case: a failed run is
+    named, a dptrain run whose compile fell back is counted, and against the compiled peer the
+    peak memory is graded (no higher than the peer's)."""
+    (tmp_path / "status.tsv").write_text("tests\t124\t100\t100\nresnet50\t1\t150\t180\nworst stage status: 124\n")
+    (tmp_path / "tests.log").write_text("== tests\ntests/gpu/test_a.py::test_x[cuda] PASSED [ 10%]\n"
+                                        "tests/gpu/test_a.py::test_y PASSED [ 20%]\n"
+                                        "tests/gpu/test_b.py::test_z FAILED [ 30%]\n")
+    compiled = "ResNet-50 fp16 vs torch.compile + torch AMP (autocast + GradScaler)"
+    eager = "ResNet-50 fp16 vs torch AMP (autocast + GradScaler)"
+    (tmp_path / "resnet50.log").write_text("\n".join(json.dumps(r) for r in (
+        {"case": eager, "dptrain": 7000.0, "compiled": False, "peak_mem_bytes": 10e9},
+        {"case": eager, "peer": 6000.0, "peak_mem_bytes": 11e9},
+        {"case": compiled, "dptrain": 7000.0, "compiled": False, "peak_mem_bytes": 10e9},
+        {"case": compiled, "peer": None, "error": "RuntimeError: CUDA out of memory"},
+        {"case": compiled, "peer": 6800.0, "peak_mem_bytes": 9.5e9})) + "\n")
+    lines = load_benchmark("session_summary").render(tmp_path, ["tests", "resnet50"]).splitlines()
+    tests = next(line for line in lines if line.strip().startswith("tests"))
+    assert tests.split()[1] == "timeout" and "no pytest summary (cut off); so far 2 passed, 1 failed" in tests
+    at = next(i for i, line in enumerate(lines) if "fp16: dptrain / compiled peer" in line)
+    assert lines[at].split()[-4:] == ["1.029", ">=", "1.050", "MISSED"]
+    assert "fp16: peak memory dptrain / compiled peer" in lines[at + 1]
+    assert lines[at + 1].split()[-4:] == ["1.053", "<=", "1.000", "MISSED"]
+    assert lines[at + 2].strip() == "dptrain ran eagerly in 1 run(s): model.compile fell back (its warning is in the log)"
+    assert lines[at + 3].strip() == "peer: 1 run(s) failed: RuntimeError: CUDA out of memory"
+    assert not any("peak memory dptrain / eager peer" in line for line in lines)  # graded against compile only
 
 
 def test_an_unknown_stage_is_refused_before_anything_runs(tmp_path):

@@ -388,7 +388,16 @@ def test_bandwidth_benchmark_on_cpu_reports_the_host_kernel_the_fallback_and_the
         assert line[side]["update_fraction_of_copy"] > 0 and line[side]["norm_fraction_of_copy"] > 0, side
         assert "update_kernel_ms" not in line[side], side  # CUDA events only on CUDA
     assert line["timing"]["fraction_of_copy_from"] == "wall time" and line["goals_met"] is None
+    assert line["buffers_rotated"] == {"update": 16, "norm": 16}  # tiny buffers: the most copies
     assert line["goals"] == {"update_fraction_of_copy": 0.9, "norm_fraction_of_copy": 0.75}
+
+
+def test_bandwidth_passes_rotate_over_copies_that_span_more_than_the_l2():
+    copies = load_benchmark("update_bandwidth").copies_for
+    mb = 2**20
+    assert copies(25_557_032 * 2, 256 * mb) == 6  # the ResNet-50 norm's 51 MB: 6 copies, 307 MB
+    assert copies(25_557_032 * 22, 256 * mb) == 1  # the update's 562 MB already spans it
+    assert copies(4096, 256 * mb) == 16 and copies(51 * mb, 0) == 1
 
 
 def test_bandwidth_fractions_come_from_kernel_time_where_there_is_one():
