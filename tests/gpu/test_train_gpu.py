@@ -91,7 +91,7 @@ def test_reduced_precision_tracks_fp32_loss(tmp_path, device, storage):
     assert abs(means[storage] - means["fp32"]) / means["fp32"] < 0.05, means
 
 
-@gpu_only()
+@gpu_only(pytest.mark.timeout(120))  # a cold compile, past gpu_session's 60 s per test
 def test_cuda_graph_steps_track_eager_without_a_host_sync(tmp_path):
     """model.compile = "reduce-overhead" on one GPU: every graph recorded (none skipped), 6 fp16
     steps replayed with no host sync, and their losses those of eager steps from the same start.
