@@ -10,8 +10,9 @@
 # A lent GPU's 15 minutes hold both calls, the second made at once (the machine stays warm for
 # ~30 s between calls; a new start costs ~30 s and needs 4 minutes left): about 30 s of start,
 # the first call's 8 minutes of limits and ~20 s of set-up and packing, then the second call's
-# 300 s. Lower LIMIT_RESNET50_MORE_S to what `status` says is left less ~40 s, so the stage's own
-# limit, not the device call's, ends it and the cases it finished are packed and summarised.
+# 300 s: the best case, 30 s short of the 15 minutes. Lower LIMIT_RESNET50_MORE_S to what `status`
+# says is left less ~40 s, so the stage's own limit, not the device call's, ends it and the cases
+# it finished are packed and summarised.
 #
 # Stages run in the order STAGES gives, each under its own time limit (LIMIT_<STAGE>_S seconds),
 # printed as it starts. A stage past its limit is killed with its whole process group (children
@@ -59,7 +60,7 @@
 # running stage's group, packs what is done, and exits 143.
 #
 # Wheels the image lacks (lmdb, nvidia-cuda-nvrtc/-runtime if CuPy brought none, pytest-timeout) travel
-# in .whl/ and are installed, one by one, into the scratch folder first; fetch them where pip has
+# in .whl/ (WHEELS) and are installed into the scratch folder first; fetch them where pip has
 # network: `make gpu-wheels` (lmdb and pytest-timeout for Python 3.12), or for NVRTC too, e.g.:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl lmdb nvidia-cuda-nvrtc nvidia-cuda-runtime pytest-timeout
@@ -67,6 +68,7 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}
 STAGES=${STAGES:-"selfcheck tests bandwidth data resnet50"}
 PY=${PYTHON:-python3}
+WHEELS=${WHEELS:-.whl}  # the folder of wheels to install first (the tests point it at an empty one)
 KILL_AFTER_S=${KILL_AFTER_S:-5}  # SIGKILL this long after the SIGTERM of a timed-out stage
 declare -A LIMIT=([selfcheck]=30 [tests]=110 [bandwidth]=35 [data]=135 [resnet50]=170 [resnet50_more]=300
                   [sweep]=480 [sleep]=2)
@@ -92,13 +94,17 @@ for stage in $STAGES; do total=$((total + LIMIT[$stage])); done
 limits=$(for stage in $STAGES; do printf '%s %s s, ' "$stage" "${LIMIT[$stage]}"; done)
 echo "gpu_session: stages '$STAGES'; limits ${limits}$total s together"
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-    # one wheel at a time: one that does not suit this Python costs only its own module (the
-    # environment probe below says which are missing), never the session
-    for wheel in .whl/*.whl; do
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SCRATCH_DIR/site" \
-            "$wheel" 2>&1 | tail -n 1 >&2 || true
-    done
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+    # all at once (wheels that share a top-level folder, such as nvidia-cuda-nvrtc and -runtime in
+    # nvidia/, install together only so); if that fails, one at a time, so that a wheel that does not
+    # suit this Python costs only its own module (the environment probe below says which are missing)
+    pip_target=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SCRATCH_DIR/site")
+    if ! "${pip_target[@]}" "$WHEELS"/*.whl 2> "$SCRATCH_DIR/pip.err"; then
+        tail -n 1 "$SCRATCH_DIR/pip.err" >&2
+        for wheel in "$WHEELS"/*.whl; do
+            "${pip_target[@]}" "$wheel" 2>&1 | tail -n 1 >&2 || true
+        done
+    fi
     export PYTHONPATH=$SCRATCH_DIR/site${PYTHONPATH:+:$PYTHONPATH}
 elif ! "$PY" -c "import lmdb" 2> /dev/null; then
     echo "no .whl/ and no lmdb: the data stage and tests/gpu/test_data_gpu.py will fail; run 'make gpu-wheels'" \

@@ -120,20 +120,26 @@ def resnet50_figures(work: Path) -> list[str]:
         precision, peer = case.removeprefix("ResNet-50 ").split(" vs ", 1)
         peer = ("compiled " + ("(reduce-overhead)" if "reduce-overhead" in peer else "peer")
                 if "torch.compile" in peer else "eager peer")
+        eager = sum(r.get("compiled") is False for r in done.get("dptrain", []))
+        goal = resnet50_goal(case)
+        if goal is not None and eager:  # the goals are for dptrain as it runs on CUDA, compiled
+            compiled = [r for r in done["dptrain"] if r.get("compiled") is not False]
+            done["dptrain"], goal = compiled or done["dptrain"], goal if compiled else None
+            precision += "" if compiled else " eager"
         if done.get("dptrain") and done.get("peer"):
             ratio = (statistics.median(r["dptrain"] for r in done["dptrain"])
                      / statistics.median(r["peer"] for r in done["peer"]))
-            lines.append(_figure(f"ResNet-50 {precision}: dptrain / {peer}", ratio, resnet50_goal(case)))
+            lines.append(_figure(f"ResNet-50 {precision}: dptrain / {peer}", ratio, goal))
             mem = [statistics.median(r["peak_mem_bytes"] for r in done[side]) if all(
                 r.get("peak_mem_bytes") for r in done[side]) else None for side in ("dptrain", "peer")]
-            if resnet50_goal(case) == RESNET50_GOAL_COMPILED and None not in mem:
+            if goal == RESNET50_GOAL_COMPILED and None not in mem:
                 lines.append(_figure(f"ResNet-50 {precision}: peak memory dptrain / {peer}", mem[0] / mem[1],
                                      PEAK_MEMORY_GOAL, at_most=True))
-        eager = sum(r.get("compiled") is False for r in done.get("dptrain", []))
         no_graphs = sum(r.get("cuda_graphs") is False for r in done.get("dptrain", [])
                         if "reduce-overhead" in case and r.get("compiled"))
         if eager:
-            lines.append(f"    dptrain ran eagerly in {eager} run(s): model.compile fell back (its warning is in the log)")
+            lines.append(f"    dptrain ran eagerly in {eager} run(s), not graded: model.compile fell back (its "
+                         "warning is in the log)")
         if no_graphs:
             lines.append(f"    dptrain ran without CUDA graphs in {no_graphs} run(s): cudagraph trees skipped them")
         for side, recs in sides.items():

@@ -186,7 +186,10 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    try:
+        return json.loads(lines[-1])
+    except ValueError as e:
+        raise RuntimeError(f"{' '.join(cmd)} printed a line that is not JSON ({e}): {lines[-1][:200]}") from e
 
 
 PROGRESS_KEYS = ("compiled", "cuda_graphs", "compile_s", "startup_s", "peak_mem_bytes")
@@ -267,22 +270,27 @@ def main() -> int:
     raw, failed = [], 0
     for rep in range(args.repeats):  # round-robin: a slow spell on a shared host lands on every case alike
         # and every other round in reverse order (ABBA), so that no run always follows the same one
-        ran: dict[str, dict] = {}  # one run per distinct command and round: cases that differ only in the peer share it
+        # one run per distinct command and round: cases that differ only in the peer share it (a failed
+        # one too: its failure is reported for each case, not paid for again)
+        ran: dict[str, dict | Exception] = {}
         for c in (cases if rep % 2 == 0 else cases[::-1]):
             sides = [("dptrain", dptrain_cmd), *([("peer", peer_cmd)] if c.peer else [])]
             for side, cmd in (sides if rep % 2 == 0 else sides[::-1]):
                 argv, env = cmd(c, args.steps, args.warmup), c.peer_env if side == "peer" else c.env
                 key = json.dumps([argv, env])
                 shared = key in ran
-                try:
-                    rec = ran[key] if shared else run_json(argv, env)
-                except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other runs still count
-                    failed += 1
-                    why = str(e).strip().splitlines()
-                    print(str(e), file=sys.stderr)
-                    print(progress_line(c.name, side, None, why[-1] if why else type(e).__name__), flush=True)
+                if not shared:
+                    try:
+                        ran[key] = run_json(argv, env)
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other runs still count
+                        ran[key] = e
+                        failed += 1
+                        print(str(e), file=sys.stderr)
+                rec = ran[key]
+                if isinstance(rec, Exception):
+                    why = str(rec).strip().splitlines()
+                    print(progress_line(c.name, side, None, why[-1] if why else type(rec).__name__), flush=True)
                     continue
-                ran[key] = rec
                 raw.append({"case": c.name, "side": side, "repeat": rep, **({"shared_run": True} if shared else {}),
                             **rec})
                 print(progress_line(c.name, side, rec), flush=True)

@@ -97,32 +97,45 @@ def compile_module(arch: str, library: str | None = None) -> nvrtc.Compiled:
                               name_expressions=name_expressions(), arch=arch, library=lib)
 
 
-def compile_module_cached(arch: str, library: str | None = None) -> nvrtc.Compiled:
-    """:func:`compile_module`, through ``<cache>/nvrtc``: the cubin and its lowered names are
-    stored under a hash of the sources (update.cu and the csrc headers), the options, the
-    names, ``arch`` and the NVRTC library and version, so a change of any makes a new entry. A
-    cache that cannot be read or written costs a compile, nothing else; a wrong cubin would
-    still be caught by the first-use self-check (``kernels.selfcheck``)."""
+ELF_MAGIC = b"\x7fELF"
+"""How a cubin starts."""
+
+
+def compile_module_cached(arch: str, library: str | None = None, *, reuse: bool = True) -> tuple[nvrtc.Compiled, bool]:
+    """:func:`compile_module` through ``<cache>/nvrtc``, and whether it came from there. The cubin
+    and its lowered names are stored under a hash of the sources (update.cu and the csrc
+    headers), the options, the names, ``arch`` and the NVRTC library and version, so a change of
+    any makes a new entry. An entry that is not whole (no names, a file that is not a cubin) is
+    compiled again, and so is any entry with ``reuse`` false (a cubin the driver refused to load:
+    :class:`_Loaded`); a cache that cannot be read or written costs a compile, nothing else. A
+    wrong cubin would still be caught by the first-use self-check (``kernels.selfcheck``)."""
     lib = library or nvrtc.find_library()
     sources = [SOURCE.read_text(), *(h.read_text() for h in sorted(SOURCE.parent.glob("*.h")))]
     key = hashlib.sha256(json.dumps([sources, NVRTC_OPTIONS, name_expressions(), arch, lib,
                                      nvrtc.version(lib)]).encode()).hexdigest()[:24]
     stem = cache_dir() / "nvrtc" / f"update-{arch}-{key}"
     binary, names = stem.with_suffix(".cubin"), stem.with_suffix(".json")
-    try:
-        return nvrtc.Compiled(arch, binary.read_bytes(), json.loads(names.read_text()), "", ())
-    except (OSError, ValueError):
-        pass
+    if reuse:
+        try:
+            data, lowered = binary.read_bytes(), json.loads(names.read_text())
+            if data.startswith(ELF_MAGIC) and isinstance(lowered, dict) and set(lowered) == set(name_expressions()):
+                return nvrtc.Compiled(arch, data, lowered, "", ()), True
+        except (OSError, ValueError):
+            pass
     compiled = compile_module(arch, lib)
     try:  # the names last: an entry is whole once its names exist
         stem.parent.mkdir(parents=True, exist_ok=True)
         for path, data in ((binary, compiled.binary), (names, json.dumps(compiled.lowered).encode())):
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            fd, tmp = tempfile.mkstemp(dir=stem.parent, prefix=f"{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
     except OSError as e:
         log.debug("cannot cache the NVRTC build in %s (%s)", stem.parent, e)
-    return compiled
+    return compiled, False
 
 
 # --------------------------------------------------------------------------------------- CuPy
@@ -146,7 +159,20 @@ class _Loaded:
         cupy = cupy_module()
         major, minor = torch.cuda.get_device_capability(device_index)
         cuda_major = int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
-        compiled = compile_module_cached(f"sm_{major}{minor}", nvrtc.find_library(cuda_major))
+        arch, library = f"sm_{major}{minor}", nvrtc.find_library(cuda_major)
+        compiled, cached = compile_module_cached(arch, library)
+        try:
+            self._load(cupy, compiled, device_index)
+        except Exception as e:  # noqa: BLE001 - a cached cubin the driver refuses: compiled afresh, once
+            if not cached:
+                raise
+            log.info("the cached NVRTC build of %s did not load (%s); compiling it again", SOURCE.name, e)
+            compiled, _ = compile_module_cached(arch, library, reuse=False)
+            self._load(cupy, compiled, device_index)
+        self.device_index = device_index
+        self.arch = compiled.arch
+
+    def _load(self, cupy: ModuleType, compiled: nvrtc.Compiled, device_index: int) -> None:
         # CuPy loads a cubin from a file (cuModuleLoad); the file is only needed while loading
         digest = hashlib.sha256(compiled.binary).hexdigest()[:16]
         with tempfile.TemporaryDirectory(prefix="dptrain-cubin-") as d:
@@ -155,8 +181,6 @@ class _Loaded:
             with cupy.cuda.Device(device_index):
                 self.module = cupy.RawModule(path=str(path))
                 self.functions = {expr: self.module.get_function(low) for expr, low in compiled.lowered.items()}
-        self.device_index = device_index
-        self.arch = compiled.arch
 
 
 @functools.cache

@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -229,7 +230,7 @@ class CompiledModel:
                      ", ".join(self.names), ", as CUDA graphs" if self.cuda_graphs and comm.device.type == "cuda"
                      else "", point_caches())
         error = ""
-        skips = _cudagraph_skips()
+        skips = cudagraph_skips()
         try:
             self.compile()
             with _unchanged(self.model, flat):
@@ -258,18 +259,19 @@ class CompiledModel:
         if self.cuda_graphs:
             # cudagraph trees skip a graph they cannot record with no error, only a counter and a
             # log line that is off by default; on the CPU every graph is skipped (there are none)
-            self.cuda_graph_skips = _cudagraph_skips() - skips
+            self.cuda_graph_skips = cudagraph_skips() - skips
             if self.cuda_graph_skips and comm.device.type == "cuda":
                 log.warning("model.compile = \"reduce-overhead\": %d compiled graph(s) run without CUDA graphs "
                             "(TORCH_LOGS=cudagraphs says why)", self.cuda_graph_skips)
         return True
 
 
-def _cudagraph_skips() -> int:
-    """Graphs inductor's cudagraph trees have declined to record in this process so far."""
-    from torch._dynamo.utils import counters  # dynamo's own import, on first use
-
-    return int(counters["inductor"]["cudagraph_skips"])
+def cudagraph_skips() -> int:
+    """Graphs inductor's cudagraph trees have declined to record in this process so far (none
+    before dynamo is imported: this does not import it)."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0
+    return int(sys.modules["torch._dynamo.utils"].counters["inductor"]["cudagraph_skips"])
 
 
 def _cause(e: BaseException) -> str:

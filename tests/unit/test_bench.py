@@ -93,7 +93,10 @@ def test_a_failed_run_costs_its_own_figure_not_the_others(tmp_path, monkeypatch,
 
     throughput = load_benchmark("throughput")
 
+    runs = []
+
     def fake_run(argv, env=None):
+        runs.append(argv)
         if "--compile=default" in argv:
             raise RuntimeError("peer.py failed (1):\nRuntimeError: CUDA out of memory")
         if "peer.py" in " ".join(argv):
@@ -105,6 +108,7 @@ def test_a_failed_run_costs_its_own_figure_not_the_others(tmp_path, monkeypatch,
     monkeypatch.setattr(sys, "argv", ["throughput.py", "--suite", "gpu", "--repeats", "1", "--out", str(tmp_path),
                                       "--only", "fp16 vs torch AMP,fp16 vs torch.compile + torch AMP"])
     assert throughput.main() == 1
+    assert len(runs) == 3  # dptrain's run serves both cases; each peer once
     lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
     assert {"case": "ResNet-50 fp16 vs torch.compile + torch AMP (autocast + GradScaler)", "peer": None,
             "error": "RuntimeError: CUDA out of memory"} in lines
@@ -113,6 +117,18 @@ def test_a_failed_run_costs_its_own_figure_not_the_others(tmp_path, monkeypatch,
     table = next(tmp_path.glob("throughput_gpu_nvidia_h200_*.md")).read_text()
     assert "| ResNet-50 fp16 vs torch AMP (autocast + GradScaler) | 1 | 7000.0 | autocast fp16 | 6000.0 | 1.167x |" in table
     assert "| ResNet-50 fp16 vs torch.compile + torch AMP (autocast + GradScaler) | 1 | 7000.0 | - | - | - |" in table
+
+    def dptrain_fails(argv, env=None):  # the run both cases share fails: once, reported for each
+        runs.append(argv)
+        if "peer.py" in " ".join(argv):
+            return {"images_per_s": 6000.0, "peer": "autocast fp16"}
+        raise RuntimeError("bench failed (1):\nSetupError: no GPU")
+
+    runs.clear()
+    monkeypatch.setattr(throughput, "run_json", dptrain_fails)
+    assert throughput.main() == 1
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    assert len(runs) == 3 and sum(ln.get("dptrain", 0) is None for ln in lines) == 2
 
 
 def test_no_phase_steps_means_no_phase_times_rather_than_zeros(tmp_path, capsys):

@@ -130,7 +130,8 @@ def test_reduce_overhead_trains_one_solver_and_marks_each_step(tmp_path, monkeyp
     try:
         assert t.compiled is not None and t.compiled.cuda_graphs and t.compiled.names == ["<model>"]
         assert len(marks) == CUDA_GRAPH_WARMUPS  # the start-up passes: run, record, replay
-        assert t.compiled.cuda_graph_skips >= 1 and not caplog.records  # counted (a GPU run warns), not warned
+        ours = [r for r in caplog.records if r.name.startswith("dptrain")]
+        assert t.compiled.cuda_graph_skips >= 1 and not ours  # counted (a GPU run warns), not warned
         losses = []
         for _ in range(8):
             t.train_step()

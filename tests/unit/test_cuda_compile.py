@@ -9,6 +9,7 @@ or stop) is tested with injected failures.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from types import SimpleNamespace
@@ -34,21 +35,22 @@ def library() -> str:
 def test_update_cu_compiles_for_each_target_gpu_and_every_name_lowers(library, arch, tmp_path, monkeypatch):
     """Compiled as a solver does (through the cache); the second process's load comes from the cache."""
     monkeypatch.setenv("DPTRAIN_CACHE", str(tmp_path))
-    compiled = cuda.compile_module_cached(arch, library)
-    assert compiled.binary.startswith(ELF_MAGIC), "a cubin for the target GPU"
+    compiled, cached = cuda.compile_module_cached(arch, library)
+    assert not cached and compiled.binary.startswith(ELF_MAGIC), "a cubin for the target GPU"
     assert set(compiled.lowered) == set(cuda.name_expressions())
     for expr, low in compiled.lowered.items():
         assert low.startswith("_Z") or low == expr, f"{expr} did not lower to a mangled name: {low}"
     assert "error" not in compiled.log.lower() and "warning" not in compiled.log.lower(), compiled.log
     assert compiled.options[:len(cuda.NVRTC_OPTIONS)] == cuda.NVRTC_OPTIONS  # nothing added before ours
     monkeypatch.setattr(cuda, "compile_module", lambda *a: pytest.fail("compiled again, not loaded from the cache"))
-    again = cuda.compile_module_cached(arch, library)
-    assert (again.binary, again.lowered) == (compiled.binary, compiled.lowered)
+    again, cached = cuda.compile_module_cached(arch, library)
+    assert cached and (again.binary, again.lowered) == (compiled.binary, compiled.lowered)
 
 
 def test_the_nvrtc_cache_compiles_again_when_what_makes_the_cubin_changes(tmp_path, monkeypatch):
     """A changed source, header, option or NVRTC is a new entry; an entry without its names (a
-    process killed while writing) is compiled again. NVRTC itself is stood in for."""
+    process killed while writing) or whose cubin is not one is compiled again. NVRTC itself is
+    stood in for."""
     monkeypatch.setenv("DPTRAIN_CACHE", str(tmp_path / "cache"))
     src = tmp_path / "csrc"
     src.mkdir()
@@ -60,23 +62,62 @@ def test_the_nvrtc_cache_compiles_again_when_what_makes_the_cubin_changes(tmp_pa
 
     def fake_compile(arch, lib):
         builds.append(arch)
-        return nvrtc.Compiled(arch, f"cubin {len(builds)}".encode(), {"f": "_Zf"}, "", ())
+        return nvrtc.Compiled(arch, ELF_MAGIC + f"cubin {len(builds)}".encode(),
+                              {n: f"_Z{i}" for i, n in enumerate(cuda.name_expressions())}, "", ())
+
+    def build(arch="sm_90", **kw) -> tuple[bytes, bool]:
+        compiled, cached = cuda.compile_module_cached(arch, "libnvrtc.so", **kw)
+        return compiled.binary.removeprefix(ELF_MAGIC), cached
 
     monkeypatch.setattr(cuda, "compile_module", fake_compile)
-    first = cuda.compile_module_cached("sm_90", "libnvrtc.so")
-    assert cuda.compile_module_cached("sm_90", "libnvrtc.so").binary == first.binary == b"cubin 1"
-    assert len(builds) == 1
+    assert build() == (b"cubin 1", False) and build() == (b"cubin 1", True)
     (src / "host_half.h").write_text("// h2")
-    assert cuda.compile_module_cached("sm_90", "libnvrtc.so").binary == b"cubin 2"
+    assert build() == (b"cubin 2", False)
     monkeypatch.setattr(nvrtc, "version", lambda lib: (13, 1))
-    assert cuda.compile_module_cached("sm_90", "libnvrtc.so").binary == b"cubin 3"
+    assert build() == (b"cubin 3", False)
     monkeypatch.setattr(cuda, "NVRTC_OPTIONS", (*cuda.NVRTC_OPTIONS, "-lineinfo"))
-    assert cuda.compile_module_cached("sm_90", "libnvrtc.so").binary == b"cubin 4"
-    assert cuda.compile_module_cached("sm_80", "libnvrtc.so").binary == b"cubin 5"
-    for names in (tmp_path / "cache" / "nvrtc").glob("update-sm_80-*.json"):
+    assert build() == (b"cubin 4", False)
+    assert build("sm_80") == (b"cubin 5", False) and build("sm_80") == (b"cubin 5", True)
+    cache = tmp_path / "cache" / "nvrtc"
+    for names in cache.glob("update-sm_80-*.json"):
         names.unlink()
-    assert cuda.compile_module_cached("sm_80", "libnvrtc.so").binary == b"cubin 6"
-    assert not list((tmp_path / "cache" / "nvrtc").glob("*.tmp"))
+    assert build("sm_80") == (b"cubin 6", False)
+    for cubin in cache.glob("update-sm_80-*.cubin"):
+        cubin.write_bytes(b"")  # a crash before the data reached the disk
+    assert build("sm_80") == (b"cubin 7", False) and build("sm_80") == (b"cubin 7", True)
+    assert build("sm_80", reuse=False) == (b"cubin 8", False)
+    assert not list(cache.glob("*.tmp")) and len(builds) == 8
+
+
+def test_a_cached_cubin_the_driver_refuses_is_compiled_again_once(monkeypatch):
+    """CuPy failing to load the cached cubin (a stand-in for the driver) costs one fresh compile;
+    failing to load a fresh one is the error it is."""
+    fresh = nvrtc.Compiled("sm_90", ELF_MAGIC + b"fresh", {"f": "_Zf"}, "", ())
+    stale = nvrtc.Compiled("sm_90", ELF_MAGIC + b"stale", {"f": "_Zf"}, "", ())
+    calls = []
+
+    def cached(arch, lib, reuse=True):
+        calls.append(reuse)
+        return (stale, True) if reuse else (fresh, False)
+
+    class RawModule:
+        def __init__(self, path):
+            if open(path, "rb").read().endswith(b"stale"):
+                raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
+
+        def get_function(self, name):
+            return name
+
+    fake = SimpleNamespace(RawModule=RawModule, cuda=SimpleNamespace(Device=lambda i: contextlib.nullcontext()))
+    monkeypatch.setattr(cuda, "cupy_module", lambda: fake)
+    monkeypatch.setattr(cuda, "compile_module_cached", cached)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    monkeypatch.setattr(nvrtc, "find_library", lambda major=None: "libnvrtc.so")
+    loaded = cuda._Loaded(0)
+    assert calls == [True, False] and loaded.functions == {"f": "_Zf"}
+    monkeypatch.setattr(cuda, "compile_module_cached", lambda arch, lib, reuse=True: (stale, False))
+    with pytest.raises(RuntimeError, match="INVALID_IMAGE"):
+        cuda._Loaded(0)
 
 
 def test_ptx_keeps_subnormals_and_rounds_every_multiply_and_add(library):
