@@ -24,8 +24,8 @@
 #   selfcheck  30 s   the kernels' first-use self-check a solver runs (dptrain.kernels.selfcheck)
 #   tests     110 s   pytest -m gpu tests/gpu: kernels vs reference bit for bit, no host sync per step,
 #                     cupy-nccl, fp16/bf16 loss parity, a CUDA-graph step against eager; each test under
-#                     pytest-timeout (PYTEST_TIMEOUT_S, default 60; the CUDA-graph test's compile 120) where
-#                     the plugin is installed (carried in .whl/), else under the stage limit alone
+#                     pytest-timeout (PYTEST_TIMEOUT_S, default 60, which the CUDA-graph test's cold compile
+#                     must fit) where the plugin is installed (carried in .whl/), else under the stage limit alone
 #   bandwidth  35 s   the update and grad-norm kernels against a same-size device copy (update_bandwidth.py;
 #                     BANDWIDTH_ARGS adds options)
 #   data      135 s   ResNet-50 fp16 from an LMDB of photo-like JPEGs vs synthetic (data_stage.py): DATA_IMAGES

@@ -39,13 +39,13 @@ keeps the last-level cache out of a small ``--numel``'s times.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
 import os
 import statistics
 import time
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
