@@ -31,6 +31,12 @@ def library() -> str:
     return nvrtc.find_library()
 
 
+@pytest.fixture(scope="module")
+def ptx90(library) -> nvrtc.Compiled:
+    """update.cu as PTX for sm_90, as a solver compiles it: compiled once for the PTX checks (~2 s each)."""
+    return cuda.compile_module("compute_90", library)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_update_cu_compiles_for_each_target_gpu_and_every_name_lowers(library, arch, tmp_path, monkeypatch):
     """Compiled as a solver does (through the cache); the second process's load comes from the cache."""
@@ -120,10 +126,10 @@ def test_a_cached_cubin_the_driver_refuses_is_compiled_again_once(monkeypatch):
         cuda._Loaded(0)
 
 
-def test_ptx_keeps_subnormals_and_rounds_every_multiply_and_add(library):
+def test_ptx_keeps_subnormals_and_rounds_every_multiply_and_add(library, ptx90):
     """The reference rounds each fp32 op and keeps subnormals: no .ftz, no fused multiply-add.
     The same source with CuPy's -ftz=true appended does flush, so this check can fail."""
-    ptx = cuda.compile_module("compute_90", library).binary.decode(errors="replace")
+    ptx = ptx90.binary.decode(errors="replace")
     assert ".ftz" not in ptx
     assert "fma.rn.f32" not in ptx and "mul.rn.f32" in ptx
     flushed = nvrtc.compile_cuda(cuda.SOURCE.read_text(), name="update.cu",
@@ -138,10 +144,10 @@ def _entries(ptx: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-def test_16_bit_streams_move_16_bytes_per_access_and_the_norm_keeps_4_loads_in_flight(library, storage):
+def test_16_bit_streams_move_16_bytes_per_access_and_the_norm_keeps_4_loads_in_flight(ptx90, storage):
     """Packs of 8 fp16/bf16 elements load and store as 128-bit accesses (``v4.u32``), where packs of 4
     were 64-bit (``v4.u16``); the norm's unrolled loop issues 4 of them before it sums any."""
-    compiled = cuda.compile_module("compute_90", library)
+    compiled = ptx90
     entries = _entries(compiled.binary.decode(errors="replace"))
     vec = cuda.vector_elems(storage)
     assert vec == 8
@@ -153,11 +159,11 @@ def test_16_bit_streams_move_16_bytes_per_access_and_the_norm_keeps_4_loads_in_f
     assert len(wide) == 4 + 1, norm  # the unrolled trip, and the loop over a thread's last packs
 
 
-def test_the_norm_is_one_kernel_whose_last_block_sums_the_partials(library):
+def test_the_norm_is_one_kernel_whose_last_block_sums_the_partials(ptx90):
     """One launch per norm: each block publishes its partial behind a fence (``membar.gl``) and counts
     itself in (``atom.global.inc``, which wraps the counter back to 0); the last block reads the
     partials past L1 (``ld.global.cg``) and no float is added atomically, so the sum order stays fixed."""
-    compiled = cuda.compile_module("compute_90", library)
+    compiled = ptx90
     entries = _entries(compiled.binary.decode(errors="replace"))
     assert not [name for name in cuda.name_expressions() if "sumsq" in name or "finish" in name]
     for storage in cuda.STORAGE_DTYPES:
