@@ -95,10 +95,10 @@ def test_reduced_precision_tracks_fp32_loss(tmp_path, device, storage):
 @gpu_only()
 def test_cuda_graph_steps_track_eager_without_a_host_sync(tmp_path):
     """model.compile = "reduce-overhead" on one GPU: every graph recorded (none skipped, at start-up
-    or in the steps), 6 fp16 steps replayed with no host sync, and their losses those of eager steps
-    from the same start. GPU-only: on the CPU the mode compiles without CUDA graphs
-    (tests/unit/test_compiled.py). Its cold compile of a small ResNet must fit gpu_session's 60 s
-    per test (the tests stage has room for little more), and it runs last there (file order)."""
+    or in the steps), 6 fp16 steps replayed with no host sync after the first, and their losses
+    those of eager steps from the same start. GPU-only: on the CPU the mode compiles without CUDA
+    graphs (tests/unit/test_compiled.py). Its cold compile of a small ResNet must fit gpu_session's
+    60 s per test (the tests stage has room for little more), and it runs last there (file order)."""
     steps, losses = 6, {}
     for mode in ("false", "reduce-overhead"):
         t = _trainer(tmp_path / mode, "cuda", "precision.storage=fp16", "model.channels_last=true",
@@ -108,9 +108,10 @@ def test_cuda_graph_steps_track_eager_without_a_host_sync(tmp_path):
                 assert t.compiled is not None and t.compiled.cuda_graphs and t.compiled.cuda_graph_skips == 0
             skips = cudagraph_skips()
             losses[mode] = []
-            for _ in range(steps):
+            for i in range(steps):
                 torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
+                # the first step may sync (cuDNN autotuning, the update kernels' first-use self-check)
+                torch.cuda.set_sync_debug_mode("error" if i else "default")
                 try:
                     t.train_step()
                 finally:
