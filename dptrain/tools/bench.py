@@ -37,7 +37,6 @@ from dptrain.run import open_communicator
 from dptrain.topology import Topology
 from dptrain.observe.trace import NullTracer, Tracer
 from dptrain.train import Trainer
-from dptrain.train.compiled import cudagraph_skips
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +102,6 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
     comm = open_communicator(cfg, topology)
     device = comm.device
     tracer = Tracer(comm.rank) if trace else NullTracer(comm.rank)
-    skips = cudagraph_skips()
     trainer = Trainer(cfg, comm, tracer=tracer)
     try:
         trainer.time_phases(False)
@@ -129,7 +127,8 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
             _sync(device)
             step_ms.append((time.perf_counter() - t0) * 1000.0)
         host = _host_usage_per_step(usage0, resource.getrusage(resource.RUSAGE_SELF), steps)
-        skips = cudagraph_skips() - skips  # at start-up and in the timed steps (a re-recording past its limit)
+        graphs = trainer.compiled is not None and trainer.compiled.cuda_graphs
+        skips = trainer.compiled.cuda_graph_skips if graphs else None  # at start-up and in the timed steps
         ranks = trainer.stragglers.gather(trainer.clock)  # collective: every rank, same point
         tracer.events.clear()
         trainer.time_phases(True)
@@ -164,9 +163,8 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         "startup_s": round(startup_s, 2),
         "compiled": trainer.compiled is not None,
         # recorded and replayed: asked for, on CUDA, and no graph skipped up to the last timed step
-        "cuda_graphs": (trainer.compiled is not None and trainer.compiled.cuda_graphs and trainer.device.type == "cuda"
-                        and skips == 0),
-        "cuda_graph_skips": skips if trainer.compiled is not None and trainer.compiled.cuda_graphs else None,
+        "cuda_graphs": graphs and trainer.device.type == "cuda" and skips == 0,
+        "cuda_graph_skips": skips,
         "compile_s": round(trainer.compiled.compile_s, 2) if trainer.compiled is not None else None,
         "solver": cfg.solver.type,
         "update_kernel": kernels.update_backend(trainer.flat.groups[0].grads, cpu_fused=cfg.solver.cpu_fused_update),

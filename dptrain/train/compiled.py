@@ -183,9 +183,8 @@ class CompiledModel:
         """torch.compile's "reduce-overhead" mode: CUDA graphs on CUDA (module docstring)."""
         self.compile_s: float | None = None
         """Seconds the start-up compile took (None: not compiled)."""
-        self.cuda_graph_skips = 0
-        """Graphs that cudagraph trees ran without recording during the start-up passes (a CPU tensor,
-        an input mutation, an op it cannot capture): they run compiled, but not as CUDA graphs."""
+        self._skips_before = 0
+        """:func:`cudagraph_skips` when this model's compile began (:attr:`cuda_graph_skips`)."""
         self._own_forward: dict[int, Callable[..., torch.Tensor] | None] = {}
 
     def step_begins(self) -> None:
@@ -193,6 +192,13 @@ class CompiledModel:
         done with (cudagraph trees would otherwise refuse to overwrite them)."""
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
+
+    @property
+    def cuda_graph_skips(self) -> int:
+        """Graphs that cudagraph trees have run without recording since this model's compile began,
+        at start-up or in a step (a CPU tensor, an input mutation, an op it cannot capture, a
+        re-recording past its limit): they run compiled, but not as CUDA graphs."""
+        return cudagraph_skips() - self._skips_before
 
     @property
     def names(self) -> list[str]:
@@ -230,7 +236,7 @@ class CompiledModel:
                      ", ".join(self.names), ", as CUDA graphs" if self.cuda_graphs and comm.device.type == "cuda"
                      else "", point_caches())
         error = ""
-        skips = cudagraph_skips()
+        self._skips_before = cudagraph_skips()
         try:
             self.compile()
             with _unchanged(self.model, flat):
@@ -259,7 +265,6 @@ class CompiledModel:
         if self.cuda_graphs:
             # cudagraph trees skip a graph they cannot record with no error, only a counter and a
             # log line that is off by default; on the CPU every graph is skipped (there are none)
-            self.cuda_graph_skips = cudagraph_skips() - skips
             if self.cuda_graph_skips and comm.device.type == "cuda":
                 log.warning("model.compile = \"reduce-overhead\": %d compiled graph(s) run without CUDA graphs "
                             "(TORCH_LOGS=cudagraphs says why)", self.cuda_graph_skips)

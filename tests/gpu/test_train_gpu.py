@@ -18,7 +18,6 @@ from dptrain.dist.comm import Communicator
 from dptrain.config import load_config
 from dptrain.topology import Topology
 from dptrain.train import Trainer
-from dptrain.train.compiled import cudagraph_skips
 
 SHAPES = {
     "cuda": ["model.width=16", "data.image_size=32", "data.batch_size=16"],
@@ -106,7 +105,6 @@ def test_cuda_graph_steps_track_eager_without_a_host_sync(tmp_path):
         try:
             if mode != "false":
                 assert t.compiled is not None and t.compiled.cuda_graphs and t.compiled.cuda_graph_skips == 0
-            skips = cudagraph_skips()
             losses[mode] = []
             for i in range(steps):
                 torch.cuda.synchronize()
@@ -118,7 +116,8 @@ def test_cuda_graph_steps_track_eager_without_a_host_sync(tmp_path):
                     torch.cuda.set_sync_debug_mode("default")
                 losses[mode].append(float(t._iter_loss))
             assert t.scaler.stats()["skipped_steps"] == 0
-            assert cudagraph_skips() == skips  # none skipped while training (a re-recording past its limit)
+            if mode != "false":  # none skipped while training either (a re-recording past its limit)
+                assert t.compiled.cuda_graph_skips == 0
         finally:
             t.close()
     eager, graphs = losses["false"], losses["reduce-overhead"]
