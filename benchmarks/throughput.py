@@ -160,12 +160,17 @@ def _launcher(world_size: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
 
 
-def dptrain_cmd(c: Case, steps: int, warmup: int) -> list[str]:
+def dptrain_sets(c: Case) -> list[str]:
+    """The ``--set`` overrides of :data:`BASE_CONFIG` that make dptrain's side of ``c``."""
     layout = "auto" if c.channels_last is None else str(c.channels_last).lower()  # the recipe sets true
-    sets = [f"model.name={c.model}", f"model.width={c.width}", f"model.num_classes={c.num_classes}",
+    return [f"model.name={c.model}", f"model.width={c.width}", f"model.num_classes={c.num_classes}",
             f"model.channels_last={layout}",
             f"data.image_size={c.image_size}", f"data.batch_size={c.batch_size}", f"precision.storage={c.precision}",
             *c.extra_sets]
+
+
+def dptrain_cmd(c: Case, steps: int, warmup: int) -> list[str]:
+    sets = dptrain_sets(c)
     return [*_launcher(c.world_size), "-m", "dptrain", "bench", "--config", str(BASE_CONFIG), "--synthetic",
             f"--steps={steps}", f"--warmup={warmup}", "--phase-steps=3", *[f"--set={s}" for s in sets]]
 
@@ -177,6 +182,19 @@ def peer_cmd(c: Case, steps: int, warmup: int) -> list[str]:
     cmd += [f"--compile={c.peer_compile}"] if c.peer_compile else []
     return cmd + (["--channels-last"] if (c.peer_channels_last if c.peer_channels_last is not None
                                           else c.channels_last) else [])
+
+
+def drop_slow_dtypes(cases: list[Case]) -> list[Case]:
+    """The CPU cases whose storage dtype has native kernels on this CPU; the others are named on stderr
+    (they would time the reference fallback, not dptrain)."""
+    from dptrain.precision import cpu_native_support
+
+    slow = [c for c in cases if not cpu_native_support(c.precision)]
+    if slow:
+        print(f"skipping {len(slow)} case(s) whose storage dtype has no native kernels on this CPU "
+              f"(they would time the reference fallback, not dptrain): {', '.join(c.name for c in slow)}; "
+              f"--allow-slow-dtypes runs them anyway", file=sys.stderr)
+    return [c for c in cases if c not in slow]
 
 
 def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
@@ -250,14 +268,7 @@ def main() -> int:
                   "probe and check", file=sys.stderr)
             args.warmup = AUTO_DONE_ITER
     if args.suite != "gpu" and not args.allow_slow_dtypes:
-        from dptrain.precision import cpu_native_support
-
-        slow = [c for c in cases if not cpu_native_support(c.precision)]
-        if slow:
-            print(f"skipping {len(slow)} case(s) whose storage dtype has no native kernels on this CPU "
-                  f"(they would time the reference fallback, not dptrain): {', '.join(c.name for c in slow)}; "
-                  f"--allow-slow-dtypes runs them anyway", file=sys.stderr)
-            cases = [c for c in cases if c not in slow]
+        cases = drop_slow_dtypes(cases)
     if not cases:
         print("no case to run", file=sys.stderr)
         return 2
