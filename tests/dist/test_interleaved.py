@@ -49,4 +49,11 @@ def test_cases_whose_sides_need_their_own_environment_are_left_out(capsys):
     finally:
         sys.argv = sys_argv
     err = capsys.readouterr().err
-    assert "left out (4: no peer, or a side-specific environment)" in err and "no case to run" in err
+    assert "left out (4: no peer, a side-specific environment or CUDA graphs)" in err and "no case to run" in err
+
+
+def test_cuda_graph_cases_are_left_out_and_the_others_of_the_gpu_suite_are_not():
+    il = load_benchmark("interleaved")
+    kept = [c.name for c in il.SUITES["gpu"](False) if il.interleavable(c)]
+    assert kept and not any("reduce-overhead" in name for name in kept)
+    assert any(c.peer_compile == "default" for c in il.SUITES["gpu"](False) if il.interleavable(c))
