@@ -114,7 +114,12 @@ def layout_cases() -> list[Case]:
                        precision=prec, channels_last=None, peer_channels_last=True, peer_compile="default", **common),
                   Case(f"2 solvers {prec}, dptrain model.compile=true vs {peer} + channels_last + torch.compile", 2,
                        precision=prec, channels_last=None, peer_channels_last=True, peer_compile="default",
-                       extra_sets=COMPILE, **common)]
+                       extra_sets=COMPILE, **common),
+                  # the cut forced either way, whatever "auto" picks on the CPU: one graph, or segments that overlap
+                  *[Case(f"2 solvers {prec}, dptrain model.compile=true + compile_graphs={graphs} vs {peer} + "
+                         "channels_last + torch.compile", 2, precision=prec, channels_last=None, peer_channels_last=True,
+                         peer_compile="default", extra_sets=[*COMPILE, f"model.compile_graphs={graphs}"], **common)
+                    for graphs in ("whole", "segments")]]
     return cases
 
 

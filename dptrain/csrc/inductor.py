@@ -14,15 +14,34 @@ passes), whose module body still decorates fourteen methods with the deprecated
 DeprecationWarnings that name torch's own code and that no dptrain user can act on.
 :func:`prepare` imports inductor once with exactly that warning (that message, that category)
 ignored; every other warning, torch's included, passes as before.
+
+**No boolean masks between forward and backward on the CPU** (:func:`cpu_partition`). Inductor's
+C++ kernels read and write a ``torch.bool`` tensor one element at a time (its vector code loads a
+mask through ``VecMask::from(ptr, count)``, a scalar loop, even for whole vectors): on the 2-core
+AVX-512 VM, a fused kernel over 1 M elements took 13-18 ms with a bool mask against 0.7 ms with the
+same mask computed from a bf16 tensor, and writing the mask 16 ms against 0.4 ms (torch 2.13, any
+dtype, 256- or 512-bit vectors). AOT autograd's min-cut partitioner saves the cheapest tensors
+for backward, and a ReLU's bool mask (1 byte an element) beats its output (2 or 4); where a graph
+ends at a ReLU, as a segment of a ResNet does, it saves the mask, and its forward and backward
+kernels then crawl: 7 segments of ResNet-18 CIFAR bf16 stepped in 204 ms against 116 ms as one
+graph, and in 118 ms where the partitioner was kept from saving masks. :func:`cpu_partition` marks
+every comparison in the joint graph "must recompute" (torch's selective-checkpoint tag), so the
+partitioner saves the tensor compared instead (a ReLU's output, alive anyway as the next layer's
+input) and the backward compares it again (benchmarks/results/compile_cpu2_20261127.md). CUDA's
+Triton kernels have no such cost, so only the CPU partition is changed, and only inside dptrain's
+own compile.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from dptrain.csrc.build import cache_dir
+
 
 TORCH_OWN_DEPRECATION = r"`torch\.jit\.script_method` is deprecated"
 """The one warning :func:`prepare` silences, during inductor's import only (module docstring)."""
@@ -47,3 +66,39 @@ def prepare() -> Path:
         warnings.filterwarnings("ignore", message=TORCH_OWN_DEPRECATION, category=DeprecationWarning)
         import torch._inductor.compile_fx  # noqa: F401
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+"""aten's comparisons: the ops whose boolean result the CPU partition recomputes in backward."""
+
+
+@contextlib.contextmanager
+def cpu_partition(device_type: str) -> Iterator[bool]:
+    """Inside the block, graphs compiled for the CPU save no boolean comparison result for
+    backward: the backward compares again, from the tensor compared (module docstring). Yields
+    whether the partition was changed: not off the CPU, nor where a joint-graph pass is set
+    already (the user's, kept as it is). The pass's ``uuid`` enters inductor's and AOT autograd's
+    cache keys, so graphs compiled with and without it are cached apart."""
+    import torch
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if device_type != "cpu" or config.joint_custom_post_pass is not None:
+        yield False
+        return
+    targets = {getattr(torch.ops.aten, op).Tensor for op in COMPARISONS} | {
+        getattr(torch.ops.aten, op).Scalar for op in COMPARISONS}
+
+    class RecomputeComparisons(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            for node in graph.nodes:
+                if node.op == "call_function" and node.target in targets:
+                    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+        def uuid(self) -> str:
+            return f"dptrain.csrc.inductor.cpu_partition/{','.join(COMPARISONS)}/1"
+
+    with config.patch(joint_custom_post_pass=RecomputeComparisons()):
+        yield True

@@ -17,11 +17,13 @@ ReLUs); the glue between segments (pooling, flatten) runs eagerly.
 
 **One graph where segments do not pay** (``model.compile_graphs = "auto"``; "whole" and
 "segments" force either cut). One solver, with nothing to overlap, compiles the whole model as
-one graph, and so does the CPU: there, inductor's C++ kernels for some of a segment's fused
-batch-norm backward took 13.5 ms where the same operations took 1-2.5 ms in one graph (plain
-torch, ResNet-18 CIFAR bf16: 7 segments 110-124 ms a step, whole 65 ms, eager 62-101 ms), and 2
-CPU solvers compiled in segments trained at 0.75x eager, the median of 6 paired rounds
-(benchmarks/results/compile_cpu2_20261127.md).
+one graph, and so does the CPU. There, segments once ran far slower than one graph (2 solvers at
+0.75x eager): a segment that ends at a ReLU had its boolean mask saved for backward, and
+inductor's C++ kernels read and write booleans at a crawl. dptrain's CPU compile now saves no
+such mask (``dptrain.csrc.inductor.cpu_partition``: 7 segments of ResNet-18 CIFAR bf16 in 112 ms
+a step against 194 ms before, one graph 100 ms), yet on 2 cores the segments' overlap still did
+not beat one graph: against the same compiled DDP peer, in the same processes, 1.066x and 1.045x
+in segments against 1.130x and 1.049x whole (benchmarks/results/compile_cpu2_20261127.md).
 
 **When.** The compile runs at start-up, on a batch of zeros of the training shape (the
 data's batch size, sample shape, dtype and layout): forward and backward of every segment,
@@ -48,7 +50,8 @@ captured at all; so "reduce-overhead" with several solvers is refused at start-u
 a GPU.
 
 **Caches.** ``dptrain.csrc.inductor``: a second start of the same recipe loads the compiled
-code from ``<cache>/inductor`` instead of compiling it again.
+code from ``<cache>/inductor`` instead of compiling it again. The CPU partition's graph pass is
+part of the cache key, so artifacts compiled without it are not loaded.
 """
 from __future__ import annotations
 
@@ -64,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dptrain.config import CompileGraphs, CompileSetting
-from dptrain.csrc.inductor import point_caches, prepare as prepare_inductor
+from dptrain.csrc.inductor import cpu_partition, point_caches, prepare as prepare_inductor
 from dptrain.dist.comm import Communicator
 from dptrain.errors import ConfigError
 from dptrain.flat import FlatParams
@@ -239,7 +242,8 @@ class CompiledModel:
         self._skips_before = cudagraph_skips()
         try:
             self.compile()
-            with _unchanged(self.model, flat):
+            # the graphs are traced, partitioned and compiled in the first forward and backward
+            with _unchanged(self.model, flat), cpu_partition(comm.device.type):
                 labels = torch.zeros(len(batch), dtype=torch.long, device=batch.device)
                 for _ in range(CUDA_GRAPH_WARMUPS if self.cuda_graphs else 1):  # record and replay, failures here
                     self.step_begins()
