@@ -16,18 +16,18 @@ DeprecationWarnings that name torch's own code and that no dptrain user can act 
 ignored; every other warning, torch's included, passes as before.
 
 **No boolean masks between forward and backward on the CPU** (:func:`cpu_partition`). Inductor's
-C++ kernels read and write a ``torch.bool`` tensor one element at a time (its vector code loads a
-mask through ``VecMask::from(ptr, count)``, a scalar loop, even for whole vectors): on the 2-core
+C++ kernels read and write a ``torch.bool`` tensor slowly (its vector code converts a mask element
+by element, through ``VecMask::from(ptr, count)``, even for whole vectors): on the 2-core
 AVX-512 VM, a fused kernel over 1 M elements took 13-18 ms with a bool mask against 0.7 ms with the
 same mask computed from a bf16 tensor, and writing the mask 16 ms against 0.4 ms (torch 2.13, any
 dtype, 256- or 512-bit vectors). AOT autograd's min-cut partitioner saves the cheapest tensors
 for backward, and a ReLU's bool mask (1 byte an element) beats its output (2 or 4); where a graph
 ends at a ReLU, as a segment of a ResNet does, it saves the mask, and its forward and backward
-kernels then crawl: 7 segments of ResNet-18 CIFAR bf16 stepped in 204 ms against 116 ms as one
-graph, and in 118 ms where the partitioner was kept from saving masks. :func:`cpu_partition` marks
-every comparison in the joint graph "must recompute" (torch's selective-checkpoint tag), so the
-partitioner saves the tensor compared instead (a ReLU's output, alive anyway as the next layer's
-input) and the backward compares it again (benchmarks/results/compile_cpu2_20261127.md). CUDA's
+kernels then crawl: 7 segments of ResNet-18 CIFAR bf16 stepped in 194 ms, and in 112 ms without
+the masks (one graph: 100 ms). :func:`cpu_partition` marks every comparison in the joint graph
+"must recompute" (torch's selective-checkpoint tag), so the partitioner saves the tensor compared
+instead (a ReLU's output, alive anyway as the next layer's input; for dropout, its random draw)
+and the backward compares it again (benchmarks/results/compile_cpu2_20261127.md). CUDA's
 Triton kernels have no such cost, so only the CPU partition is changed, and only inside dptrain's
 own compile.
 """
@@ -41,7 +41,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dptrain.csrc.build import cache_dir
-
 
 TORCH_OWN_DEPRECATION = r"`torch\.jit\.script_method` is deprecated"
 """The one warning :func:`prepare` silences, during inductor's import only (module docstring)."""
@@ -66,7 +65,6 @@ def prepare() -> Path:
         warnings.filterwarnings("ignore", message=TORCH_OWN_DEPRECATION, category=DeprecationWarning)
         import torch._inductor.compile_fx  # noqa: F401
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-
 
 
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
