@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from throughput import REPO, Case, cpu_cases, dptrain_sets, drop_slow_dtypes, gpu_cases, layout_cases, run_json
+from throughput import REPO, Case, cpu_cases, dptrain_sets, gpu_cases, layout_cases, run_json, select
 
 SUITES = {"cpu": cpu_cases, "layout": lambda quick: layout_cases(), "gpu": lambda quick: gpu_cases()}
 """throughput.py's suites by name, each called with ``--quick`` (the CPU suite's tiny widths)."""
@@ -192,16 +192,13 @@ def main() -> int:
         return 2
     if args.worker:
         return worker(args)
-    wanted = [w.strip() for w in args.only.split(",")] if args.only else [""]
-    cases = [c for c in SUITES[args.suite](args.quick) if any(w in c.name for w in wanted)]
-    left_out = [c.name for c in cases if not interleavable(c)]
+    cases = SUITES[args.suite](args.quick)
+    left_out = [c.name for c in select(cases, args.only, cpu=False, allow_slow_dtypes=True) if not interleavable(c)]
     if left_out:
         print(f"left out ({len(left_out)}: no peer, a side-specific environment or CUDA graphs): "
-              f"{'; '.join(left_out)}",
-              file=sys.stderr)
-    cases = [c for c in cases if interleavable(c)]
-    if args.suite != "gpu" and not args.allow_slow_dtypes:
-        cases = drop_slow_dtypes(cases)
+              f"{'; '.join(left_out)}", file=sys.stderr)
+    cases = select([c for c in cases if interleavable(c)], args.only, cpu=args.suite != "gpu",
+                   allow_slow_dtypes=args.allow_slow_dtypes)
     if not cases:
         print("no case to run", file=sys.stderr)
         return 2

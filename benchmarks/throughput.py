@@ -189,9 +189,14 @@ def peer_cmd(c: Case, steps: int, warmup: int) -> list[str]:
                                           else c.channels_last) else [])
 
 
-def drop_slow_dtypes(cases: list[Case]) -> list[Case]:
-    """The CPU cases whose storage dtype has native kernels on this CPU; the others are named on stderr
-    (they would time the reference fallback, not dptrain)."""
+def select(cases: list[Case], only: str, *, cpu: bool, allow_slow_dtypes: bool) -> list[Case]:
+    """The cases whose name contains ``only`` (or any of several, comma-separated; all for ""), and on
+    the CPU (``cpu``) unless ``allow_slow_dtypes`` only those whose storage dtype has native kernels
+    here; the others are named on stderr (they would time the reference fallback, not dptrain)."""
+    wanted = [w.strip() for w in only.split(",")] if only else [""]
+    cases = [c for c in cases if any(w in c.name for w in wanted)]
+    if not cpu or allow_slow_dtypes:
+        return cases
     from dptrain.precision import cpu_native_support
 
     slow = [c for c in cases if not cpu_native_support(c.precision)]
@@ -263,8 +268,7 @@ def main() -> int:
     args = ap.parse_args()
     cases = {"cpu": lambda: cpu_cases(args.quick), "layout": layout_cases, "buckets": bucket_cases,
              "gpu": gpu_cases}[args.suite]()
-    wanted = [w.strip() for w in args.only.split(",")] if args.only else [""]
-    cases = [c for c in cases if any(w in c.name for w in wanted)]
+    cases = select(cases, args.only, cpu=args.suite != "gpu", allow_slow_dtypes=args.allow_slow_dtypes)
     if args.suite == "buckets":
         from dptrain.dist.planning.probe import AUTO_DONE_ITER
 
@@ -272,8 +276,6 @@ def main() -> int:
             print(f"--warmup {args.warmup} -> {AUTO_DONE_ITER}: every case warms up as long as the auto plan's "
                   "probe and check", file=sys.stderr)
             args.warmup = AUTO_DONE_ITER
-    if args.suite != "gpu" and not args.allow_slow_dtypes:
-        cases = drop_slow_dtypes(cases)
     if not cases:
         print("no case to run", file=sys.stderr)
         return 2
