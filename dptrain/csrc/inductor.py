@@ -78,12 +78,15 @@ def cpu_partition(device_type: str) -> Iterator[bool]:
     whether the partition was changed: not off the CPU, nor where a joint-graph pass is set
     already (the user's, kept as it is). The pass's ``uuid`` enters inductor's and AOT autograd's
     cache keys, so graphs compiled with and without it are cached apart."""
+    if device_type != "cpu":  # nothing of torch's touched off the CPU
+        yield False
+        return
     import torch
     from torch._inductor import config
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if device_type != "cpu" or config.joint_custom_post_pass is not None:
+    if config.joint_custom_post_pass is not None:
         yield False
         return
     targets = {getattr(torch.ops.aten, op).Tensor for op in COMPARISONS} | {
