@@ -27,11 +27,8 @@ block's time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import platform
-import re
 import shlex
 import statistics
 import subprocess
@@ -39,7 +36,19 @@ import sys
 import time
 from pathlib import Path
 
-from throughput import REPO, Case, cpu_cases, dptrain_sets, gpu_cases, layout_cases, run_json, select
+from throughput import (
+    BASE_CONFIG,
+    REPO,
+    Case,
+    cpu_cases,
+    dptrain_sets,
+    gpu_cases,
+    launcher,
+    layout_cases,
+    report_path,
+    run_json,
+    select,
+)
 
 SUITES = {"cpu": cpu_cases, "layout": lambda quick: layout_cases(), "gpu": lambda quick: gpu_cases()}
 """throughput.py's suites by name, each called with ``--quick`` (the CPU suite's tiny widths)."""
@@ -88,8 +97,7 @@ def worker(args: argparse.Namespace) -> int:
 
     c = next(c for c in SUITES[args.suite](args.quick) if c.name == args.case)
     started = time.perf_counter()
-    cfg = load_config(str(REPO / "launch" / "configs" / "resnet50_synthetic.toml"),
-                      [*dptrain_sets(c), 'data.source="synthetic"'])
+    cfg = load_config(str(BASE_CONFIG), [*dptrain_sets(c), 'data.source="synthetic"'])
     comm = open_communicator(cfg, Topology.from_env())
     device = comm.device
     trainer = Trainer(cfg, comm)
@@ -144,9 +152,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def worker_cmd(c: Case, suite: str, args: argparse.Namespace) -> list[str]:
-    launcher = [sys.executable] if c.world_size == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={c.world_size}"]
-    return [*launcher, str(Path(__file__).resolve()), "--worker", f"--suite={suite}", f"--case={c.name}",
+    return [*launcher(c.world_size), str(Path(__file__).resolve()), "--worker", f"--suite={suite}", f"--case={c.name}",
             f"--pairs={args.pairs}", f"--block={args.block}", f"--warmup={args.warmup}",
             *(["--quick"] if args.quick else [])]
 
@@ -187,8 +193,11 @@ def main() -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--case", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.pairs < 1 or args.block < 1 or args.warmup < 0:
-        print("interleaved.py: --pairs and --block must be at least 1, --warmup at least 0", file=sys.stderr)
+    if args.pairs < 2 or args.pairs % 2 or args.block < 1 or args.warmup < 1:
+        # an even count keeps the ABBA order balanced; a warm-up step takes each side's compile and first
+        # allocations out of its first timed block
+        print("interleaved.py: --pairs must be even and at least 2, --block and --warmup at least 1",
+              file=sys.stderr)
         return 2
     if args.worker:
         return worker(args)
@@ -219,11 +228,7 @@ def main() -> int:
     if not recs:
         return 1
     device = recs[0]["device"]
-    hw = (f"cpu{len(os.sched_getaffinity(0))}" if args.suite != "gpu"
-          else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_"))
-    date = datetime.date.today().strftime("%Y%m%d")
-    path = Path(args.out) / f"interleaved_{args.suite}_{hw}_{date}{'_' + args.tag if args.tag else ''}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path, date = report_path(args.out, "interleaved", args.suite, device, args.tag)
     path.write_text(render(recs, f"{device}; {platform.platform()}; torch {recs[0]['versions']['torch']}", date, args))
     print(f"wrote {path}")
     return 1 if failed else 0

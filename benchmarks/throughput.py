@@ -159,7 +159,7 @@ def gpu_cases() -> list[Case]:
     return cases
 
 
-def _launcher(world_size: int) -> list[str]:
+def launcher(world_size: int) -> list[str]:
     if world_size == 1:
         return [sys.executable]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
@@ -176,12 +176,12 @@ def dptrain_sets(c: Case) -> list[str]:
 
 def dptrain_cmd(c: Case, steps: int, warmup: int) -> list[str]:
     sets = dptrain_sets(c)
-    return [*_launcher(c.world_size), "-m", "dptrain", "bench", "--config", str(BASE_CONFIG), "--synthetic",
+    return [*launcher(c.world_size), "-m", "dptrain", "bench", "--config", str(BASE_CONFIG), "--synthetic",
             f"--steps={steps}", f"--warmup={warmup}", "--phase-steps=3", *[f"--set={s}" for s in sets]]
 
 
 def peer_cmd(c: Case, steps: int, warmup: int) -> list[str]:
-    cmd = [*_launcher(c.world_size), str(REPO / "benchmarks" / "peer.py"), f"--model={c.model}",
+    cmd = [*launcher(c.world_size), str(REPO / "benchmarks" / "peer.py"), f"--model={c.model}",
            f"--width={c.width}", f"--num-classes={c.num_classes}", f"--precision={c.precision}",
            f"--batch-size={c.batch_size}", f"--image-size={c.image_size}", f"--steps={steps}", f"--warmup={warmup}"]
     cmd += [f"--compile={c.peer_compile}"] if c.peer_compile else []
@@ -249,6 +249,17 @@ def render(rows: list[dict], machine: str, date: str, raw: list[dict]) -> str:
                    f"{num(r['peer_ips'])} | {ratio} | {num(r['exposed_comm_ms'])} |")
     out += ["", "Raw JSON lines:", "", "```"] + [json.dumps(x) for x in raw] + ["```", ""]
     return "\n".join(out)
+
+
+def report_path(out: str, kind: str, suite: str, device: str, tag: str) -> tuple[Path, str]:
+    """``<out>/<kind>_<suite>_<hardware>_<yyyymmdd>[_<tag>].md`` (its folder made) and the date: the
+    hardware is the CPU count for the CPU suites, the device's name for the GPU one."""
+    hw = (f"cpu{len(os.sched_getaffinity(0))}" if suite != "gpu"
+          else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_"))
+    date = datetime.date.today().strftime("%Y%m%d")
+    path = Path(out) / f"{kind}_{suite}_{hw}_{date}{'_' + tag if tag else ''}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path, date
 
 
 def main() -> int:
@@ -326,13 +337,8 @@ def main() -> int:
                      "exposed_comm_ms": statistics.median(r["exposed_comm_ms"] for r in ours) if ours else None})
     ours = next((r for r in raw if r["side"] == "dptrain"), None)  # bench's record names the machine
     device = ours["device"] if ours else "unknown device"
-    hw = (f"cpu{len(os.sched_getaffinity(0))}" if args.suite != "gpu"
-          else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_"))
     machine = f"{device}; {platform.platform()}; torch {ours['versions']['torch'] if ours else '?'}"
-    date = datetime.date.today().strftime("%Y%m%d")
-    suffix = f"_{args.tag}" if args.tag else ""
-    path = Path(args.out) / f"throughput_{args.suite}_{hw}_{date}{suffix}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path, date = report_path(args.out, "throughput", args.suite, device, args.tag)
     path.write_text(render(rows, machine, date, raw))
     print(f"wrote {path}")
     if failed:

@@ -15,7 +15,7 @@ DeprecationWarnings that name torch's own code and that no dptrain user can act 
 :func:`prepare` imports inductor once with exactly that warning (that message, that category)
 ignored; every other warning, torch's included, passes as before.
 
-**No boolean masks between forward and backward on the CPU** (:func:`cpu_partition`). Inductor's
+**No boolean masks between forward and backward on the CPU** (:func:`cpu_compile_options`). Inductor's
 C++ kernels read and write a ``torch.bool`` tensor slowly (its vector code converts a mask element
 by element, through ``VecMask::from(ptr, count)``, even for whole vectors): on the 2-core
 AVX-512 VM, a fused kernel over 1 M elements took 13-18 ms with a bool mask against 0.7 ms with the
@@ -24,23 +24,26 @@ dtype, 256- or 512-bit vectors). AOT autograd's min-cut partitioner saves the ch
 for backward, and a ReLU's bool mask (1 byte an element) beats its output (2 or 4); where a graph
 ends at a ReLU, as a segment of a ResNet does, it saves the mask, and its forward and backward
 kernels then crawl: 7 segments of ResNet-18 CIFAR bf16 stepped in 194 ms, and in 112 ms without
-the masks (one graph: 100 ms). :func:`cpu_partition` marks every comparison in the joint graph
-"must recompute" (torch's selective-checkpoint tag), so the partitioner saves the tensor compared
-instead (a ReLU's output, alive anyway as the next layer's input; for dropout, its random draw)
-and the backward compares it again (benchmarks/results/compile_cpu2_20261127.md). CUDA's
+the masks (one graph: 100 ms; plain torch, one thread). :func:`cpu_compile_options` has every
+comparison in the joint graph marked "must recompute" (torch's selective-checkpoint tag), so the
+partitioner saves the tensor compared instead (a ReLU's output, alive anyway as the next layer's
+input) and the backward compares it again (benchmarks/results/compile_cpu2_20261127.md); a
+comparison of a random draw (dropout's) is left as it was. CUDA's
 Triton kernels have no such cost, so only the CPU partition is changed, and only inside dptrain's
 own compile.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
+import logging
 import os
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from dptrain.csrc.build import cache_dir
+
+log = logging.getLogger(__name__)
 
 TORCH_OWN_DEPRECATION = r"`torch\.jit\.script_method` is deprecated"
 """The one warning :func:`prepare` silences, during inductor's import only (module docstring)."""
@@ -67,39 +70,63 @@ def prepare() -> Path:
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
+
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 """aten's comparisons: the ops whose boolean result the CPU partition recomputes in backward."""
+RANDOM_DEPTH = 4
+"""How far back a comparison's inputs are searched for a random draw (dropout compares its draw
+after a cast): such a comparison is left to the partitioner, so a dropout mask is drawn as before."""
 
 
-@contextlib.contextmanager
-def cpu_partition(device_type: str) -> Iterator[bool]:
-    """Inside the block, graphs compiled for the CPU save no boolean comparison result for
-    backward: the backward compares again, from the tensor compared (module docstring). Yields
-    whether the partition was changed: not off the CPU, nor where a joint-graph pass is set
-    already (the user's, kept as it is). The pass's ``uuid`` enters inductor's and AOT autograd's
-    cache keys, so graphs compiled with and without it are cached apart."""
-    if device_type != "cpu":  # nothing of torch's touched off the CPU
-        yield False
-        return
+def cpu_compile_options(device_type: str) -> dict[str, Any]:
+    """``torch.compile`` options for dptrain's model graphs: on the CPU, a joint-graph pass after
+    which the partitioner saves no comparison's boolean result for backward (module docstring),
+    given per compiled function so that every recompile of it has it too. Empty off the CPU (nothing
+    of torch's touched there), where the user set a joint-graph pass (theirs is kept; logged), and
+    where this torch has no custom graph passes. The pass's ``uuid`` (a hash of this file) enters
+    inductor's and AOT autograd's cache keys, so graphs compiled with and without it, or with an
+    older version of it, are cached apart."""
+    if device_type != "cpu":
+        return {}
+    try:
+        from torch._inductor import config
+        from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: F401 - torch >= 2.6
+    except ImportError as e:
+        log.info("model.compile: this torch has no custom graph passes (%s); the CPU partition is torch's", e)
+        return {}
+    if getattr(config, "joint_custom_post_pass", None) is not None:
+        log.info("model.compile: a joint-graph pass is set (torch._inductor.config.joint_custom_post_pass), and "
+                 "dptrain's CPU partition pass is left out")
+        return {}
+    return {"joint_custom_post_pass": _recompute_comparisons()}
+
+
+@functools.cache
+def _recompute_comparisons() -> Any:
+    """The joint-graph pass of :func:`cpu_compile_options` (one per process)."""
     import torch
-    from torch._inductor import config
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if config.joint_custom_post_pass is not None:
-        yield False
-        return
     targets = {getattr(torch.ops.aten, op).Tensor for op in COMPARISONS} | {
         getattr(torch.ops.aten, op).Scalar for op in COMPARISONS}
+
+    def draws_random(node: torch.fx.Node, depth: int) -> bool:
+        if node.op != "call_function" or depth < 0:
+            return False
+        tags = getattr(node.target, "tags", ())
+        if torch.Tag.nondeterministic_seeded in tags or any(w in str(node.target) for w in ("random", "seed")):
+            return True
+        return any(draws_random(a, depth - 1) for a in node.all_input_nodes)
 
     class RecomputeComparisons(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             for node in graph.nodes:
-                if node.op == "call_function" and node.target in targets:
+                if (node.op == "call_function" and node.target in targets
+                        and not any(draws_random(a, RANDOM_DEPTH) for a in node.all_input_nodes)):
                     node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
-        def uuid(self) -> str:
-            return f"dptrain.csrc.inductor.cpu_partition/{','.join(COMPARISONS)}/1"
+        def uuid(self) -> bytes:
+            return get_hash_for_files((__file__,))
 
-    with config.patch(joint_custom_post_pass=RecomputeComparisons()):
-        yield True
+    return RecomputeComparisons()

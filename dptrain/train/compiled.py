@@ -20,10 +20,11 @@ ReLUs); the glue between segments (pooling, flatten) runs eagerly.
 one graph, and so does the CPU. There, segments once ran far slower than one graph (2 solvers at
 0.75x eager): a segment that ends at a ReLU had its boolean mask saved for backward, and
 inductor's C++ kernels read and write booleans at a crawl. dptrain's CPU compile now saves no
-such mask (``dptrain.csrc.inductor.cpu_partition``: 7 segments of ResNet-18 CIFAR bf16 in 112 ms
-a step against 194 ms before, one graph 100 ms), yet on 2 cores the segments' overlap still did
-not beat one graph: against the same compiled DDP peer, in the same processes, 1.066x and 1.045x
-in segments against 1.130x and 1.049x whole (benchmarks/results/compile_cpu2_20261127.md).
+such mask (``dptrain.csrc.inductor.cpu_compile_options``; in plain torch, one thread, 7 segments of
+ResNet-18 CIFAR bf16 stepped in 112 ms against 194 ms with the masks, one graph in 100 ms). With
+2 solvers the segments' overlap showed no gain over one graph: against the same compiled DDP
+peer, in the same processes, 1.066x and 1.045x in segments, 1.130x and 1.049x whole, each run
+against its own peer blocks (benchmarks/results/compile_cpu2_20261127.md).
 
 **When.** The compile runs at start-up, on a batch of zeros of the training shape (the
 data's batch size, sample shape, dtype and layout): forward and backward of every segment,
@@ -67,7 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dptrain.config import CompileGraphs, CompileSetting
-from dptrain.csrc.inductor import cpu_partition, point_caches, prepare as prepare_inductor
+from dptrain.csrc.inductor import cpu_compile_options, point_caches, prepare as prepare_inductor
 from dptrain.dist.comm import Communicator
 from dptrain.errors import ConfigError
 from dptrain.flat import FlatParams
@@ -207,16 +208,18 @@ class CompiledModel:
     def names(self) -> list[str]:
         return [n or "<model>" for n, _ in self.parts]
 
-    def compile(self) -> None:
+    def compile(self, device_type: str) -> None:
         """Wrap each segment's forward in torch.compile. (``nn.Module.compile`` would compile the
         call of a torch module such as a Sequential stem as a frame dynamo skips: its layers would
         run eagerly.) The recompile limit is raised: the segments of one class share a code
-        object, and a ResNet's blocks come in up to 8 shapes."""
+        object, and a ResNet's blocks come in up to 8 shapes. On the CPU each compile (and
+        recompile) has the partition pass of ``dptrain.csrc.inductor.cpu_compile_options``."""
         prepare_inductor()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        how = {"mode": "reduce-overhead"} if self.cuda_graphs else {"options": cpu_compile_options(device_type) or None}
         for _, m in self.parts:
             self._own_forward[id(m)] = m.__dict__.get("forward")  # a forward set on the instance, kept
-            m.forward = torch.compile(m.forward, dynamic=False, mode="reduce-overhead" if self.cuda_graphs else None)
+            m.forward = torch.compile(m.forward, dynamic=False, **how)
 
     def uncompile(self) -> None:
         for _, m in self.parts:
@@ -241,9 +244,8 @@ class CompiledModel:
         error = ""
         self._skips_before = cudagraph_skips()
         try:
-            self.compile()
-            # the graphs are traced, partitioned and compiled in the first forward and backward
-            with _unchanged(self.model, flat), cpu_partition(comm.device.type):
+            self.compile(comm.device.type)
+            with _unchanged(self.model, flat):
                 labels = torch.zeros(len(batch), dtype=torch.long, device=batch.device)
                 for _ in range(CUDA_GRAPH_WARMUPS if self.cuda_graphs else 1):  # record and replay, failures here
                     self.step_begins()

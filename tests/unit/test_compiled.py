@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from dptrain.config import load_config
-from dptrain.csrc.inductor import prepare as prepare_inductor
+from dptrain.csrc.inductor import cpu_compile_options, prepare as prepare_inductor
 from dptrain.dist.comm import Communicator
 from dptrain.models import MODELS, build_model
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 from dptrain.train.compiled import (
     CPU_COMPILE_AUTO,
+    CompiledModel,
     CUDA_GRAPH_WARMUPS,
     MIN_SEGMENTS,
     resolve_compile,
@@ -97,6 +98,22 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_warning(tmp_path, monke
     finally:
         t.close()
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device_type, cuda_graphs", [("cpu", False), ("cuda", False), ("cuda", True)])
+def test_each_segment_compiles_with_the_cpu_partition_pass_on_the_cpu_only(monkeypatch, device_type, cuda_graphs):
+    """The pass that keeps boolean masks out of the CPU partition (dptrain/csrc/inductor.py, whose test checks
+    what it does) is a per-function option: every compile and recompile of a segment has it."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (calls.append(kw), fn)[1])
+    model = build_model("lenet", num_classes=10, width=8, in_channels=1)
+    CompiledModel(model, 0.2 * MB, cuda_graphs=cuda_graphs).compile(device_type)
+    assert len(calls) == 3
+    for kw in calls:
+        if device_type == "cpu":
+            assert kw["options"] == cpu_compile_options("cpu") != {} and "mode" not in kw
+        else:
+            assert kw.get("options") is None and kw.get("mode") == ("reduce-overhead" if cuda_graphs else None)
 
 
 def test_reduce_overhead_is_refused_with_several_solvers_before_anything_compiles():
