@@ -39,19 +39,15 @@ from pathlib import Path
 from throughput import (
     BASE_CONFIG,
     REPO,
+    SUITES,
     Case,
-    cpu_cases,
     dptrain_sets,
-    gpu_cases,
     launcher,
-    layout_cases,
     report_path,
     run_json,
     select,
 )
 
-SUITES = {"cpu": cpu_cases, "layout": lambda quick: layout_cases(), "gpu": lambda quick: gpu_cases()}
-"""throughput.py's suites by name, each called with ``--quick`` (the CPU suite's tiny widths)."""
 
 
 def interleavable(c: Case) -> bool:
@@ -90,7 +86,7 @@ def worker(args: argparse.Namespace) -> int:
 
     from dptrain.config import load_config
     from dptrain.run import open_communicator
-    from dptrain.tools.bench import device_name, versions
+    from dptrain.tools.bench import device_name, versions, warm_up
     from dptrain.topology import Topology
     from dptrain.train import Trainer
     from peer import make_step
@@ -127,10 +123,7 @@ def worker(args: argparse.Namespace) -> int:
         return {"s": round(time.perf_counter() - t0, 5), **({"steps_s": each} if each else {})}
 
     try:
-        for _ in range(args.warmup):
-            trainer.train_step()
-        while trainer.autoplan is not None and trainer.autoplan.pending:  # time the chosen plan, as bench does
-            trainer.train_step()
+        warm_up(trainer, args.warmup)
         for _ in range(args.warmup):
             peer_step()
         startup_s = time.perf_counter() - started

@@ -159,6 +159,11 @@ def gpu_cases() -> list[Case]:
     return cases
 
 
+SUITES = {"cpu": cpu_cases, "layout": lambda quick: layout_cases(), "buckets": lambda quick: bucket_cases(),
+          "gpu": lambda quick: gpu_cases()}
+"""The suites by name, each called with ``--quick`` (the CPU suite's tiny widths)."""
+
+
 def launcher(world_size: int) -> list[str]:
     if world_size == 1:
         return [sys.executable]
@@ -264,7 +269,7 @@ def report_path(out: str, kind: str, suite: str, device: str, tag: str) -> tuple
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["cpu", "layout", "buckets", "gpu"], default="cpu")
+    ap.add_argument("--suite", choices=sorted(SUITES), default="cpu")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
@@ -277,8 +282,7 @@ def main() -> int:
                     help="run bf16/fp16 CPU cases even where the CPU has no native kernels for them")
     ap.add_argument("--tag", default="", help="suffix of the results file name, e.g. peers or buckets")
     args = ap.parse_args()
-    cases = {"cpu": lambda: cpu_cases(args.quick), "layout": layout_cases, "buckets": bucket_cases,
-             "gpu": gpu_cases}[args.suite]()
+    cases = SUITES[args.suite](args.quick)
     cases = select(cases, args.only, cpu=args.suite != "gpu", allow_slow_dtypes=args.allow_slow_dtypes)
     if args.suite == "buckets":
         from dptrain.dist.planning.probe import AUTO_DONE_ITER

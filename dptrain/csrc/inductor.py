@@ -70,7 +70,6 @@ def prepare() -> Path:
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
-
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 """aten's comparisons: the ops whose boolean result the CPU partition recomputes in backward."""
 RANDOM_DEPTH = 4

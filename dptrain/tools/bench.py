@@ -92,6 +92,18 @@ def _percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
+def warm_up(trainer: Trainer, steps: int) -> int:
+    """``steps`` untimed steps, then as many more as the auto bucket plan needs to be chosen and checked,
+    so that the timed steps run the chosen plan, not the probe (every rank alike); the steps added."""
+    for _ in range(steps):
+        trainer.train_step()
+    extra = 0
+    while trainer.autoplan is not None and trainer.autoplan.pending:
+        trainer.train_step()
+        extra += 1
+    return extra
+
+
 def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, trace: str | None) -> dict[str, Any] | None:
     """Run the benchmark on this rank; return the record on rank 0, None elsewhere."""
     if steps <= 0 or warmup < 0 or phase_steps < 0:
@@ -105,12 +117,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
     trainer = Trainer(cfg, comm, tracer=tracer)
     try:
         trainer.time_phases(False)
-        for _ in range(warmup):
-            trainer.train_step()
-        extra = 0
-        while trainer.autoplan is not None and trainer.autoplan.pending:  # time the chosen plan, not the probe (every rank alike)
-            trainer.train_step()
-            extra += 1
+        extra = warm_up(trainer, warmup)
         if extra and comm.rank == 0:
             log.info("bench: %d more warm-up step(s) until the auto bucket plan was chosen and checked", extra)
         warmup += extra
