@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dptrain.tools.bench import device_name, git_commit, versions
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import SolverConfig, TrainConfig, load_config
 from dptrain.optimizer import learning_rate
 from dptrain.param_groups import Multipliers

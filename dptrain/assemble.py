@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import TrainConfig
 from dptrain.errors import ConfigError, SetupError
 from dptrain.flat import FlatParams

@@ -32,7 +32,7 @@ from typing import IO, Any
 import torch
 from torch import nn
 
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.errors import RunDirError, SnapshotError, first_line
 from dptrain.flat import FlatParams
 

@@ -372,7 +372,7 @@ class ReducerConfig:
     """Bucket capacity in MiB. Bigger: fewer launches; smaller: the first allreduce starts earlier.
     "auto": probe a few iterations with a bucket per parameter, fit the allreduce's cost, its overlap
     rate and its contention with backward, and choose the bucket boundaries that minimise what the
-    communication adds to the step, exposed + contention (``dptrain.dist.planning``: ``probe``
+    communication adds to the step, exposed + contention (``dptrain.distributed.planning``: ``probe``
     measures, ``planner`` plans, ``auto`` drives them; rank 0 decides, every rank switches at the
     same iteration; implies ``replan``)."""
     first_bucket_mb: float = 1.0

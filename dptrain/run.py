@@ -13,9 +13,9 @@ import torch
 
 from dptrain.assemble import pick_device
 from dptrain.checkpoint import RunDir, resolve_resume
-from dptrain.dist.comm import Communicator, agree_to_start, join_store
+from dptrain.distributed.comm import Communicator, agree_to_start, join_store
 from dptrain.config import TrainConfig
-from dptrain.dist.control import StopFlag
+from dptrain.distributed.control import StopFlag
 from dptrain.errors import ConfigError, RankFailure, UserError, first_line
 from dptrain.hostmem import apply_host_malloc
 from dptrain.topology import Topology
@@ -49,7 +49,7 @@ def stop_with_the_launcher(topology: Topology) -> None:
 
 def open_communicator(cfg: TrainConfig, topology: Topology, store: Any = None) -> Communicator:
     """This solver's device (its CPU thread count and host allocator settings), and the process group
-    over every solver (through ``store``, :func:`dptrain.dist.comm.join_store`, when already open)."""
+    over every solver (through ``store``, :func:`dptrain.distributed.comm.join_store`, when already open)."""
     device = pick_device(cfg.train.device, topology.local_rank)
     if device.type == "cpu":
         torch.set_num_threads(cfg.train.threads or topology.cores_per_process)
@@ -83,7 +83,7 @@ def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | No
     Order matters for a user on a cluster: the run directory, the lock, ``--resume PATH`` and
     ``--weights PATH`` are checked before anything slow is built, and every rank learns every
     rank's verdict through the rendezvous store before any joins the process group
-    (:func:`dptrain.dist.comm.agree_to_start`), so a refused run exits 2 on every rank at once.
+    (:func:`dptrain.distributed.comm.agree_to_start`), so a refused run exits 2 on every rank at once.
     The stop handlers are installed first: a SIGTERM while the ranks wait for each other ends the
     run (exit 0, nothing to snapshot yet), a later one in a snapshot at the first iteration.
     ``--weights`` starts a fresh run (iteration 0, new optimizer state, the config's seed) from a

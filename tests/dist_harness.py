@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dptrain.dist.comm import import_dynamo_first
+from dptrain.distributed.comm import import_dynamo_first
 
 
 def _entry(rank, world_size, init_file, backend, timeout_s, fn, args):

@@ -54,7 +54,7 @@ def point_caches() -> Path:
     inductor keeps them in ``<folder>/triton/<device>``); the inductor folder. Must run before anything
     asks inductor for its folder: the first ask (``torch._dynamo``'s import does) writes torch's
     default into the environment, which then looks like the user's choice. Called by
-    ``dptrain.dist.comm.import_dynamo_first``, the Trainer (first thing) and :func:`prepare`."""
+    ``dptrain.distributed.comm.import_dynamo_first``, the Trainer (first thing) and :func:`prepare`."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 

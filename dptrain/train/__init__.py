@@ -11,7 +11,7 @@ One iteration:
     optimizer.step()                        unscale, skip on overflow, update masters, write weights
 
 Nothing in the step reads a device value on the host: the control flags are read back
-``ControlChannel.lag`` iterations later (``dptrain.dist.control``), so a stop signal or a
+``ControlChannel.lag`` iterations later (``dptrain.distributed.control``), so a stop signal or a
 diverged loss is acted on at the same iteration on every rank. The host syncs only when
 it logs, tests or snapshots.
 

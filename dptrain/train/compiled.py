@@ -69,7 +69,7 @@ from torch import nn
 
 from dptrain.config import CompileGraphs, CompileSetting
 from dptrain.csrc.inductor import cpu_compile_options, point_caches, prepare as prepare_inductor
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.errors import ConfigError
 from dptrain.flat import FlatParams
 

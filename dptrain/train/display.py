@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 
 
 class DisplayWindow:

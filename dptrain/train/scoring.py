@@ -16,8 +16,8 @@ import torch
 
 from dptrain.data.base import DROPPED_LABEL
 from dptrain.data.sampling import eval_range
-from dptrain.dist.comm import Communicator
-from dptrain.dist.control import ControlChannel
+from dptrain.distributed.comm import Communicator
+from dptrain.distributed.control import ControlChannel
 from dptrain.train.stops import StopProtocol
 
 CORRECT1, CORRECT5, SCORED, BAD = range(4)

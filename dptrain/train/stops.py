@@ -3,7 +3,7 @@
 A run ends early for one of two kinds of reason:
 
 * **an agreed stop**: SIGTERM, SIGUSR1 or Ctrl-C reached a rank. The request travels in the
-  control sums (``dptrain.dist.control``), which every rank reads alike, so every rank
+  control sums (``dptrain.distributed.control``), which every rank reads alike, so every rank
   stops after the same training iteration or test batch. :class:`StopProtocol` is the one
   place that turns the sums into that decision, for the training steps and the test
   batches alike, and it raises :class:`StopAgreed` there. The Trainer catches it once,
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from dptrain.checkpoint import good_snapshots, list_snapshots, mark_diverging
-from dptrain.dist.comm import Communicator
-from dptrain.dist.control import LOSS, NONFINITE, STOP, ControlChannel, StopFlag
+from dptrain.distributed.comm import Communicator
+from dptrain.distributed.control import LOSS, NONFINITE, STOP, ControlChannel, StopFlag
 from dptrain.errors import DivergenceError
 from dptrain.overflow import DivergenceWatch
 

@@ -17,11 +17,11 @@ from dptrain.config import TrainConfig, config_to_dict, dump_toml
 from dptrain.data import build_source
 from dptrain.data.base import DeviceFeeder
 from dptrain.data.sampling import ShardPlan, batches_per_epoch
-from dptrain.dist.comm import Communicator
-from dptrain.dist.control import NONFINITE, ControlChannel, StopFlag
-from dptrain.dist.planning.auto import attach_auto_plan
-from dptrain.dist.reducer import Reducer
-from dptrain.dist.straggler import StepClock, StragglerMonitor
+from dptrain.distributed.comm import Communicator
+from dptrain.distributed.control import NONFINITE, ControlChannel, StopFlag
+from dptrain.distributed.planning.auto import attach_auto_plan
+from dptrain.distributed.reducer import Reducer
+from dptrain.distributed.straggler import StepClock, StragglerMonitor
 from dptrain.layout import resolve_channels_last
 from dptrain.observe.metrics import MetricsWriter, TensorBoardWriter
 from dptrain.observe.trace import NullTracer, PhaseTimer, Tracer

@@ -4,7 +4,7 @@ One-GPU tests exercise the cupy-nccl communicator over a one-rank NCCL clique; t
 multi-rank tests need two GPUs (one NCCL rank per device: NCCL refuses two ranks on one GPU).
 The watchdog's error (type and message) is also checked on the CPU, with a stand-in for
 CuPy's communicator; the averaging, launch order and plan agreement of the two-GPU tests
-run on gloo in tests/dist/test_reducer.py and tests/dist/test_bucket_auto.py.
+run on gloo in tests/distributed/test_reducer.py and tests/distributed/test_bucket_auto.py.
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from dist_harness import run_ranks
 from torch import nn
 
 from devices import cuda_param, requires_gpus
-from dptrain.dist.comm import Communicator, CompletionWatcher
+from dptrain.distributed.comm import Communicator, CompletionWatcher
 from dptrain.config import ReducerConfig
 from dptrain.errors import RankFailure
 from dptrain.flat import FlatParams
-from dptrain.dist.flight import FlightRecorder
-from dptrain.dist.reducer import Reducer
+from dptrain.distributed.flight import FlightRecorder
+from dptrain.distributed.reducer import Reducer
 from dptrain.topology import Topology
 from dptrain.observe.trace import Tracer
 
@@ -46,7 +46,7 @@ stream dependency would let NCCL read the buffer before the write queued behind 
 
 
 def _one_rank_cupy():
-    from dptrain.dist.cupy_nccl import CupyNcclCommunicator
+    from dptrain.distributed.cupy_nccl import CupyNcclCommunicator
 
     comm = Communicator(Topology(), device=torch.device("cuda", 0), backend=None)
     return CupyNcclCommunicator(comm, timeout_s=30)
@@ -91,7 +91,7 @@ def _expect_watchdog_failure(work, launch) -> None:
 
 
 def _watchdog_rank(rank: int, world: int) -> None:
-    from dptrain.dist.cupy_nccl import CupyNcclCommunicator
+    from dptrain.distributed.cupy_nccl import CupyNcclCommunicator
 
     comm = Communicator(Topology(), device=torch.device("cuda", 0), backend=None)
     cc = CupyNcclCommunicator(comm, timeout_s=WATCHDOG_TIMEOUT_S)
@@ -116,7 +116,7 @@ class _NeverDoneNccl:
 def _watchdog_on_cpu() -> None:
     """The watchdog's part that needs no GPU: a collective whose completion never comes is
     aborted by the CompletionWatcher at its deadline, and the communicator fails from then on."""
-    from dptrain.dist.cupy_nccl import CupyNcclCommunicator, CupyWork
+    from dptrain.distributed.cupy_nccl import CupyNcclCommunicator, CupyWork
 
     cc = CupyNcclCommunicator.__new__(CupyNcclCommunicator)  # __init__ creates a CUDA stream and NCCL clique
     cc.rank, cc.world_size, cc.device, cc.timeout_s = 0, 1, torch.device("cpu"), WATCHDOG_TIMEOUT_S
@@ -200,8 +200,8 @@ def test_cupy_nccl_reducer_averages_and_overlaps_on_two_gpus():
 
 
 def _auto_rank(rank: int, world: int) -> None:
-    from dptrain.dist.planning.auto import attach_auto_plan
-    from dptrain.dist.planning.probe import AUTO_DONE_ITER
+    from dptrain.distributed.planning.auto import attach_auto_plan
+    from dptrain.distributed.planning.probe import AUTO_DONE_ITER
 
     device = torch.device("cuda", rank)
     comm = Communicator.from_initialized(device)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from devices import DEVICES, gpu_only
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.topology import Topology
 from dptrain.train import Trainer

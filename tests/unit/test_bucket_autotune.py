@@ -1,4 +1,4 @@
-"""dptrain.dist.planning.planner: the cost fit, the overlap model and the planner (pure functions);
+"""dptrain.distributed.planning.planner: the cost fit, the overlap model and the planner (pure functions);
 explicit cuts in build_bucket_plan; the config's "auto" values. Expected values are worked out
 by hand in the comments; the planner is also checked against brute force."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from dptrain.dist.planning import planner as bucket_autotune
-from dptrain.dist.planning.planner import (
+from dptrain.distributed.planning import planner as bucket_autotune
+from dptrain.distributed.planning.planner import (
     LinearCost,
     buckets_of,
     comm_cost_ms,
@@ -21,7 +21,7 @@ from dptrain.dist.planning.planner import (
     plan_cuts,
     simulate_overlap,
 )
-from dptrain.dist.planning.plan import GroupSpec, SegmentSpec, build_bucket_plan
+from dptrain.distributed.planning.plan import GroupSpec, SegmentSpec, build_bucket_plan
 from dptrain.config import load_config
 from dptrain.errors import ConfigError
 

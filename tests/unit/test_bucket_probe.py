@@ -1,5 +1,5 @@
-"""dptrain.dist.planning.probe: what the auto plan's probe records per iteration (single process; the
-least over the ranks is tested on 2 gloo ranks in tests/dist/test_bucket_auto.py)."""
+"""dptrain.distributed.planning.probe: what the auto plan's probe records per iteration (single process; the
+least over the ranks is tested on 2 gloo ranks in tests/distributed/test_bucket_auto.py)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import pytest
 
 import torch
 
-from dptrain.dist.planning.probe import (
+from dptrain.distributed.planning.probe import (
     AUTO_DECISION_ITER,
     AUTO_DONE_ITER,
     AUTO_PROBE_ITERS,

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from dptrain.dist.planning.plan import (
+from dptrain.distributed.planning.plan import (
     MIB,
     GroupSpec,
     SegmentSpec,
@@ -14,11 +14,11 @@ from dptrain.dist.planning.plan import (
     order_from_ready,
     plan_from_ready_order,
 )
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import ReducerConfig
 from dptrain.errors import ConfigError
 from dptrain.flat import FlatParams
-from dptrain.dist.reducer import Reducer, group_specs
+from dptrain.distributed.reducer import Reducer, group_specs
 from dptrain.topology import Topology
 from dptrain.observe.trace import NullTracer
 

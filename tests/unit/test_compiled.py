@@ -1,5 +1,5 @@
 """model.compile's pieces on one process (dptrain.train.compiled): the segments, the "auto" rule, and
-the fallback to eager when the compiler fails. The compiled training itself: tests/dist/test_compile.py."""
+the fallback to eager when the compiler fails. The compiled training itself: tests/distributed/test_compile.py."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import torch
 
 from dptrain.config import load_config
 from dptrain.csrc.inductor import cpu_compile_options, prepare as prepare_inductor
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.models import MODELS, build_model
 from dptrain.topology import Topology
 from dptrain.train import Trainer

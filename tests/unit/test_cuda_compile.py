@@ -284,7 +284,7 @@ def test_a_passing_self_check_selects_the_kernels_once_per_device(fake_gpu, monk
 
 
 def test_known_value_allreduce_check():
-    from dptrain.dist.cupy_nccl import known_sum_mismatch
+    from dptrain.distributed.cupy_nccl import known_sum_mismatch
 
     assert known_sum_mismatch(torch.full((7,), 6.0), world_size=3) is None  # 1 + 2 + 3
     bad = torch.full((7,), 6.0)
@@ -295,7 +295,7 @@ def test_known_value_allreduce_check():
 def test_cupy_nccl_passes_the_unique_id_as_cupy_made_it(monkeypatch):
     """CuPy 14's get_unique_id() returns bytes and NcclCommunicator rejects a tuple; CuPy 13's is a
     tuple. Whatever rank 0's CuPy made reaches every rank's NcclCommunicator unchanged."""
-    import dptrain.dist.cupy_nccl as nc
+    import dptrain.distributed.cupy_nccl as nc
 
     made = []
 
@@ -315,7 +315,7 @@ def test_cupy_nccl_passes_the_unique_id_as_cupy_made_it(monkeypatch):
             made.append(uid)
             raise RuntimeError("stop here: the id is what this test checks")
 
-    from dptrain.dist.flight import FlightRecorder
+    from dptrain.distributed.flight import FlightRecorder
 
     comm = SimpleNamespace(device=torch.device("cuda", 0), rank=0, world_size=2,
                            broadcast_object=lambda obj, src=0: obj, flight=FlightRecorder(0, 2))
@@ -328,7 +328,7 @@ def test_cupy_nccl_passes_the_unique_id_as_cupy_made_it(monkeypatch):
 
 
 def test_threads_that_touch_cuda_bind_to_their_solver_s_gpu(monkeypatch):
-    from dptrain.dist import comm
+    from dptrain.distributed import comm
 
     bound = []
     monkeypatch.setattr(comm.torch.cuda, "set_device", lambda d: bound.append(d))

@@ -10,7 +10,7 @@ import torch
 
 from dptrain.checkpoint import SNAPSHOT_FORMAT, RunDir, load_snapshot, save_snapshot
 from dptrain.cli import main
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import config_to_dict, load_config
 from dptrain.errors import SnapshotError
 from dptrain.flat import FlatParams

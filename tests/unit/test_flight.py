@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from dptrain.dist import flight
-from dptrain.dist.flight import FlightRecorder
+from dptrain.distributed import flight
+from dptrain.distributed.flight import FlightRecorder
 
 
 class FakeStore:

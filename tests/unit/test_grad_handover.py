@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.flat import FlatParams
 from dptrain.topology import Topology

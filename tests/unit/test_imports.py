@@ -27,20 +27,20 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dptrain.train",),
     ("dptrain.weights", "dptrain.assemble"),
     ("dptrain.optimizer", "dptrain.checkpoint", "dptrain.data", "dptrain.layout"),
-    ("dptrain.dist", "dptrain.precision", "dptrain.overflow", "dptrain.param_groups"),
+    ("dptrain.distributed", "dptrain.precision", "dptrain.overflow", "dptrain.param_groups"),
     ("dptrain.kernels", "dptrain.flat"),
     ("dptrain.config",),
     ("dptrain.topology", "dptrain.observe", "dptrain.models", "dptrain.hostmem", "dptrain.csrc"),
     ("dptrain.errors",),
     ("dptrain",),
 )
-"""Components from the top layer down (STYLE.md section 1: ``train -> {dist, solver, data,
+"""Components from the top layer down (STYLE.md section 1: ``train -> {distributed, solver, data,
 models} -> {precision, kernels} -> config``; only ``run`` and the tools above it import ``train``,
 and only the entry points above them import ``cli`` and ``tools``). A component is a top-level
-module or subpackage of dptrain (the wings: ``dist`` communication, ``data`` input, ``kernels``
+module or subpackage of dptrain (the wings: ``distributed`` communication, ``data`` input, ``kernels``
 update rules, ``observe`` records, ``tools`` the side commands, ``csrc`` native sources). It may
 import components of lower layers only: not its own layer's others (so ``data`` never reaches
-``dist`` or ``optimizer``) and not a higher one. Modules
+``distributed`` or ``optimizer``) and not a higher one. Modules
 inside one component (``dptrain.data.*``) may import each other; the cycle test covers them.
 ``models`` sits below ``config`` because the config checks ``model.name`` against the zoo when
 it loads, and the zoo imports nothing but ``errors`` (STYLE: models have no distributed,

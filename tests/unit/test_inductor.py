@@ -1,7 +1,7 @@
 """torch.compile's set-up (dptrain.csrc.inductor), each in a fresh interpreter started as a solver starts
 (torch._dynamo first): inductor's caches point at dptrain's cache folder, and its first import prints no
 DeprecationWarning. (A compile that writes
-there: tests/dist/test_compile.py.)"""
+there: tests/distributed/test_compile.py.)"""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ SCRIPT = r"""
 import json, os, warnings
 import torch
 from dptrain.csrc.inductor import prepare
-from dptrain.dist.comm import import_dynamo_first
+from dptrain.distributed.comm import import_dynamo_first
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import_dynamo_first()  # as a solver starts: torch._dynamo's import asks inductor for its cache folder

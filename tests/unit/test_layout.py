@@ -41,7 +41,7 @@ def test_a_model_with_a_convolution_torch_breaks_on_in_nhwc_stays_nchw_on_the_cp
     assert layout.resolve_channels_last(True, "fp32", CPU, narrow) is True  # an explicit setting is kept, with a warning
     assert "known to corrupt the heap" in caplog.text and "layer2.0.downsample.0" in caplog.text
 
-    from dptrain.dist.comm import Communicator
+    from dptrain.distributed.comm import Communicator
     from dptrain.topology import Topology
 
     for width, nhwc in ((4, False), (8, layout.CPU_FP32_CHANNELS_LAST)):

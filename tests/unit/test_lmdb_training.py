@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.data.make_lmdb import make_digits_lmdb
 from dptrain.topology import Topology

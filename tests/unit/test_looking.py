@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from dptrain.cli import main
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.topology import Topology
 from dptrain.train import Trainer

@@ -101,7 +101,7 @@ def test_unknown_model_lists_choices():
 
 
 def test_models_import_no_distributed_precision_or_config():
-    banned = ("torch.distributed", "dptrain.dist.comm", "dptrain.precision", "dptrain.config", "dptrain.train")
+    banned = ("torch.distributed", "dptrain.distributed.comm", "dptrain.precision", "dptrain.config", "dptrain.train")
     for path in Path(dptrain.models.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):

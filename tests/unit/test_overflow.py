@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.errors import LossScaleError
 from dptrain.overflow import OverflowLocator, first_nonfinite_layer

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.topology import Topology
 from dptrain.train import Trainer

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dptrain.checkpoint import SNAPSHOT_FORMAT, list_snapshots, load_snapshot, resolve_resume, save_snapshot
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.errors import RunDirError, SnapshotError
 from dptrain.topology import Topology
@@ -233,7 +233,7 @@ def test_resuming_with_another_batch_setup_says_the_run_no_longer_continues_samp
 def test_ctrl_c_asks_for_a_snapshot_and_a_second_one_stops_at_once():
     import signal
 
-    from dptrain.dist.control import StopFlag
+    from dptrain.distributed.control import StopFlag
 
     flag = StopFlag()
     flag(signal.SIGINT, None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dptrain.dist.control import FIELDS, LOSS, NONFINITE, STOP, StopFlag
+from dptrain.distributed.control import FIELDS, LOSS, NONFINITE, STOP, StopFlag
 from dptrain.errors import DivergenceError
 from dptrain.train.stops import HealthWatch, StopAgreed, StopProtocol
 

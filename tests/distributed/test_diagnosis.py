@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.train import Trainer
 

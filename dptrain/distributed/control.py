@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dptrain.dist.comm import Communicator, Work
+from dptrain.distributed.comm import Communicator, Work
 
 FIELDS = ("stop", "nonfinite_loss", "loss")
 """The control vector's entries, each summed over the ranks: the loss so too, so that every rank

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.checkpoint import check_same_start
 from dptrain.errors import SnapshotError
 from dptrain.topology import Topology

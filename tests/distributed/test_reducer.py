@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from dist_harness import run_ranks, start_ranks
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.errors import RankFailure
 from dptrain.config import ReducerConfig
 from dptrain.flat import FlatParams
-from dptrain.dist.reducer import Reducer
+from dptrain.distributed.reducer import Reducer
 from dptrain.observe.trace import NullTracer, Tracer
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

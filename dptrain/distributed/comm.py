@@ -29,7 +29,7 @@ from torch import nn
 
 from dptrain.csrc.inductor import point_caches
 from dptrain.errors import PeerStartupError, RankFailure, SetupError, StartupStopped, first_line
-from dptrain.dist.flight import FlightRecorder, progress_store
+from dptrain.distributed.flight import FlightRecorder, progress_store
 from dptrain.topology import Topology
 from dptrain.observe.trace import now_us
 
@@ -187,7 +187,7 @@ def import_dynamo_first() -> None:
     ("terminate called without an active exception", SIGABRT after a finished run; a core dump
     showed ``pthread_exit`` in ``take_gil`` under ``~AsyncAllreduceWork``): 4 of about 140
     two-solver ``bench`` runs did. Imported first, it holds no group, and close() joins the threads
-    (tests/dist/test_teardown.py checks that none is left). Costs ~1 s at startup where nothing else
+    (tests/distributed/test_teardown.py checks that none is left). Costs ~1 s at startup where nothing else
     would import it (CUDA runs).
     Inductor's caches are pointed at dptrain's cache folder first (``dptrain.csrc.inductor``): the
     import would otherwise fix torch's default folder in /tmp for the process.

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from dptrain.cli import main
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.models import build_model
 from dptrain.topology import Topology

@@ -11,8 +11,8 @@ from statistics import median
 import torch
 
 from dist_harness import run_ranks
-from dptrain.dist.planning.probe import AUTO_DECISION_ITER, AUTO_DONE_ITER, AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.planning.probe import AUTO_DECISION_ITER, AUTO_DONE_ITER, AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
+from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.train import Trainer
 

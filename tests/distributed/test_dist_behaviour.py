@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_harness import run_ranks, start_ranks
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.observe.trace import Tracer
 from dptrain.train import Trainer

@@ -28,7 +28,7 @@ on it is identical everywhere without another collective.
 The Reducer is mechanism only. Measurement hangs beside it as observers
 (:class:`ReducerObserver`: told when a synced backward begins, each gradient is ready, its
 collectives completed, and wait() is done; an observer may hold a backward's launches until its
-end). ``bucket_mb = "auto"`` is one (:mod:`dptrain.dist.planning.auto`): a probe with a bucket per
+end). ``bucket_mb = "auto"`` is one (:mod:`dptrain.distributed.planning.auto`): a probe with a bucket per
 parameter measures the gradient-ready times, the collectives' costs and the backward time their
 overlap takes, rank 0 plans the boundaries that minimise what the communication adds to the step
 (exposed + contention), and every rank adopts them at the same iteration (:meth:`Reducer.adopt_ready_order`,
@@ -63,8 +63,8 @@ from typing import Protocol
 
 import torch
 
-from dptrain.dist.planning.probe import PROBE_CAP_MB
-from dptrain.dist.planning.plan import (
+from dptrain.distributed.planning.probe import PROBE_CAP_MB
+from dptrain.distributed.planning.plan import (
     Bucket,
     BucketPlan,
     GroupSpec,
@@ -74,7 +74,7 @@ from dptrain.dist.planning.plan import (
     order_from_ready,
     plan_from_ready_order,
 )
-from dptrain.dist.comm import AsyncAllreduce, Communicator, Work
+from dptrain.distributed.comm import AsyncAllreduce, Communicator, Work
 from dptrain.config import ReducerConfig
 from dptrain.errors import ConfigError, RankFailure
 from dptrain.flat import FlatParams
@@ -105,7 +105,7 @@ class Launched:
 class ReducerObserver(Protocol):
     """What the Reducer tells whoever measures it (``reducer.observers``), at each synced backward;
     the Reducer only moves gradients, as DDP keeps its Logger and Timer beside its reducer. The
-    ``bucket_mb = "auto"`` planner is one (:class:`dptrain.dist.planning.auto.AutoPlan`)."""
+    ``bucket_mb = "auto"`` planner is one (:class:`dptrain.distributed.planning.auto.AutoPlan`)."""
 
     @property
     def timing(self) -> bool:
@@ -192,7 +192,7 @@ class Reducer:
         if self.comm.device.type != "cuda":
             raise ConfigError(f"rank {self.comm.rank}: reducer.backend = \"cupy-nccl\" needs CUDA devices, "
                              f"this solver runs on {self.comm.device}; use reducer.backend = \"torch\"")
-        from dptrain.dist.cupy_nccl import CupyNcclCommunicator, check_reducible  # imports cupy: GPU runs only
+        from dptrain.distributed.cupy_nccl import CupyNcclCommunicator, check_reducible  # imports cupy: GPU runs only
 
         check_reducible({torch.float32 if self.fp32_reduce else g.grads.dtype for g in self.flat.groups})
         return CupyNcclCommunicator(self.comm, self.cfg.timeout_s)
@@ -236,7 +236,7 @@ class Reducer:
     def begin(self, sync: bool, control: torch.Tensor | None = None) -> None:
         """Arm the hooks for the coming backward; ``sync=False`` only accumulates (iter_size).
 
-        ``control`` (a small fp32 device vector, see ``dptrain.dist.control``) is summed over the
+        ``control`` (a small fp32 device vector, see ``dptrain.distributed.control``) is summed over the
         ranks with the running statistics, in the collective launched here (in a held probe
         iteration: behind the first bucket), and holds the sums after :meth:`wait`.
         """

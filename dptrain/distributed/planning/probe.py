@@ -1,5 +1,5 @@
 """The measuring side of ``reducer.bucket_mb = "auto"``: what the Reducer's probe records, and
-how the ranks' records become the planner's inputs (:mod:`dptrain.dist.planning.planner` plans).
+how the ranks' records become the planner's inputs (:mod:`dptrain.distributed.planning.planner` plans).
 
 After ``AUTO_WARMUP_ITERS`` synced iterations, ``2 * AUTO_PROBE_ITERS`` more run with one
 bucket per parameter, alternately overlapped and held (the 1st, 3rd, ... probe iteration
@@ -38,8 +38,8 @@ from statistics import fmean, median, stdev
 
 import torch
 
-from dptrain.dist.planning.planner import AutoDecision, decide_plan
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.planning.planner import AutoDecision, decide_plan
+from dptrain.distributed.comm import Communicator
 from dptrain.observe.trace import now_us
 
 AUTO_WARMUP_ITERS = 1

@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from dptrain.dist.comm import Communicator, CompletionWatcher
+from dptrain.distributed.comm import Communicator, CompletionWatcher
 from dptrain.errors import RankFailure, SetupError, first_line
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import torch
 
 from dist_harness import run_ranks
 from dptrain.checkpoint import list_snapshots
-from dptrain.dist.comm import Communicator
+from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.train import Trainer
 

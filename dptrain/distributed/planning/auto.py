@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from dptrain.dist.planning.plan import order_from_ready
-from dptrain.dist.planning.probe import AutoProbe, check_line
-from dptrain.dist.reducer import Launched, Reducer, group_specs
+from dptrain.distributed.planning.plan import order_from_ready
+from dptrain.distributed.planning.probe import AutoProbe, check_line
+from dptrain.distributed.reducer import Launched, Reducer, group_specs
 from dptrain.observe.trace import now_us
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def attach_auto_plan(reducer: Reducer) -> AutoPlan | None:
 
 
 class AutoPlan:
-    """Drives ``reducer.bucket_mb = "auto"`` as a :class:`~dptrain.dist.reducer.ReducerObserver` (see
+    """Drives ``reducer.bucket_mb = "auto"`` as a :class:`~dptrain.distributed.reducer.ReducerObserver` (see
     :mod:`.probe` for the iterations and what they measure)."""
 
     def __init__(self, reducer: Reducer) -> None:
