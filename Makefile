@@ -8,7 +8,8 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-gpu test-slurm bench gpu-wheels clean
+# `make lint`: ruff (pyflakes, import order, bugbear; configured in pyproject.toml). CI runs it before the tests.
+.PHONY: setup lint demo test test-slow test-gpu test-slurm bench gpu-wheels clean
 
 $(PY):
 	@echo "setup 1/3: creating $(VENV) with $$($(PYTHON) --version 2>&1)"
@@ -24,6 +25,9 @@ $(VENV)/.installed: $(PY) pyproject.toml
 	@touch $@
 
 setup: $(VENV)/.installed
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 demo: setup
 	$(VENV)/bin/dptrain demo --nproc $(NPROC)

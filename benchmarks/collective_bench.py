@@ -63,7 +63,7 @@ def measure_allreduce(sizes_bytes: list[int], *, world_size: int = 2, iters: int
                  nprocs=world_size)
         with open(out_file) as f:
             medians = json.load(f)
-    return list(zip(sizes, medians))
+    return list(zip(sizes, medians, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:

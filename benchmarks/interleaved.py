@@ -49,7 +49,6 @@ from throughput import (
 )
 
 
-
 def interleavable(c: Case) -> bool:
     """Whether both sides of ``c`` can share a process: it has a peer, no side-specific environment and
     no CUDA graphs (module docstring)."""
@@ -83,13 +82,13 @@ def worker(args: argparse.Namespace) -> int:
     """One rank (under torchrun): both sides built, warmed up and timed in interleaved blocks."""
     import torch
     import torch.distributed as dist
+    from peer import make_step
 
     from dptrain.config import load_config
     from dptrain.run import open_communicator
     from dptrain.tools.bench import device_name, versions, warm_up
     from dptrain.topology import Topology
     from dptrain.train import Trainer
-    from peer import make_step
 
     c = next(c for c in SUITES[args.suite](args.quick) if c.name == args.case)
     started = time.perf_counter()

@@ -46,8 +46,8 @@ def op_times(step: Callable[[], None], steps: int, warmup: int) -> dict[str, tup
 
 
 def dptrain_step(args: argparse.Namespace, run_dir: str) -> tuple[Callable[[], None], Callable[[], None]]:
-    from dptrain.distributed.comm import Communicator
     from dptrain.config import load_config
+    from dptrain.distributed.comm import Communicator
     from dptrain.topology import Topology
     from dptrain.train import Trainer
 

@@ -362,11 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     # Repeats go round-robin over the runs, so a slow spell on a shared host hits every point alike.
     per_run: list[list[dict[str, Any]]] = [[] for _ in runs]
     for k in range(args.repeats):
-        for r, recs in zip(runs, per_run):
+        for r, recs in zip(runs, per_run, strict=True):
             recs.append(run_one(r, args.timeout_s))
             log.info("-> %.1f images/s (repeat %d/%d)", recs[-1]["images_per_s"], k + 1, args.repeats)
-    records = [{"mode": r.mode, **rec} for r, recs in zip(runs, per_run) for rec in recs]  # weak and strong can share a config
-    rows = add_efficiency([summarize(r.mode, recs) for r, recs in zip(runs, per_run)])
+    records = [{"mode": r.mode, **rec} for r, recs in zip(runs, per_run, strict=True) for rec in recs]  # weak and strong can share a config
+    rows = add_efficiency([summarize(r.mode, recs) for r, recs in zip(runs, per_run, strict=True)])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"scaling_{args.tag or hardware_tag(rows[0].device)}_{datetime.date.today():%Y%m%d}"

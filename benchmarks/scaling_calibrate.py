@@ -143,7 +143,7 @@ def _pool_runs(runs: list[dict[str, Any]], d: Path) -> dict[tuple[int, float], d
         groups.setdefault((r["world_size"], r["cap_mb"]), []).append(r)
     out = {}
     for (world, cap), v in groups.items():
-        least, skew = zip(*(least_waits(d, r["trace"], world) for r in v))
+        least, skew = zip(*(least_waits(d, r["trace"], world) for r in v), strict=True)
         out[(world, cap)] = {
             "step_ms": statistics.median(r["step_ms_median"] for r in v),
             "exposed_ms": statistics.median(r["exposed_comm_ms"] or 0.0 for r in v),
@@ -173,8 +173,8 @@ def least_waits(d: Path, trace0: str, world: int) -> tuple[list[float], list[flo
     if len({len(w) for w in waits}) != 1 or not waits[0]:
         raise ValueError(f"{d / trace0}: the ranks' traces hold {[len(w) for w in waits]} phase-timed steps; "
                          "every rank must trace the same steps (rerun it)")
-    least = [min(step) for step in zip(*waits)]
-    return least, [w0 - m for w0, m in zip(waits[0], least)]
+    least = [min(step) for step in zip(*waits, strict=True)]
+    return least, [w0 - m for w0, m in zip(waits[0], least, strict=True)]
 
 
 def repeat_bootstrap(runs: list[list[float]], draws: int = 2000, level: float = 0.90,

@@ -581,7 +581,7 @@ def auto_plan(p: Profile, comm: Callable[[float], float], t: Terms = Terms()) ->
     weighing ``t``'s contention and overlap rate as the Reducer weighs its measured ones."""
     ready, nbytes = [b.ready_ms for b in p.buckets], [b.nbytes for b in p.buckets]
     r, s = buckets_of(ready, nbytes, plan_cuts(ready, nbytes, comm, p.backward_ms, t.overlap_rate, t.contention))
-    return replace(p, buckets=tuple(BucketTiming(int(b), t) for t, b in zip(r, s)), granularity="bucket")
+    return replace(p, buckets=tuple(BucketTiming(int(b), t) for t, b in zip(r, s, strict=True)), granularity="bucket")
 
 
 def comm_step_ms(pred: StepPrediction) -> float:

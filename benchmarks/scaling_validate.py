@@ -27,10 +27,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scaling_model as sm  # noqa: E402
@@ -158,7 +159,8 @@ def fit_fixed(rows: list[Row], wl: sm.Workload) -> FixedCosts:
     for machine in sorted({r.machine for r in rows if r.role == "fit" and r.strong}):
         mine = [r for r in rows if r.role == "fit" and r.strong and r.machine == machine]
         top = min(min(r.base_batch, r.batch_size) / (r.images_per_s_1 / r.gpus_1) * 1e3 for r in mine)
-        out[machine] = grid_min(lambda f: sum((predict(r, wl, {machine: f}) - r.efficiency) ** 2 for r in mine),
+        out[machine] = grid_min(lambda f, machine=machine, mine=mine: sum((predict(r, wl, {machine: f}) - r.efficiency) ** 2
+                                                                   for r in mine),
                                 top * (FIXED_GRID_STEPS - 1) / FIXED_GRID_STEPS, FIXED_GRID_STEPS - 1)
     return out
 

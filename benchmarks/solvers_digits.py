@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dptrain.tools.bench import device_name, git_commit, versions
-from dptrain.distributed.comm import Communicator
 from dptrain.config import SolverConfig, TrainConfig, load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.optimizer import learning_rate
 from dptrain.param_groups import Multipliers
+from dptrain.tools.bench import device_name, git_commit, versions
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 

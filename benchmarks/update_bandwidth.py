@@ -53,8 +53,8 @@ import torch
 
 from dptrain import kernels
 from dptrain.kernels import Hyper, UpdateArgs, native
-from dptrain.tools.bench import device_name, versions
 from dptrain.observe.provenance import git_commit
+from dptrain.tools.bench import device_name, versions
 
 RESNET50_PARAMS = 25_557_032
 """torchvision ResNet-50 parameter count (also what dptrain.models builds)."""

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dptrain.distributed.comm import Communicator
 from dptrain.config import TrainConfig
+from dptrain.distributed.comm import Communicator
 from dptrain.errors import ConfigError, SetupError
 from dptrain.flat import FlatParams
 from dptrain.layout import cpu_nhwc_hazards

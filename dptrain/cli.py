@@ -327,7 +327,8 @@ def torchrun_main(argv: list[str] | None = None) -> int:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as run, parse_args
+    from torch.distributed.run import main as run
+    from torch.distributed.run import parse_args
 
     nproc = getattr(parse_args(argv), "nproc_per_node", None)
     with tempfile.TemporaryDirectory(prefix="dptrain-exit-") as folder:

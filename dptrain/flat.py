@@ -190,7 +190,7 @@ def _layout(named_params: list[tuple[str, nn.Parameter]]) -> tuple[list[Segment]
 
 def _is_dense(t: torch.Tensor) -> bool:
     """True when ``t`` covers exactly numel() elements with no overlap (any dim order)."""
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz > 1)
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.size(), strict=True) if sz > 1)
     expect = 1
     for st, sz in dims:
         if st != expect:
@@ -261,7 +261,7 @@ class FlatParams:
         and record ``layout_order`` as the order across groups."""
         if sorted(layout_order) != sorted(self._layout_order):
             raise RuntimeError("reorder needs every parameter of the model exactly once")
-        for g, names in zip(self.groups, per_group):
+        for g, names in zip(self.groups, per_group, strict=True):
             if [s.name for s in g.segments] != names:
                 g.relayout(names)
         self._layout_order = list(layout_order)

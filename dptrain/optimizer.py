@@ -16,8 +16,8 @@ from dptrain.errors import SnapshotError
 from dptrain.flat import FlatParams
 from dptrain.kernels import Hyper, UpdateArgs
 from dptrain.kernels.spec import RULES, PerElement, Rule, bias_corrections
-from dptrain.param_groups import Multipliers
 from dptrain.overflow import OverflowLocator
+from dptrain.param_groups import Multipliers
 from dptrain.precision import LossScaler
 
 CLIP_EPS = 1e-6

@@ -13,13 +13,13 @@ import torch
 
 from dptrain.assemble import pick_device
 from dptrain.checkpoint import RunDir, resolve_resume
-from dptrain.distributed.comm import Communicator, agree_to_start, join_store
 from dptrain.config import TrainConfig
+from dptrain.distributed.comm import Communicator, agree_to_start, join_store
 from dptrain.distributed.control import StopFlag
 from dptrain.errors import ConfigError, RankFailure, UserError, first_line
 from dptrain.hostmem import apply_host_malloc
-from dptrain.topology import Topology
 from dptrain.observe.trace import Tracer
+from dptrain.topology import Topology
 from dptrain.train import Trainer
 from dptrain.weights import check_weights_path, load_weights
 

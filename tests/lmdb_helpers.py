@@ -36,7 +36,7 @@ def png_value(image: np.ndarray, label: int = 0) -> bytes:
 
 def write_db(path, values: list[bytes], keys: list[bytes] | None = None) -> str:
     keys = keys or [f"{i:08d}_r{i}".encode() for i in range(len(values))]
-    write_lmdb(path, iter(zip(keys, values)), len(values))
+    write_lmdb(path, iter(zip(keys, values, strict=True)), len(values))
     return str(path)
 
 

@@ -32,7 +32,7 @@ import PIL
 from dptrain.config import DataConfig, config_to_dict, load_config
 from dptrain.data import jpeg_crop
 from dptrain.data.lmdb_source import LmdbSource
-from dptrain.data.render import RenderOptions
+from dptrain.data.render import DEFAULT_RENDER, RenderOptions
 from dptrain.data.sampling import ShardPlan
 from dptrain.errors import ConfigError
 from dptrain.observe.provenance import git_commit
@@ -78,7 +78,7 @@ def count_python_calls(src: LmdbSource, plan: ShardPlan, *, batches: int, warmup
 
 
 def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: int, warmup: int,
-                     repeats: int, render: RenderOptions = RenderOptions(), count_calls: bool = True) -> dict[str, Any]:
+                     repeats: int, render: RenderOptions = DEFAULT_RENDER, count_calls: bool = True) -> dict[str, Any]:
     """Median images/s over ``repeats`` windows of ``batches`` batches, after ``warmup`` batches.
 
     ``cpu_ms_per_image`` is the process's CPU time (all threads) per image over the same

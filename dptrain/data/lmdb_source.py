@@ -38,7 +38,7 @@ from dptrain.data.datum import parse_datum, read_mean_file
 from dptrain.data.geometry import ExpectSize, SampleSpec, build_stages, check_chain
 from dptrain.data.pipeline import EmptyStream, PipelineStream
 from dptrain.data.queues import QueueSet
-from dptrain.data.render import RenderOptions, probe_channels_and_size
+from dptrain.data.render import DEFAULT_RENDER, RenderOptions, probe_channels_and_size
 from dptrain.data.sampling import ShardPlan, eval_range
 from dptrain.data.stream import BadRecordBudget, BatchRing, StreamParts, TestSequence, TrainSequence
 from dptrain.errors import ConfigError, DataError
@@ -239,7 +239,7 @@ class LmdbSource:
     """DataSource over a training LMDB and an optional test LMDB of Caffe Datums."""
 
     def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0, cores: int = 1,
-                 render: RenderOptions = RenderOptions(), pin_memory: bool = False) -> None:
+                 render: RenderOptions = DEFAULT_RENDER, pin_memory: bool = False) -> None:
         self._cfg, self._num_classes, self._seed = cfg, num_classes, seed
         self._render = render
         self._pin = pin_memory  # page-locked batch ring: only when the batches go to a CUDA device
@@ -266,7 +266,7 @@ class LmdbSource:
         if render.crop_decode:  # built (or found in the cache) now, not in the first batch's time
             crop = "on" if jpeg_crop.library() is not None else "unavailable"
         # the native path renders what the default options do; other options measure the Python path
-        self.native = render == RenderOptions() and native_render.library() is not None
+        self.native = render == DEFAULT_RENDER and native_render.library() is not None
         log.info("LMDB input: %d parser + %d transformer threads per solver (%d cores), samples %s, prefetch %d, "
                  "JPEG crop decode %s, %s path", self.parsers, self.transformers, cores, self.sample_shape,
                  cfg.prefetch, crop, "native" if self.native else "Python")

@@ -204,7 +204,7 @@ def make_digits_lmdb(out: str | Path, *, encoded: bool) -> dict[str, int]:
     for split, images, labels in (("train", xtr, ytr), ("test", xte, yte)):
         def records(images: np.ndarray = images, labels: np.ndarray = labels,
                     split: str = split) -> Iterator[tuple[bytes, bytes]]:
-            for i, (img, label) in enumerate(zip(images, labels)):
+            for i, (img, label) in enumerate(zip(images, labels, strict=True)):
                 if encoded:
                     buf = io.BytesIO()
                     Image.fromarray(img).save(buf, "PNG")

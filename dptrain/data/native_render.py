@@ -48,8 +48,16 @@ from PIL import Image
 from dptrain.csrc import build as native_build
 from dptrain.data import jpeg_crop
 from dptrain.data.datum import encode_datum, hwc_to_raw, parse_datum
-from dptrain.data.geometry import (CenterResizedCrop, Crop, ExpectSize, Mirror, RandomResizedCrop, Resize,
-                                   SampleRng, Stage)
+from dptrain.data.geometry import (
+    CenterResizedCrop,
+    Crop,
+    ExpectSize,
+    Mirror,
+    RandomResizedCrop,
+    Resize,
+    SampleRng,
+    Stage,
+)
 from dptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -96,7 +104,7 @@ def stage_table(stages: Sequence[Stage]) -> np.ndarray:
     Raises ValueError for a stage it does not know (the stream then uses the Python path).
     """
     table = np.zeros((len(stages), STAGE_WORDS), dtype=np.float64)
-    for row, st in zip(table, stages):
+    for row, st in zip(table, stages, strict=True):
         op = _OPS.get(type(st))
         if op is None:
             raise ValueError(f"no native form for stage {type(st).__name__}")

@@ -45,11 +45,15 @@ class RenderOptions:
     """Decode only a JPEG's whole-pixel box (:mod:`dptrain.data.jpeg_crop`; same pixels, less work)."""
 
 
+DEFAULT_RENDER = RenderOptions()
+"""Every switch on: what training renders with (a shared default argument; the options are frozen)."""
+
+
 def _integral_box(s: Sample) -> tuple[int, int, int, int] | None:
     """The box as ints when its corners are whole pixels (any output size), else None."""
     x0, y0, x1, y1 = s.box
     ib = (round(x0), round(y0), round(x1), round(y1))
-    return ib if all(abs(a - b) < 1e-6 for a, b in zip(ib, s.box)) else None
+    return ib if all(abs(a - b) < 1e-6 for a, b in zip(ib, s.box, strict=True)) else None
 
 
 def _is_plain_crop(box: tuple[int, int, int, int] | None, s: Sample) -> bool:
@@ -220,7 +224,7 @@ def render_raw(hwc: np.ndarray, s: Sample, channels: int, dst: np.ndarray, opts:
 
 
 def transform_datum(datum: DatumLike, stages: list[Stage], rng: SampleRng, channels: int,
-                    dst: np.ndarray, opts: RenderOptions = RenderOptions(), window: np.ndarray | None = None) -> None:
+                    dst: np.ndarray, opts: RenderOptions = DEFAULT_RENDER, window: np.ndarray | None = None) -> None:
     """Decode, augment and write one parsed Datum into ``dst`` ([H, W, C] uint8 view of a ring slot).
 
     ``window`` (int32 [3]), if given, receives the sample's crop in the stored image as

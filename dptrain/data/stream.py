@@ -31,7 +31,7 @@ import torch
 from dptrain.data.datum import DatumLike
 from dptrain.data.geometry import Stage
 from dptrain.data.queues import POLL_S, QueueSet
-from dptrain.data.render import RenderOptions
+from dptrain.data.render import DEFAULT_RENDER, RenderOptions
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, rank_epoch_shard
 from dptrain.errors import DataError
 
@@ -263,7 +263,7 @@ class StreamParts:
     seed: int
     """First key of every sample's ``SampleRng``."""
     rank: int
-    render: RenderOptions = RenderOptions()
+    render: RenderOptions = DEFAULT_RENDER
     windows: bool = False
     """Record each sample's crop window (y0, x0, mirrored) for a per-pixel mean image."""
     drop_bad: bool = False

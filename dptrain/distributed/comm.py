@@ -28,10 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.csrc.inductor import point_caches
-from dptrain.errors import PeerStartupError, RankFailure, SetupError, StartupStopped, first_line
 from dptrain.distributed.flight import FlightRecorder, progress_store
-from dptrain.topology import Topology
+from dptrain.errors import PeerStartupError, RankFailure, SetupError, StartupStopped, first_line
 from dptrain.observe.trace import now_us
+from dptrain.topology import Topology
 
 log = logging.getLogger(__name__)
 

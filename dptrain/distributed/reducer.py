@@ -63,7 +63,8 @@ from typing import Protocol
 
 import torch
 
-from dptrain.distributed.planning.probe import PROBE_CAP_MB
+from dptrain.config import ReducerConfig
+from dptrain.distributed.comm import AsyncAllreduce, Communicator, Work
 from dptrain.distributed.planning.plan import (
     Bucket,
     BucketPlan,
@@ -74,8 +75,7 @@ from dptrain.distributed.planning.plan import (
     order_from_ready,
     plan_from_ready_order,
 )
-from dptrain.distributed.comm import AsyncAllreduce, Communicator, Work
-from dptrain.config import ReducerConfig
+from dptrain.distributed.planning.probe import PROBE_CAP_MB
 from dptrain.errors import ConfigError, RankFailure
 from dptrain.flat import FlatParams
 from dptrain.observe.trace import Tracer, now_us
@@ -343,7 +343,7 @@ class Reducer:
         stats = stats[:n].div_(self.world_size)
         with torch.no_grad():  # one multi-tensor copy back, not a kernel per buffer (ResNet-50 has 106)
             torch._foreach_copy_(self.running_stats,
-                                 [avg.view_as(t) for t, avg in zip(self.running_stats, stats.split(self._stats_numels))])
+                                 [avg.view_as(t) for t, avg in zip(self.running_stats, stats.split(self._stats_numels), strict=True)])
 
     def _stats_failure(self, e: Exception) -> RankFailure:
         return RankFailure(f"rank {self.comm.rank}: allreduce of the running statistics failed or timed out "

@@ -223,7 +223,7 @@ def _fused_body(grads: torch.Tensor, master: torch.Tensor, params: torch.Tensor,
     r = RULES[rule]
     scalars = r.scalars_type(*(v if is_flag else values[v] for is_flag, v in layout))
     new_w, new_state = r.math(grads.float() * grad_coef, master, state, x, scalars)
-    for old, new in zip(state, new_state):
+    for old, new in zip(state, new_state, strict=True):
         old.copy_(new)
     master.copy_(new_w)
     if write_params:

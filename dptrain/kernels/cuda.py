@@ -274,7 +274,7 @@ def check_update_args(a: UpdateArgs, rule: Rule) -> None:
     if state_dtype not in rule.state_dtypes or any(t.dtype != state_dtype for t in a.state):
         raise RuntimeError(f"rule {rule.name} keeps its state in {rule.state_dtypes}, one dtype for all of it; got "
                            f"{[t.dtype for t in a.state]}")
-    for name, t in zip(rule.state_names, a.state):
+    for name, t in zip(rule.state_names, a.state, strict=True):
         check_flat(name, t, n, (state_dtype,), dev)
     check_scalar("grad_coef", a.grad_coef, dev)
     check_scalar("found_inf", a.found_inf, dev)

@@ -106,7 +106,7 @@ def compare(kernel: Callable[[UpdateArgs], None], norm: Callable[[torch.Tensor],
         for name in ("grads", "master", "params"):
             if not torch.equal(_bits(getattr(got, name)), _bits(getattr(want, name))):
                 return f"{label}: {name} differs from the torch reference"
-        for i, (g, w) in enumerate(zip(got.state, want.state)):
+        for i, (g, w) in enumerate(zip(got.state, want.state, strict=True)):
             if not torch.equal(_bits(g), _bits(w)):
                 return f"{label}: state {RULES[args.rule].state_names[i]} differs from the torch reference"
         grads = args.grads

@@ -447,7 +447,7 @@ def reference(a: UpdateArgs) -> None:
     skip = a.found_inf.reshape(()) != 0
     g = a.grads.float() * a.grad_coef
     new_w, new_state = rule.math(g, a.master, a.state, a.per_element(), rule.scalars(a.hyper))
-    for old, new in zip(a.state, new_state):
+    for old, new in zip(a.state, new_state, strict=True):
         old.copy_(torch.where(skip, old, new))
     a.master.copy_(torch.where(skip, a.master, new_w))
     if a.params is not a.master:

@@ -31,11 +31,11 @@ import torch
 from dptrain import kernels
 from dptrain.config import TrainConfig, config_hash
 from dptrain.errors import ConfigError
-from dptrain.precision import cpu_native_support
 from dptrain.observe.provenance import git_commit
+from dptrain.observe.trace import NullTracer, Tracer
+from dptrain.precision import cpu_native_support
 from dptrain.run import open_communicator
 from dptrain.topology import Topology
-from dptrain.observe.trace import NullTracer, Tracer
 from dptrain.train import Trainer
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from typing import Any
 
 from dptrain.config import TrainConfig
 from dptrain.errors import ConfigError, RankFailure
-from dptrain.topology import Topology
 from dptrain.run import open_communicator, stop_with_the_launcher
+from dptrain.topology import Topology
 from dptrain.train import Trainer
 from dptrain.weights import check_weights_path, load_weights
 

@@ -68,7 +68,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dptrain.config import CompileGraphs, CompileSetting
-from dptrain.csrc.inductor import cpu_compile_options, point_caches, prepare as prepare_inductor
+from dptrain.csrc.inductor import cpu_compile_options, point_caches
+from dptrain.csrc.inductor import prepare as prepare_inductor
 from dptrain.distributed.comm import Communicator
 from dptrain.errors import ConfigError
 from dptrain.flat import FlatParams

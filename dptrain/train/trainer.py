@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from dptrain.assemble import RunPlan, build_model_and_params, input_error, nhwc_hazards, running_stats
 from dptrain.checkpoint import RunDir, StateParts
-from dptrain.csrc.inductor import point_caches
 from dptrain.config import TrainConfig, config_to_dict, dump_toml
+from dptrain.csrc.inductor import point_caches
 from dptrain.data import build_source
 from dptrain.data.base import DeviceFeeder
 from dptrain.data.sampling import ShardPlan, batches_per_epoch

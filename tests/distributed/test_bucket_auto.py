@@ -11,9 +11,9 @@ from statistics import median
 import torch
 
 from dist_harness import run_ranks
-from dptrain.distributed.planning.probe import AUTO_DECISION_ITER, AUTO_DONE_ITER, AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
-from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
+from dptrain.distributed.comm import Communicator
+from dptrain.distributed.planning.probe import AUTO_DECISION_ITER, AUTO_DONE_ITER, AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
 from dptrain.train import Trainer
 
 BASE = ["model.name=resnet18_cifar", "model.width=4", "data.source=synthetic", "data.image_size=16",
@@ -147,8 +147,8 @@ def test_a_rank_late_in_forward_holds_back_the_statistics_collective_which_is_no
 
 
 def _bench_rank(rank: int, world: int, out: str) -> None:
-    import dptrain.tools.bench as bench
     import dptrain.run as run
+    import dptrain.tools.bench as bench
 
     class Joined:  # the harness has initialised the process group: bench joins it instead of torchrun's
         @staticmethod

@@ -110,7 +110,7 @@ def _compile_rank(rank: int, world: int, out: str) -> None:
     again.resume(Path(out) / "compiled" / "snapshot_iter_100.pt")
     while again.iteration < at:
         again.train_step()
-    got["resume_bit_exact"] = all(torch.equal(a, b) for a, b in zip(straight, _masters(again)))
+    got["resume_bit_exact"] = all(torch.equal(a, b) for a, b in zip(straight, _masters(again), strict=True))
     again.close()
     torch.save(got, Path(out) / f"rank{rank}.pt")
 
@@ -133,6 +133,6 @@ def test_compiled_training_tracks_eager_overlaps_and_resumes_bit_exact(tmp_path)
     assert eager[0] > 1.5 * eager[-1], f"the eager run did not train: {eager}"
     mean_e, mean_c = sum(eager) / len(eager), sum(compiled) / len(compiled)
     assert abs(mean_c - mean_e) <= 0.01 * mean_e, f"mean loss over {ITERS} iterations: {mean_c} vs eager {mean_e}"
-    for i, (e, c) in enumerate(zip(eager, compiled)):  # fp32 rounding differs, so the runs drift apart slowly
+    for i, (e, c) in enumerate(zip(eager, compiled, strict=True)):  # fp32 rounding differs, so the runs drift apart slowly
         assert abs(c - e) <= 0.01 * eager[0], f"window {i}: compiled loss {c:.5f} vs eager {e:.5f}"
     assert r0["resume_bit_exact"] and r1["resume_bit_exact"]

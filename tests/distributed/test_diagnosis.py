@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.train import Trainer
 
 BASE = ["model.name=lenet", "data.source=digits", "data.batch_size=8", "solver.display=4", "solver.max_iter=16",
@@ -95,7 +95,7 @@ def test_rank_0s_wait_splits_into_the_wait_for_the_slowest_and_the_communication
     assert got[0]["split"] == got[1]["split"], "every rank computes the same split"
     split = got[0]["split"]
     assert split["backward_skew_ms"] > 0.5 * SLOW_S * 1e3, split
-    least = [min(a, b) for a, b in zip(got[0]["waits"], got[1]["waits"])]
+    least = [min(a, b) for a, b in zip(got[0]["waits"], got[1]["waits"], strict=True)]
     assert split["comm_after_slowest_ms"] == round(torch.tensor(least, dtype=torch.float64).median().item(), 3)
     assert split["comm_after_slowest_ms"] < split["backward_skew_ms"], split
 

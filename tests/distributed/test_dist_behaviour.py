@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dist_harness import run_ranks, start_ranks
-from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.observe.trace import Tracer
 from dptrain.train import Trainer
 
@@ -39,11 +39,11 @@ def _overflow_rank(rank, world, out):
     if rank == 1:
         handle.remove()
     after = _bits(t)
-    assert all(torch.equal(a, b) for a, b in zip(before, after)), f"rank {rank}: state changed on overflow"
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), f"rank {rank}: state changed on overflow"
     stats = t.scaler.stats()
     assert stats == {"loss_scale": 512.0, "skipped_steps": 1}, (rank, stats)
     t.train_step()  # and training goes on with a clean step
-    assert not all(torch.equal(a, b) for a, b in zip(after, _bits(t)))
+    assert not all(torch.equal(a, b) for a, b in zip(after, _bits(t), strict=True))
     torch.save(t.flat.master_state(), Path(out) / f"rank{rank}.pt")
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from dptrain.distributed.comm import Communicator
 from dptrain.checkpoint import check_same_start
+from dptrain.config import load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.errors import SnapshotError
 from dptrain.topology import Topology
-from dptrain.config import load_config
 from dptrain.train import Trainer
 
 BASE = ["model.name=lenet", "data.source=digits", "solver.base_lr=0.01", "solver.lr_policy=fixed",

@@ -41,7 +41,7 @@ def test_a_bad_record_on_one_rank_ends_the_job_with_one_line_per_rank_and_exit_2
         raw, c, h, w = hwc_to_raw(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))
         values.append(encode_datum(label=i % 10, data=raw, channels=c, height=h, width=w))
     values[1] = b"\xff\xff\xff"  # rank 0's second sample; not among the records probed at open
-    write_lmdb(tmp_path / "db", iter(zip([f"{i:08d}_r{i}".encode() for i in range(64)], values)), 64)
+    write_lmdb(tmp_path / "db", iter(zip([f"{i:08d}_r{i}".encode() for i in range(64)], values, strict=True)), 64)
     cfg = tmp_path / "bad.toml"
     cfg.write_text(f'[model]\nname = "lenet"\n[data]\nsource = "lmdb"\npath = "{tmp_path / "db"}"\nbatch_size = 4\n'
                    f'shuffle = "none"\n[solver]\nmax_iter = 5\n[train]\nrun_dir = "{tmp_path / "run"}"\n')

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from dist_harness import run_ranks, start_ranks
-from dptrain.distributed.comm import Communicator
-from dptrain.errors import RankFailure
 from dptrain.config import ReducerConfig
-from dptrain.flat import FlatParams
+from dptrain.distributed.comm import Communicator
 from dptrain.distributed.reducer import Reducer
+from dptrain.errors import RankFailure
+from dptrain.flat import FlatParams
 from dptrain.observe.trace import NullTracer, Tracer
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -172,7 +172,7 @@ def _order_rank(rank: int, world: int) -> None:
     spans = sorted((e for e in tracer.events if e["name"] == "allreduce"), key=lambda e: e["args"]["bucket"])
     assert [e["args"]["bucket"] for e in spans] == list(range(n))
     assert all(e["tid"] == "comm" and e["dur"] >= 0 and e["args"]["bytes"] == b.nbytes
-               for e, b in zip(spans, reducer.plan.buckets))
+               for e, b in zip(spans, reducer.plan.buckets, strict=True))
     with pytest.raises(RuntimeError, match=r"rank \d: Reducer.wait\(\) without begin\(sync=True\)"):
         reducer.wait()
     # a second gradient for the same parameter in one synced backward is refused
@@ -274,7 +274,7 @@ def _comm_rank(rank: int, world: int) -> None:
     assert [p.data_ptr() for p in model.parameters()] == ptrs, "broadcast must write into the flat views"
     torch.manual_seed(0)
     ref = WithBuffers()
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
     assert torch.all(model.bn.running_mean == 0) and int(model.bn.num_batches_tracked) == 7  # rank 0's
     assert torch.equal(flat.groups[0].params[: ref.fc.bias.numel()], ref.fc.bias.detach())
     t = torch.tensor([float(rank + 1)])

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from dptrain.cli import main
-from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.models import build_model
 from dptrain.topology import Topology
 from dptrain.train import Trainer

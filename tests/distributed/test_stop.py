@@ -22,8 +22,8 @@ import torch
 
 from dist_harness import run_ranks
 from dptrain.checkpoint import list_snapshots
-from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.train import Trainer
 
 STOP_BUDGET_S = 10.0

@@ -64,5 +64,5 @@ def test_mean_image_on_cuda_equals_the_cpu_feeder(tmp_path):
             out[device] = [next(feeder)[0].cpu() for _ in range(6)]
         finally:
             feeder.close()
-    for a, b in zip(out["cpu"], out["cuda"]):
+    for a, b in zip(out["cpu"], out["cuda"], strict=True):
         torch.testing.assert_close(a, b)  # the fused CUDA form is one fp32 rounding from the CPU form

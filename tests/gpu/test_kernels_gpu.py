@@ -223,7 +223,7 @@ def test_one_launch_norm_reuses_its_counter_across_sizes_and_streams():
     torch.cuda.synchronize()
     for x, norm in got:
         assert torch.equal(_bits(norm), _bits(want[id(x)]))
-    for partials, arrived in cuda._NORM_SCRATCH.values():
+    for _partials, arrived in cuda._NORM_SCRATCH.values():
         assert int(arrived.item()) == 0
 
 

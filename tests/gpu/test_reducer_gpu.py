@@ -12,18 +12,18 @@ import time
 
 import pytest
 import torch
-from dist_harness import run_ranks
 from torch import nn
 
 from devices import cuda_param, requires_gpus
-from dptrain.distributed.comm import Communicator, CompletionWatcher
+from dist_harness import run_ranks
 from dptrain.config import ReducerConfig
-from dptrain.errors import RankFailure
-from dptrain.flat import FlatParams
+from dptrain.distributed.comm import Communicator, CompletionWatcher
 from dptrain.distributed.flight import FlightRecorder
 from dptrain.distributed.reducer import Reducer
-from dptrain.topology import Topology
+from dptrain.errors import RankFailure
+from dptrain.flat import FlatParams
 from dptrain.observe.trace import Tracer
+from dptrain.topology import Topology
 
 
 def requires_cupy_nccl() -> pytest.MarkDecorator:
@@ -169,7 +169,7 @@ def _nccl_rank(rank: int, world: int, backend: str) -> None:
                 p.register_hook(lambda g, v=rank + 1: torch.full_like(g, v))
             x = torch.randn(64, 256, device=device, dtype=storage, requires_grad=True)
             input_grad_at: list[float] = []
-            x.register_hook(lambda g: input_grad_at.append(time.perf_counter()))
+            x.register_hook(lambda g, at=input_grad_at: at.append(time.perf_counter()))
             reducer.begin(sync=True)
             model(x).float().sum().backward()
             reducer.wait()

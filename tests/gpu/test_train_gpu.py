@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from devices import DEVICES, gpu_only
-from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 
@@ -123,5 +123,5 @@ def test_cuda_graph_steps_track_eager_without_a_host_sync(tmp_path):
     eager, graphs = losses["false"], losses["reduce-overhead"]
     # compiled kernels round differently from eager ones: close, not equal (measured on the CPU
     # for the compiled step: within 1 % over 200 LeNet iterations)
-    assert all(abs(g - e) <= 0.02 * e for e, g in zip(eager, graphs)), losses
+    assert all(abs(g - e) <= 0.02 * e for e, g in zip(eager, graphs, strict=True)), losses
     assert graphs[-1] < graphs[0], graphs

@@ -9,7 +9,9 @@ import random
 
 import pytest
 
+from dptrain.config import load_config
 from dptrain.distributed.planning import planner as bucket_autotune
+from dptrain.distributed.planning.plan import GroupSpec, SegmentSpec, build_bucket_plan
 from dptrain.distributed.planning.planner import (
     LinearCost,
     buckets_of,
@@ -21,8 +23,6 @@ from dptrain.distributed.planning.planner import (
     plan_cuts,
     simulate_overlap,
 )
-from dptrain.distributed.planning.plan import GroupSpec, SegmentSpec, build_bucket_plan
-from dptrain.config import load_config
 from dptrain.errors import ConfigError
 
 

@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from dptrain.config import ReducerConfig
+from dptrain.distributed.comm import Communicator
 from dptrain.distributed.planning.plan import (
     MIB,
     GroupSpec,
@@ -14,13 +16,11 @@ from dptrain.distributed.planning.plan import (
     order_from_ready,
     plan_from_ready_order,
 )
-from dptrain.distributed.comm import Communicator
-from dptrain.config import ReducerConfig
+from dptrain.distributed.reducer import Reducer, group_specs
 from dptrain.errors import ConfigError
 from dptrain.flat import FlatParams
-from dptrain.distributed.reducer import Reducer, group_specs
-from dptrain.topology import Topology
 from dptrain.observe.trace import NullTracer
+from dptrain.topology import Topology
 
 KIB = 1024 / MIB  # 1 KiB expressed in MiB, the unit of the caps
 

@@ -95,7 +95,7 @@ def _tiny_lmdb(path, n: int = 24, size: int = 32, channels: int = 3) -> str:
     for i in range(n):
         raw, c, h, w = hwc_to_raw(rng.integers(0, 256, (size, size, channels), dtype=np.uint8))
         values.append(encode_datum(label=i % 10, data=raw, channels=c, height=h, width=w))
-    write_lmdb(path, iter(zip([f"{i:08d}_r{i}".encode() for i in range(n)], values)), n)
+    write_lmdb(path, iter(zip([f"{i:08d}_r{i}".encode() for i in range(n)], values, strict=True)), n)
     return str(path)
 
 

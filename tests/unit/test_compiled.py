@@ -10,16 +10,17 @@ import pytest
 import torch
 
 from dptrain.config import load_config
-from dptrain.csrc.inductor import cpu_compile_options, prepare as prepare_inductor
+from dptrain.csrc.inductor import cpu_compile_options
+from dptrain.csrc.inductor import prepare as prepare_inductor
 from dptrain.distributed.comm import Communicator
 from dptrain.models import MODELS, build_model
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 from dptrain.train.compiled import (
     CPU_COMPILE_AUTO,
-    CompiledModel,
     CUDA_GRAPH_WARMUPS,
     MIN_SEGMENTS,
+    CompiledModel,
     resolve_compile,
     segment_cap,
     segments,
@@ -174,7 +175,7 @@ def test_every_zoo_model_trains_compiled_with_eagers_loss(tmp_path, name):
     losses = {}
     for compiled in (False, True):
         losses[compiled] = _two_steps(tmp_path / str(compiled), name, size, compiled)
-    for e, c in zip(losses[False], losses[True]):
+    for e, c in zip(losses[False], losses[True], strict=True):
         assert abs(c - e) <= 0.01 * e, (name, losses)
 
 

@@ -58,7 +58,7 @@ def test_cpu_path_skips_bit_exactly():
     before = _clone(state)
     update_inplace(_args(state, lr=0.1, momentum_coef=0.9, weight_decay=5e-4, decoupled=False,
                          grad_coef=torch.tensor([1.0]), found_inf=torch.ones(1)))
-    for a, b in zip(state[1:], before[1:]):
+    for a, b in zip(state[1:], before[1:], strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert torch.count_nonzero(state[0]) == 0
 
@@ -142,7 +142,7 @@ def test_cpu_path_skips_every_rule_bit_exactly(rule):
     a = replace(_rule_args(rule, torch.float16, True, True), found_inf=torch.ones(1))
     got = _copy(a)
     update_inplace(got)
-    assert torch.equal(got.master, a.master) and all(torch.equal(x, y) for x, y in zip(got.state, a.state))
+    assert torch.equal(got.master, a.master) and all(torch.equal(x, y) for x, y in zip(got.state, a.state, strict=True))
     assert torch.count_nonzero(got.grads) == 0
 
 

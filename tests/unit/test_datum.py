@@ -15,7 +15,6 @@ from dptrain.data.datum import (
     raw_to_hwc,
     read_mean_file,
 )
-from dptrain.data.queues import QueueSet
 from dptrain.data.geometry import (
     CenterResizedCrop,
     Crop,
@@ -26,6 +25,7 @@ from dptrain.data.geometry import (
     build_stages,
     check_chain,
 )
+from dptrain.data.queues import QueueSet
 from dptrain.errors import ConfigError
 
 

@@ -10,12 +10,12 @@ import torch
 
 from dptrain.checkpoint import SNAPSHOT_FORMAT, RunDir, load_snapshot, save_snapshot
 from dptrain.cli import main
-from dptrain.distributed.comm import Communicator
 from dptrain.config import config_to_dict, load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.errors import SnapshotError
 from dptrain.flat import FlatParams
-from dptrain.observe.metrics import read_metrics
 from dptrain.models import build_model
+from dptrain.observe.metrics import read_metrics
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 from dptrain.weights import from_torchvision, load_weights, to_torchvision
@@ -171,7 +171,7 @@ def torchvision_resnet50_shapes(num_classes: int = 1000) -> dict[str, tuple[int,
 
     bn("bn1", 64)
     cin = 64
-    for stage, (width, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3)), start=1):
+    for stage, (width, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True), start=1):
         for j in range(blocks):
             p = f"layer{stage}.{j}"
             shapes[f"{p}.conv1.weight"] = (width, cin, 1, 1)
@@ -291,6 +291,6 @@ def _lmdb_without_a_test_set(path: Path) -> str:
     for i in range(8):
         raw, c, h, w = hwc_to_raw(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))
         values.append(encode_datum(label=i % 10, data=raw, channels=c, height=h, width=w))
-    write_lmdb(path, iter(zip([f"{i:08d}".encode() for i in range(8)], values)), 8)
+    write_lmdb(path, iter(zip([f"{i:08d}".encode() for i in range(8)], values, strict=True)), 8)
     return str(path)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.flat import FlatParams
 from dptrain.topology import Topology
 from dptrain.train import Trainer
@@ -67,7 +67,7 @@ def test_handover_gives_the_accumulated_bits_for_every_pattern():
         for micro in ([True], [False], [False, True], [True, False], [True, True]):
             ref, _ = _run(dtype, False, micro)
             got, flat = _run(dtype, True, micro)
-            assert all(torch.equal(a, b) for a, b in zip(ref, got)), (dtype, micro)
+            assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)), (dtype, micro)
         _, flat = _run(dtype, True, [False])
         extra = [s for g in flat.groups for s in g.segments if s.name.startswith("extra.")]
         assert extra and all(not s.param.grad.any() for s in extra)  # unused: its zero view is back

@@ -64,15 +64,15 @@ def test_order_and_augmentation_independent_of_thread_counts(db29):
     ref = results[1, 1]
     for key, res in results.items():
         for r in range(world):
-            for (a, la, _), (b, lb, _) in zip(ref[r], res[r]):
+            for (a, la, _), (b, lb, _) in zip(ref[r], res[r], strict=True):
                 assert np.array_equal(a, b) and np.array_equal(la, lb), f"P,T={key} rank {r} differs"
     flips = 0
     for r in range(world):
         for step, (images, labels, info) in enumerate(ref[r]):
             expect = rank_batch_indices(step, 29, ShardPlan(r, world, 3, seed=11))
             assert ids(images) == expect.tolist() and labels.tolist() == (expect % NUM_CLASSES).tolist()
-            assert all(is_window(im, i) for im, i in zip(images, expect)) and info == {"bad_records": 0}
-            flips += sum(not np.array_equal(im, pixels(i)[:4, :4]) for im, i in zip(images, expect))
+            assert all(is_window(im, i) for im, i in zip(images, expect, strict=True)) and info == {"bad_records": 0}
+            flips += sum(not np.array_equal(im, pixels(i)[:4, :4]) for im, i in zip(images, expect, strict=True))
     assert flips > 0
     assert input_threads() == []
 
@@ -99,7 +99,7 @@ def test_start_step_resumes_the_same_sequence(db29):
     plan = ShardPlan(0, 1, 4, seed=3)
     full = collect(src.train_batches(plan, 0), 10)
     resumed = collect(src.train_batches(plan, 6), 4)
-    assert all(np.array_equal(a[0], b[0]) for a, b in zip(full[6:], resumed))
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(full[6:], resumed, strict=True))
 
 
 def test_no_shuffle_reads_record_order_as_a_ring(db29):
@@ -119,8 +119,8 @@ def test_test_batches_split_contiguously_with_centre_crop(tmp_path):
     for rank in range(2):
         batches = collect(src.test_batches(rank, 2, 4), 10)  # stops early with StopIteration
         seen.append([len(labels) for _, labels, _ in batches])
-        for images, labels, _ in batches:
-            for im, i in zip(images, ids(images)):
+        for images, _labels, _ in batches:
+            for im, i in zip(images, ids(images), strict=True):
                 assert np.array_equal(im, pixels(i)[1:5, 2:6])  # centre: ((6-4)//2, (8-4)//2), never mirrored
     assert seen == [[4, 2], [4, 1]]
 
@@ -180,7 +180,7 @@ def test_mean_file_image_is_subtracted_pixel_by_pixel_at_each_crop_as_caffe_does
         mirrored = 0
         for _ in range(2):
             x, labels = next(feeder)
-            for sample, label in zip(x.numpy(), labels.numpy()):
+            for sample, label in zip(x.numpy(), labels.numpy(), strict=True):
                 matches = []
                 for i in (j for j in range(8) if j % NUM_CLASSES == label):
                     for h_off in range(H - 4 + 1):
@@ -474,7 +474,7 @@ def test_jpeg_random_resized_crop_is_deterministic_across_threads(tmp_path):
         outs.append(collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=4).train_batches(
             ShardPlan(0, 1, 3, seed=4), 0), 6))
     assert outs[0][0][0].shape == (3, 16, 16, 3)
-    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(*outs))
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(*outs, strict=True))
 
 
 @pytest.mark.parametrize("recipe", [dict(crop_size=24, random_resized_crop=True, mirror=True),
@@ -495,7 +495,7 @@ def test_crop_decode_feeds_the_same_batches_as_full_decode(tmp_path, monkeypatch
         src = LmdbSource(cfg, num_classes=NUM_CLASSES, seed=3, render=RenderOptions(crop_decode=crop_decode))
         outs.append(collect(src.train_batches(ShardPlan(0, 1, 4, seed=3), 0), 6))
         assert bool(calls) == crop_decode
-    for (fast, fast_labels, _), (full, full_labels, _) in zip(*outs):
+    for (fast, fast_labels, _), (full, full_labels, _) in zip(*outs, strict=True):
         assert np.array_equal(fast, full) and np.array_equal(fast_labels, full_labels)
 
 

@@ -5,9 +5,9 @@ import json
 
 import torch
 
-from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
 from dptrain.data.make_lmdb import make_digits_lmdb
+from dptrain.distributed.comm import Communicator
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 

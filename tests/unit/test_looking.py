@@ -9,8 +9,8 @@ import torch
 from PIL import Image
 
 from dptrain.cli import main
-from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 

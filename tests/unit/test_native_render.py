@@ -18,8 +18,16 @@ from PIL import Image
 
 from dptrain.data import native_render
 from dptrain.data.datum import encode_datum, hwc_to_raw
-from dptrain.data.geometry import (CenterResizedCrop, Crop, Mirror, RandomResizedCrop, Resize, Sample, SampleRng,
-                                   build_stages)
+from dptrain.data.geometry import (
+    CenterResizedCrop,
+    Crop,
+    Mirror,
+    RandomResizedCrop,
+    Resize,
+    Sample,
+    SampleRng,
+    build_stages,
+)
 from dptrain.data.lmdb_source import LmdbSource
 from dptrain.data.sampling import ShardPlan
 from dptrain.errors import ConfigError, DataError, SetupError
@@ -113,7 +121,7 @@ def test_batches_match_the_python_path_within_a_grey_level(lib, tmp_path, monkey
     images_p = np.concatenate([b[0] for b in python]).astype(np.int16)
     diff = np.abs(images_n - images_p)
     assert diff.max() <= 1 and diff.mean(axis=(0, 1, 2)).max() <= 0.05, (diff.max(), diff.mean())
-    assert all(np.array_equal(a[1], b[1]) for a, b in zip(native, python))  # labels
+    assert all(np.array_equal(a[1], b[1]) for a, b in zip(native, python, strict=True))  # labels
 
 
 def test_records_the_native_path_leaves_come_out_as_the_python_path_makes_them(lib, tmp_path, monkeypatch):
@@ -134,7 +142,7 @@ def test_records_the_native_path_leaves_come_out_as_the_python_path_makes_them(l
     left = r.render(values, 0, np.arange(n), np.zeros((n, 40, 40, 3), np.uint8), np.zeros(n, np.int64), None)
     assert left == 3 and r.status[:n].tolist() == [3, 0, 3, 3, 0, 0, 0, 0]  # PNG, EXIF rotation, CMYK
     native, python = _both_paths(monkeypatch, write_db(tmp_path / "db", values), 2, crop_size=40)
-    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(native, python))
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(native, python, strict=True))
 
 
 def _label_as(wire: int) -> bytes:
@@ -160,7 +168,7 @@ def test_a_damaged_jpeg_inside_a_chunk_is_substituted_as_in_the_python_path(lib,
     native, python = _both_paths(monkeypatch, write_db(tmp_path / "db", values), 6, crop_size=40,
                                  max_bad_records=1)
     assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
-               for a, b in zip(native, python))
+               for a, b in zip(native, python, strict=True))
     assert native[-1][2]["bad_records"] >= 1
 
 
@@ -173,7 +181,7 @@ def test_batches_do_not_depend_on_the_chunk_size_or_thread_counts(lib, tmp_path,
     cfg = make_cfg(path, batch_size=5, crop_size=24, random_resized_crop=True, mirror=True, parser_threads=2,
                    transformer_threads=3)
     out = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=2).train_batches(ShardPlan(0, 1, 5, seed=2), 0), 5)
-    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(ref, out))
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(ref, out, strict=True))
     assert input_threads() == []
 
 

@@ -13,12 +13,10 @@ import pytest
 import torch
 
 from dptrain import kernels
-
 from dptrain.csrc import build as native_build
 from dptrain.errors import SetupError
 from dptrain.kernels import Hyper, UpdateArgs, native, reference, selfcheck
 from dptrain.kernels.spec import RULES
-
 
 _bits, _clone = selfcheck._bits, selfcheck._clone  # raw bits (tell -0.0 from +0.0), copies of an update's buffers
 NO_CXX_REASON = "no C++ compiler (c++/g++ or $CXX): the host library cannot be built"
@@ -67,7 +65,7 @@ def fresh(monkeypatch, shared_cache):
 def _assert_same_bits(got: UpdateArgs, want: UpdateArgs, label: str) -> None:
     for name in ("grads", "master", "params"):
         assert torch.equal(_bits(getattr(got, name)), _bits(getattr(want, name))), f"{label}: {name}"
-    for i, (g, w) in enumerate(zip(got.state, want.state)):
+    for i, (g, w) in enumerate(zip(got.state, want.state, strict=True)):
         assert torch.equal(_bits(g), _bits(w)), f"{label}: state {i}"
 
 

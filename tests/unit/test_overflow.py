@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.errors import LossScaleError
 from dptrain.overflow import OverflowLocator, first_nonfinite_layer
 from dptrain.topology import Topology

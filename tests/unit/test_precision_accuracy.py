@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 

@@ -104,8 +104,8 @@ def test_a_stop_at_startup_ends_in_a_snapshot_at_the_first_iteration(tmp_path, e
 
 def test_a_stop_on_a_snapshot_iteration_writes_that_snapshot_once(tmp_path, monkeypatch):
     import dptrain.train.snapshots as train
-    from dptrain.distributed.comm import Communicator
     from dptrain.config import load_config
+    from dptrain.distributed.comm import Communicator
     from dptrain.topology import Topology
     from dptrain.train import Trainer
 

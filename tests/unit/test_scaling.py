@@ -35,7 +35,7 @@ def test_dry_run_prints_one_torchrun_command_per_mode_and_world_size(tmp_path, c
     assert all(f"--config {cfg}" in x and "--steps 7" in x for x in lines)
     # weak: 16 per solver at both sizes; strong: global 16*2 = 32 -> 32 at N=1, 16 at N=2
     expect = [(1, 16), (2, 16), (1, 32), (2, 16)]
-    for line, (n, b) in zip(lines, expect):
+    for line, (n, b) in zip(lines, expect, strict=True):
         assert f"--nproc-per-node={n}" in line and line.endswith(f"--set data.batch_size={b}")
 
 

@@ -1,7 +1,6 @@
 """solver.type and per-parameter multipliers: config, resolution, and the update against torch.optim."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dptrain.checkpoint import SNAPSHOT_FORMAT, list_snapshots, load_snapshot, resolve_resume, save_snapshot
-from dptrain.distributed.comm import Communicator
 from dptrain.config import load_config
+from dptrain.distributed.comm import Communicator
 from dptrain.errors import RunDirError, SnapshotError
 from dptrain.topology import Topology
 from dptrain.train import Trainer
@@ -66,7 +66,7 @@ def test_resume_is_bit_exact(tmp_path, storage, solver):
         resumed.train_step()
     for name, w in masters(straight).items():
         assert torch.equal(w, masters(resumed)[name]), name
-    for g_a, g_b in zip(straight.flat.groups, resumed.flat.groups):
+    for g_a, g_b in zip(straight.flat.groups, resumed.flat.groups, strict=True):
         assert g_a.state.keys() == g_b.state.keys() and len(g_a.state) == (1 if solver == "sgd" else 2)
         for name in g_a.state:
             assert torch.equal(g_a.state[name], g_b.state[name]), name

@@ -167,7 +167,7 @@ def explain_difference(mine: BucketPlan, theirs: BucketPlan, my_rank: int, their
         head = f"rank {my_rank} has {len(mine.buckets)} buckets, rank {their_rank} has {len(theirs.buckets)}"
     else:
         head = "same bucket count"
-    for a, b in zip(mine.buckets, theirs.buckets):
+    for a, b in zip(mine.buckets, theirs.buckets, strict=True):
         if (a.group, a.dtype, a.start, a.stop, a.names) != (b.group, b.dtype, b.start, b.stop, b.names):
             return (f"{head}; first difference at bucket {a.index}: rank {my_rank} has {_show(a)}, "
                     f"rank {their_rank} has {_show(b)}")

@@ -115,7 +115,7 @@ def simulate_overlap(ready_ms: Sequence[float], nbytes: Sequence[float], backwar
                      cost: CostFn, overlap_rate: float = 1.0) -> Overlap:
     """Run the buckets through one in-order channel (see the module docstring)."""
     end = busy = overlapped = 0.0
-    for r, b in zip(ready_ms, nbytes):
+    for r, b in zip(ready_ms, nbytes, strict=True):
         c = cost(b)
         start = max(min(max(r, 0.0), backward_ms), end)
         end = finish_ms(start, c, backward_ms, overlap_rate)

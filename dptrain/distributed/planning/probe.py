@@ -38,8 +38,8 @@ from statistics import fmean, median, stdev
 
 import torch
 
-from dptrain.distributed.planning.planner import AutoDecision, decide_plan
 from dptrain.distributed.comm import Communicator
+from dptrain.distributed.planning.planner import AutoDecision, decide_plan
 from dptrain.observe.trace import now_us
 
 AUTO_WARMUP_ITERS = 1
@@ -136,7 +136,7 @@ class AutoProbe:
     def stretch_pairs_ms(self) -> list[float]:
         """This rank's backward stretch per pair: each overlapped iteration's backward less that of the
         held iteration after it (adjacent, so a drift of the host's speed mostly cancels)."""
-        return [o - h for o, h in zip(self.backward_ms, self.held_backward_ms)]
+        return [o - h for o, h in zip(self.backward_ms, self.held_backward_ms, strict=True)]
 
     def _waits(self, comm: Communicator) -> tuple[list[float], float, float]:
         """The least wait after backward over the ranks per iteration, and the stretch over every
@@ -151,7 +151,7 @@ class AutoProbe:
         iteration, each the least over the ranks, and the backward stretch over the ranks with its
         noise (collective); ``nbytes`` per probe bucket."""
         service = least_over_ranks(comm, self.service)
-        collectives = [(b, t) for row in service for b, t in zip(nbytes, row) if math.isfinite(t)]
+        collectives = [(b, t) for row in service for b, t in zip(nbytes, row, strict=True) if math.isfinite(t)]
         return collectives, *self._waits(comm)
 
     def decide(self, order: Sequence[str], size_of: dict[str, int], collectives: list[tuple[int, float]],
