@@ -70,8 +70,8 @@ def synth_image(rng: np.random.Generator, width: int, height: int) -> np.ndarray
 
 def build_dataset(out: Path, n: int, seed: int) -> dict[str, float]:
     """Write ``n`` synthetic JPEGs as an encoded Datum LMDB at ``out``."""
-    from dptrain.data.datum import encode_datum
-    from dptrain.data.make_lmdb import write_lmdb
+    from dptrain.data.caffe.datum import encode_datum
+    from dptrain.data.caffe.writer import write_lmdb
 
     rng = np.random.default_rng(seed)
     sizes, nbytes = [], []
@@ -97,7 +97,7 @@ def case_decode(db: str, passes: int) -> dict:
     """Single thread: full-size decode of every record, best of ``passes``."""
     import lmdb
 
-    from dptrain.data.datum import parse_datum
+    from dptrain.data.caffe.datum import parse_datum
 
     env = lmdb.open(db, readonly=True, lock=False)
     with env.begin() as txn:
@@ -143,7 +143,7 @@ class LmdbJpegDataset:
         import lmdb
         import torch
 
-        from dptrain.data.datum import parse_datum
+        from dptrain.data.caffe.datum import parse_datum
 
         if self._env is None:
             self._env = lmdb.open(self.path, readonly=True, lock=False, readahead=False)
@@ -155,7 +155,7 @@ class LmdbJpegDataset:
         x0, y0, w, h = _rrc_box(img.size[0], img.size[1])
         flip = random.random() < 0.5
         if self.crop_decode:
-            from dptrain.data import jpeg_crop
+            from dptrain.data.transforms import jpeg_crop
 
             a = np.empty((h, w, 3), np.uint8)
             refused = jpeg_crop.decode_crop(jpeg_crop.library(), d.data, (x0, y0, x0 + w, y0 + h),

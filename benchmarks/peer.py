@@ -30,8 +30,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dptrain.csrc.inductor import prepare as prepare_inductor
 from dptrain.data.base import DeviceFeeder
-from dptrain.data.builtin import synthetic_source
 from dptrain.data.sampling import ShardPlan
+from dptrain.data.sources.builtin import synthetic_source
 from dptrain.models import build_model
 
 

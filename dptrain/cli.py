@@ -149,13 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", metavar="PNG", help="output file (default: RUN_DIR/metrics.png)")
 
     try:
-        from dptrain.data.make_lmdb import add_make_lmdb_args
+        from dptrain.tools.make_lmdb import add_make_lmdb_args
 
         add_make_lmdb_args(sub.add_parser("make-lmdb", help="convert images into a Caffe Datum LMDB"))
     except ImportError:  # the LMDB tools are optional at import time only while developing
         pass
     try:
-        from dptrain.data.databench import add_data_bench_args
+        from dptrain.tools.data_bench import add_data_bench_args
 
         add_data_bench_args(sub.add_parser("data-bench", help="measure the input pipeline alone"))
     except ImportError:
@@ -242,7 +242,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.builtin:
         lmdb_dir = Path(args.lmdb)
         if not (lmdb_dir / "train").exists():
-            from dptrain.data.make_lmdb import make_digits_lmdb
+            from dptrain.tools.make_lmdb import make_digits_lmdb
 
             counts = make_digits_lmdb(lmdb_dir, encoded=True)
             log.info("wrote the digits as PNG Datum LMDBs in %s: %s", lmdb_dir, counts)
@@ -397,11 +397,11 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         if args.command in handlers:
             return handlers[args.command](args)
         if args.command == "make-lmdb":
-            from dptrain.data.make_lmdb import run_make_lmdb
+            from dptrain.tools.make_lmdb import run_make_lmdb
 
             record = run_make_lmdb(args)
         else:
-            from dptrain.data.databench import run_data_bench
+            from dptrain.tools.data_bench import run_data_bench
 
             record = run_data_bench(args)
         print(json.dumps(record), flush=True)  # the command's result: one JSON line on stdout

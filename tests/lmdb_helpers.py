@@ -11,8 +11,8 @@ import numpy as np
 from PIL import Image
 
 from dptrain.config import DataConfig
-from dptrain.data.datum import encode_datum, hwc_to_raw
-from dptrain.data.make_lmdb import write_lmdb
+from dptrain.data.caffe.datum import encode_datum, hwc_to_raw
+from dptrain.data.caffe.writer import write_lmdb
 
 H, W, NUM_CLASSES = 6, 8, 5
 

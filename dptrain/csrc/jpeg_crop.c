@@ -17,7 +17,7 @@
  * scaling: libjpeg-turbo's jpeg_crop_scanline() mis-sizes such components, and skipping
  * can loop forever). A truncated stream is an error, as in Pillow.
  *
- * Python loads this file through ctypes (dptrain/data/jpeg_crop.py), which releases the
+ * Python loads this file through ctypes (dptrain/data/transforms/jpeg_crop.py), which releases the
  * GIL for the whole call. Returns 0, or -1 with a message in err.
  */
 #include <setjmp.h>

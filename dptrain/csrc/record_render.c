@@ -4,7 +4,7 @@
  * the LMDB) and, for each, without the GIL:
  *   1. parses the Datum (protobuf wire format: channels 1, height 2, width 3, data 4, label 5,
  *      float_data 6, encoded 7, record_id 8), checking every known field's wire type;
- *   2. plans the sample's geometry: the stage chain of dptrain/data/geometry.py (Resize, Crop,
+ *   2. plans the sample's geometry: the stage chain of dptrain/data/transforms/geometry.py (Resize, Crop,
  *      RandomResizedCrop, CenterResizedCrop, Mirror, ExpectSize), with the same counter-based
  *      splitmix64 RNG keyed by (seed, epoch, index, attempt) and the same double arithmetic, so
  *      its boxes and flips equal the Python stages' bit for bit (compiled with -ffp-contract=off);
@@ -17,10 +17,10 @@
  * A record it does not take (not a JPEG or raw Datum, CMYK, an EXIF rotation, an MPO file, a
  * stream libjpeg warns about, float_data, a label out of range, a wire-type error, an image
  * Pillow would call a bomb, an image smaller than a crop) gets a non-zero status and is left to
- * the Python path (dptrain/data/render.py), which renders it or reports it as a bad record with
+ * the Python path (dptrain/data/transforms/render.py), which renders it or reports it as a bad record with
  * its own messages. So this file never decides that a record is bad: Pillow's verdict stands.
  *
- * Called from dptrain/data/native_render.py through ctypes, which releases the GIL for the call.
+ * Called from dptrain/data/transforms/native.py through ctypes, which releases the GIL for the call.
  * Reentrant: every buffer is allocated per call (dpt_work). Returns the number of records left to Python.
  */
 #include <math.h>

@@ -1,6 +1,6 @@
 """Where a result came from: the source checkout a benchmark record names.
 
-Its own module, below everything that writes records (``bench``, ``data.databench``,
+Its own module, below everything that writes records (``bench``, ``tools.data_bench``,
 ``benchmarks/``), so that the data pipeline's benchmark need not import the trainer's.
 """
 from __future__ import annotations

@@ -32,8 +32,8 @@ def test_a_bad_record_on_one_rank_ends_the_job_with_one_line_per_rank_and_exit_2
     (dptrain.torchrun) exits 2 without torchrun's traceback."""
     import numpy as np
 
-    from dptrain.data.datum import encode_datum, hwc_to_raw
-    from dptrain.data.make_lmdb import write_lmdb
+    from dptrain.data.caffe.datum import encode_datum, hwc_to_raw
+    from dptrain.data.caffe.writer import write_lmdb
 
     rng = np.random.default_rng(0)
     values = []

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from devices import DEVICES, gpu_only
-from dptrain.data.lmdb_source import LmdbSource
 from dptrain.data.sampling import ShardPlan, rank_batch_indices
+from dptrain.data.sources.caffe_lmdb import LmdbSource
 from lmdb_helpers import NUM_CLASSES, H, W, input_threads, make_cfg, raw_value, write_db
 
 

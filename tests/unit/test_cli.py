@@ -87,8 +87,8 @@ def test_make_lmdb_prints_one_json_line(tmp_path, capsys):
 def _tiny_lmdb(path, n: int = 24, size: int = 32, channels: int = 3) -> str:
     import numpy as np
 
-    from dptrain.data.datum import encode_datum, hwc_to_raw
-    from dptrain.data.make_lmdb import write_lmdb
+    from dptrain.data.caffe.datum import encode_datum, hwc_to_raw
+    from dptrain.data.caffe.writer import write_lmdb
 
     rng = np.random.default_rng(0)
     values = []
@@ -174,7 +174,7 @@ def test_a_fresh_run_refuses_a_run_dir_holding_an_earlier_run(cfg, capsys, tmp_p
 
 
 def test_data_bench_does_not_need_the_test_lmdb(cfg, capsys, tmp_path):
-    from dptrain.data.make_lmdb import make_digits_lmdb
+    from dptrain.tools.make_lmdb import make_digits_lmdb
 
     make_digits_lmdb(tmp_path / "lmdb", encoded=True)
     text = (f'[model]\nname = "lenet"\n[data]\nsource = "lmdb"\npath = "{tmp_path / "lmdb" / "train"}"\n'

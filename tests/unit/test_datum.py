@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dptrain.config import DataConfig
-from dptrain.data.datum import (
+from dptrain.data.caffe.datum import (
     BlobProto,
     DataError,
     encode_blob,
@@ -15,7 +15,8 @@ from dptrain.data.datum import (
     raw_to_hwc,
     read_mean_file,
 )
-from dptrain.data.geometry import (
+from dptrain.data.loader.queues import QueueSet
+from dptrain.data.transforms.geometry import (
     CenterResizedCrop,
     Crop,
     RandomResizedCrop,
@@ -25,7 +26,6 @@ from dptrain.data.geometry import (
     build_stages,
     check_chain,
 )
-from dptrain.data.queues import QueueSet
 from dptrain.errors import ConfigError
 
 
@@ -81,7 +81,7 @@ def test_bad_raw_records_raise_data_error(value, match):
 
 
 def test_float_data_records_are_refused_with_advice():
-    from dptrain.data.datum import Datum
+    from dptrain.data.caffe.datum import Datum
 
     d = Datum(channels=1, height=1, width=2, label=0)
     d.float_data.extend([0.5, 1.5])
@@ -178,17 +178,17 @@ def test_stage_specs_check_the_chain_before_threads_start():
     assert check_chain(bare, SampleSpec(None, None, 1)) == SampleSpec(5, 7, 1)
 
 
-@pytest.mark.parametrize("parsers, transformers", [(1, 1), (3, 2), (2, 3)])
-def test_queue_routing_partitions_positions(parsers, transformers):
-    qs = QueueSet(parsers, transformers, capacity=2)
-    assert len(qs) == parsers * transformers
+@pytest.mark.parametrize("readers, renderers", [(1, 1), (3, 2), (2, 3)])
+def test_queue_routing_partitions_positions(readers, renderers):
+    qs = QueueSet(readers, renderers, capacity=2)
+    assert len(qs) == readers * renderers
     n = 41
-    by_parser = sorted(p for k in range(parsers) for p in qs.parser_positions(k, n))
-    by_transformer = [list(qs.transformer_positions(t, n)) for t in range(transformers)]
-    assert by_parser == list(range(n))
-    assert sorted(sum(by_transformer, [])) == list(range(n))
-    for t, positions in enumerate(by_transformer):
-        assert positions == sorted(positions) and all(qs.transformer_of(p) == t for p in positions)
+    by_reader = sorted(p for k in range(readers) for p in qs.reader_positions(k, n))
+    by_renderer = [list(qs.renderer_positions(t, n)) for t in range(renderers)]
+    assert by_reader == list(range(n))
+    assert sorted(sum(by_renderer, [])) == list(range(n))
+    for t, positions in enumerate(by_renderer):
+        assert positions == sorted(positions) and all(qs.renderer_of(p) == t for p in positions)
 
 
 @pytest.mark.parametrize("field,number", [("channels", 1), ("height", 2), ("width", 3), ("label", 5),
@@ -198,7 +198,7 @@ def test_a_datum_field_of_the_wrong_wire_type_is_a_bad_record(field, number, wir
     """protobuf keeps such a field as unknown and leaves the default (a label of 0): dptrain refuses it."""
     import struct
 
-    from dptrain.data.datum import encode_datum, parse_datum
+    from dptrain.data.caffe.datum import encode_datum, parse_datum
     from dptrain.errors import DataError
 
     payload = {1: struct.pack("<d", 3.0), 2: bytes([3]) + b"cat", 5: struct.pack("<f", 3.7)}[wire]

@@ -283,8 +283,8 @@ def test_export_and_test_errors_are_one_line(pretrained, cfg, tmp_path, capsys):
 def _lmdb_without_a_test_set(path: Path) -> str:
     import numpy as np
 
-    from dptrain.data.datum import encode_datum, hwc_to_raw
-    from dptrain.data.make_lmdb import write_lmdb
+    from dptrain.data.caffe.datum import encode_datum, hwc_to_raw
+    from dptrain.data.caffe.writer import write_lmdb
 
     rng = np.random.default_rng(0)
     values = []

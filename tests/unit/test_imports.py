@@ -5,7 +5,7 @@ the top, inside a function (a lazy import still runs, only later) and under ``if
 TYPE_CHECKING:`` (a type-only import that closes a loop is still a loop a reader has to
 untangle, and it breaks the day someone needs the name at run time). ``from pkg import
 name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``. The implicit
-import of a parent package (``dptrain.data`` before ``dptrain.data.render``) is not an
+import of a parent package (``dptrain.data`` before ``dptrain.data.transforms.render``) is not an
 edge; the fresh-interpreter test below catches what it could break.
 """
 from __future__ import annotations
@@ -45,6 +45,20 @@ inside one component (``dptrain.data.*``) may import each other; the cycle test 
 ``models`` sits below ``config`` because the config checks ``model.name`` against the zoo when
 it loads, and the zoo imports nothing but ``errors`` (STYLE: models have no distributed,
 precision or config imports)."""
+
+DATA_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("dptrain.data",),
+    ("dptrain.data.sources",),
+    ("dptrain.data.loader",),
+    ("dptrain.data.transforms",),
+    ("dptrain.data.caffe",),
+    ("dptrain.data.base",),
+    ("dptrain.data.sampling",),
+)
+"""The input wing's rooms, from the top down: the seam's ``build_source`` (``dptrain.data``) picks a
+source; ``sources`` wire the ``loader``'s threads to the ``transforms`` that render a record, which
+read the ``caffe`` formats; ``base`` (the DataSource, HostBatch and DeviceFeeder the trainer sees) and
+``sampling`` (the order) sit at the bottom, so every room may use them."""
 
 RUN_ONLY = {"dptrain.__main__"}
 """Modules that run the CLI when imported: they are not imported by the fresh-interpreter test."""
@@ -126,13 +140,13 @@ def layer_of() -> dict[str, int]:
 
 def test_graph_reader_resolves_submodules_packages_and_relative_imports():
     known = modules()
-    src = ("from dptrain.data import jpeg_crop, build_source\nimport dptrain.models\n"
-           "from . import render\nfrom ..errors import DataError\nimport numpy\n")
+    src = ("from dptrain.data.transforms import jpeg_crop\nfrom dptrain.data import build_source\n"
+           "import dptrain.models\nfrom . import render\nfrom ...errors import DataError\nimport numpy\n")
     tree = ast.parse(src)
     found = {t for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-             for t in _targets(node, "dptrain.data.pipeline", known)}
-    assert found == {"dptrain.data.jpeg_crop", "dptrain.data", "dptrain.models", "dptrain.data.render",
-                     "dptrain.errors"}
+             for t in _targets(node, "dptrain.data.transforms.native", known)}
+    assert found == {"dptrain.data.transforms.jpeg_crop", "dptrain.data", "dptrain.models",
+                     "dptrain.data.transforms.render", "dptrain.errors"}
 
 
 def test_cycle_finder_reports_the_closed_path():
@@ -178,7 +192,7 @@ def test_every_module_imports_on_its_own_in_a_fresh_interpreter():
     would. One interpreter, for time: the third-party libraries are imported once, and every
     dptrain module is dropped from ``sys.modules`` before the next one is imported."""
     names = sorted(set(modules()) - RUN_ONLY)
-    assert "dptrain.data.stream" in names and "dptrain.data.transformer" in names, names
+    assert "dptrain.data.loader.stream" in names and "dptrain.data.loader.renderers" in names, names
     script = (
         "import importlib, sys, traceback\n"
         "import lmdb, numpy, PIL.Image, torch\n"
@@ -198,3 +212,23 @@ def test_every_module_imports_on_its_own_in_a_fresh_interpreter():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "", f"modules that fail to import on their own:\n{proc.stdout}"
+
+
+def data_room(module: str) -> str:
+    """The room of the input wing ``module`` sits in (``dptrain.data.loader.stream`` -> ``dptrain.data.loader``)."""
+    return ".".join(module.split(".")[:3])
+
+
+def test_every_data_room_has_a_layer():
+    placed = {r for layer in DATA_LAYERS for r in layer}
+    rooms = {data_room(m) for m in modules() if m == "dptrain.data" or m.startswith("dptrain.data.")}
+    assert rooms == placed, f"rooms of dptrain/data in no layer: {sorted(rooms - placed)}; gone: {sorted(placed - rooms)}"
+
+
+def test_the_data_wing_imports_only_downwards():
+    depth = {r: d for d, layer in enumerate(DATA_LAYERS) for r in layer}
+    wrong = [f"{a} -> {b}" for a, targets in sorted(import_graph().items()) if a.startswith("dptrain.data")
+             for b in sorted(targets) if b.startswith("dptrain.data") and data_room(a) != data_room(b)
+             and depth[data_room(b)] <= depth[data_room(a)]]
+    assert not wrong, "imports against the input wing's rooms (DATA_LAYERS): " + "; ".join(wrong)
+

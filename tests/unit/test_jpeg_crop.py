@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dptrain.data import jpeg_crop, render
-from dptrain.data.geometry import Sample, SampleRng
-from dptrain.data.render import RenderOptions, render_image
+from dptrain.data.transforms import jpeg_crop, render
+from dptrain.data.transforms.geometry import Sample, SampleRng
+from dptrain.data.transforms.render import RenderOptions, render_image
 from dptrain.errors import ConfigError, DataError, SetupError
 
 
@@ -167,7 +167,7 @@ def test_a_stream_the_crop_decoder_refuses_gets_pillows_verdict(lib):
 
 def test_no_compiler_falls_back_to_pillow_with_one_warning(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    with caplog.at_level(logging.WARNING, logger="dptrain.data.jpeg_crop"):
+    with caplog.at_level(logging.WARNING, logger="dptrain.data.transforms.jpeg_crop"):
         assert jpeg_crop.library() is None
         assert jpeg_crop.library() is None
     warnings = [r.getMessage() for r in caplog.records]
@@ -393,7 +393,7 @@ def test_a_decoder_whose_pixels_differ_from_pillows_is_not_used(lib, fresh, monk
     monkeypatch.setattr(jpeg_crop, "decode_crop", off_by_one)
     with pytest.raises(RuntimeError, match="pixels differ from Pillow's .*4:2:0 JPEG at 1/1 scale"):
         jpeg_crop.self_check(lib)
-    with caplog.at_level(logging.WARNING, logger="dptrain.data.jpeg_crop"):
+    with caplog.at_level(logging.WARNING, logger="dptrain.data.transforms.jpeg_crop"):
         assert jpeg_crop.library() is None  # auto: Pillow, with one warning
     assert [r.getMessage() for r in caplog.records if "pixels differ" in r.getMessage()]
     jpeg_crop.reset()

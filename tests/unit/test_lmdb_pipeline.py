@@ -16,10 +16,10 @@ import torch
 from PIL import Image
 
 from dptrain.config import DataConfig
-from dptrain.data.datum import encode_blob, encode_datum
-from dptrain.data.lmdb_source import LmdbSource, default_threads
-from dptrain.data.render import RenderOptions
+from dptrain.data.caffe.datum import encode_blob, encode_datum
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, epoch_permutation, rank_batch_indices
+from dptrain.data.sources.caffe_lmdb import LmdbSource, default_threads
+from dptrain.data.transforms.render import RenderOptions
 from dptrain.errors import ConfigError, DataError
 from dptrain.topology import Topology
 from lmdb_helpers import (
@@ -41,7 +41,7 @@ from lmdb_helpers import (
 @pytest.fixture
 def python_render(monkeypatch):
     """The Python rendering path (DPTRAIN_RENDER=python), for tests of its parts."""
-    from dptrain.data import native_render
+    from dptrain.data.transforms import native as native_render
 
     monkeypatch.setenv(native_render.RENDER_ENV, "python")
     native_render.reset()
@@ -206,7 +206,7 @@ def test_mean_image_needs_the_stored_size_and_falls_back_to_channels_with_resize
     (tmp_path / "small.binaryproto").write_bytes(encode_blob(ramp[:, :4, :4]))
     with pytest.raises(ConfigError, match=r"data.mean_file .*small.binaryproto' is 4x4 \(HxW\) but the records are 6x8"):
         LmdbSource(make_cfg(path, mean_file=str(tmp_path / "small.binaryproto"), crop_size=4), num_classes=5, seed=1)
-    with caplog.at_level(logging.WARNING, logger="dptrain.data.lmdb_source"):
+    with caplog.at_level(logging.WARNING, logger="dptrain.data.sources.caffe_lmdb"):
         src = LmdbSource(make_cfg(path, mean_file=str(tmp_path / "ramp.binaryproto"), resize=[3, 4]),
                           num_classes=5, seed=1)
     assert src.mean_image is None and np.allclose(src.mean, [100.0] * 3)
@@ -262,7 +262,7 @@ def test_a_page_damaged_past_the_open_checks_is_named_damaged_when_read(tmp_path
     is met by a parser, and must say "damaged" with the advice, not a bare MDB error code."""
     import lmdb
 
-    from dptrain.data.lmdb_source import _Handle
+    from dptrain.data.sources.caffe_lmdb import _Handle
 
     src = LmdbSource(make_cfg(write_db(tmp_path / "db", [raw_value(i) for i in range(8)])),
                       num_classes=NUM_CLASSES, seed=1)
@@ -366,7 +366,7 @@ def test_skip_budget_substitutes_the_next_record_deterministically(tmp_path, cap
     for p, t in ((1, 1), (3, 2)):
         src = LmdbSource(make_cfg(path, shuffle="none", max_bad_records=2, parser_threads=p, transformer_threads=t),
                           num_classes=NUM_CLASSES, seed=1)
-        with caplog.at_level(logging.WARNING, logger="dptrain.data.stream"):
+        with caplog.at_level(logging.WARNING, logger="dptrain.data.loader.stream"):
             outs.append(collect(src.train_batches(plan, 0), 3))
     for out in outs:
         assert [ids(x) for x, _, _ in out] == [[0, 1, 3, 3], [4, 6, 6, 7], [8, 9, 10, 11]]
@@ -480,7 +480,7 @@ def test_jpeg_random_resized_crop_is_deterministic_across_threads(tmp_path):
 @pytest.mark.parametrize("recipe", [dict(crop_size=24, random_resized_crop=True, mirror=True),
                                     dict(crop_size=40, mirror=True)])
 def test_crop_decode_feeds_the_same_batches_as_full_decode(tmp_path, monkeypatch, python_render, recipe):
-    from dptrain.data import jpeg_crop
+    from dptrain.data.transforms import jpeg_crop
 
     if jpeg_crop.library() is None:
         pytest.skip("the JPEG crop decoder does not build here")
@@ -502,7 +502,7 @@ def test_crop_decode_feeds_the_same_batches_as_full_decode(tmp_path, monkeypatch
 def test_draft_mode_fires_for_2x_downscale_and_stays_close(tmp_path, monkeypatch):
     from PIL import JpegImagePlugin
 
-    from dptrain.data import jpeg_crop
+    from dptrain.data.transforms import jpeg_crop
 
     crop_decoder = jpeg_crop.library()  # loaded (and self-checked) before draft is patched to count calls
     path = write_db(tmp_path / "jpeg", [_jpeg_value(i) for i in range(4)])
@@ -548,7 +548,7 @@ def test_prefix_seek_reports_a_gap_in_the_key_sequence(tmp_path):
         collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), 1)
 
 
-def test_double_release_and_dead_transformers_raise(db29, monkeypatch):
+def test_double_release_and_dead_renderers_raise(db29, monkeypatch):
     src = LmdbSource(make_cfg(db29), num_classes=NUM_CLASSES, seed=1)
     stream = src.train_batches(ShardPlan(0, 1, 4, seed=1), 0)
     hb = next(stream)
@@ -556,8 +556,8 @@ def test_double_release_and_dead_transformers_raise(db29, monkeypatch):
     with pytest.raises(RuntimeError, match="batch 0 released twice"):
         hb.release(None)
     stream.close()
-    monkeypatch.setattr("dptrain.data.pipeline.run_transformer", lambda t, parts, stop: None)
-    with pytest.raises(RuntimeError, match="transformer threads exited before batch 0 was complete"):
+    monkeypatch.setattr("dptrain.data.loader.pipeline.run_renderer", lambda t, parts, stop: None)
+    with pytest.raises(RuntimeError, match=r"renderer threads \(data.transformer_threads\) exited before batch 0 was complete"):
         collect(src.train_batches(ShardPlan(0, 1, 4, seed=1), 0), 1)
     assert input_threads() == []
 
@@ -566,7 +566,7 @@ def test_data_bench_measures_and_rejects_other_sources(db29, tmp_path, capsys):
     import argparse
     import json
 
-    from dptrain.data.databench import add_data_bench_args, run_data_bench
+    from dptrain.tools.data_bench import add_data_bench_args, run_data_bench
 
     ap = argparse.ArgumentParser()
     add_data_bench_args(ap)
@@ -624,7 +624,7 @@ def test_window_means_gather_each_samples_mirrored_crop_for_both_normalize_forms
 
 
 def test_batch_ring_pins_only_when_asked():
-    from dptrain.data.stream import BatchRing
+    from dptrain.data.loader.stream import BatchRing
 
     assert not BatchRing(2, 3, (4, 4, 3)).images.is_pinned()
 
@@ -647,7 +647,7 @@ def _damage_a_middle_leaf_page(path: str) -> None:
 def test_a_damaged_leaf_page_costs_only_its_own_records_under_a_skip_budget(tmp_path, caplog):
     """After an lmdb error the thread's read transaction is renewed, so the good records after a
     damaged page read normally; only the records on that page count against the budget."""
-    from dptrain.data.lmdb_source import LmdbReader
+    from dptrain.data.sources.caffe_lmdb import LmdbReader
 
     n = 240
     path = write_db(tmp_path / "db", [raw_value(i) for i in range(n)])
@@ -658,7 +658,7 @@ def test_a_damaged_leaf_page_costs_only_its_own_records_under_a_skip_budget(tmp_
     bad = {keys[i].decode() for i in errors}
     assert 0 < len(bad) < n // 3 and all("LMDB is damaged" in str(e) for e in errors.values()), (len(bad), errors)
     src = LmdbSource(make_cfg(path, shuffle="none", max_bad_records=len(bad)), num_classes=NUM_CLASSES, seed=1)
-    with caplog.at_level(logging.WARNING, logger="dptrain.data.stream"):
+    with caplog.at_level(logging.WARNING, logger="dptrain.data.loader.stream"):
         batches = collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), n // 4)
     named = {m.split("key '")[1].split("'")[0] for m in caplog.messages if "skipping bad record" in m}
     assert named == bad  # warned once each, and no other record

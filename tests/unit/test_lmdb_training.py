@@ -6,8 +6,8 @@ import json
 import torch
 
 from dptrain.config import load_config
-from dptrain.data.make_lmdb import make_digits_lmdb
 from dptrain.distributed.comm import Communicator
+from dptrain.tools.make_lmdb import make_digits_lmdb
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 

@@ -9,11 +9,13 @@ import pytest
 from PIL import Image
 
 from dptrain.config import DataConfig
-from dptrain.data.datum import parse_datum
-from dptrain.data.lmdb_source import LmdbReader, LmdbSource
-from dptrain.data.make_lmdb import add_make_lmdb_args, make_lmdb, read_list_file, run_make_lmdb
+from dptrain.data.caffe.datum import parse_datum
+from dptrain.data.caffe.writer import make_lmdb
 from dptrain.data.sampling import ShardPlan
+from dptrain.data.sources.caffe_lmdb import LmdbReader, LmdbSource
+from dptrain.data.sources.files import read_list_file
 from dptrain.errors import InputError
+from dptrain.tools.make_lmdb import add_make_lmdb_args, run_make_lmdb
 
 CLASSES = ("cat", "dog")
 
@@ -115,7 +117,7 @@ def test_list_file_with_root(folder, tmp_path, capsys):
 
 
 def test_digits_written_for_the_demo(tmp_path, capsys):
-    from dptrain.data.builtin import load_digits_arrays
+    from dptrain.data.sources.builtin import load_digits_arrays
 
     ap = argparse.ArgumentParser()
     add_make_lmdb_args(ap)
@@ -156,7 +158,7 @@ def test_make_lmdb_errors(folder, tmp_path):
 
 
 def test_map_grows_and_bad_options_are_refused(folder, tmp_path, monkeypatch):
-    monkeypatch.setattr("dptrain.data.make_lmdb.INITIAL_MAP_BYTES", 64 * 1024)  # forces MDB_MAP_FULL + regrow
+    monkeypatch.setattr("dptrain.data.caffe.writer.INITIAL_MAP_BYTES", 64 * 1024)  # forces MDB_MAP_FULL + regrow
     items = [(f"{CLASSES[i // 3]}/{i:02d}.png", i // 3) for i in range(6)]
     assert make_lmdb(tmp_path / "big", items, root=folder, resize=(64, 64)) == 6  # 6 x 12 KiB raw > 64 KiB
     assert read_all(str(tmp_path / "big"), 6)[0].shape == (6, 64, 64, 3)
@@ -169,7 +171,7 @@ def test_map_grows_and_bad_options_are_refused(folder, tmp_path, monkeypatch):
 
 
 def test_hidden_folders_are_skipped_and_an_empty_class_folder_is_refused(folder, tmp_path):
-    from dptrain.data.make_lmdb import list_image_folder
+    from dptrain.data.sources.files import list_image_folder
 
     before = list_image_folder(folder)
     (folder / ".ipynb_checkpoints").mkdir()

@@ -1,4 +1,4 @@
-"""The native per-sample path (csrc/record_render.c through data/native_render.py) against the Python path.
+"""The native per-sample path (csrc/record_render.c through data/transforms/native.py) against the Python path.
 
 Geometry (boxes, flips, crop windows) must be equal bit for bit; pixels equal for plain crops and
 for boxes off whole pixels, within one grey level where the Python path resamples with torch; a
@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dptrain.data import native_render
-from dptrain.data.datum import encode_datum, hwc_to_raw
-from dptrain.data.geometry import (
+from dptrain.data.caffe.datum import encode_datum, hwc_to_raw
+from dptrain.data.sampling import ShardPlan
+from dptrain.data.sources.caffe_lmdb import LmdbSource
+from dptrain.data.transforms import native as native_render
+from dptrain.data.transforms.geometry import (
     CenterResizedCrop,
     Crop,
     Mirror,
@@ -28,8 +30,6 @@ from dptrain.data.geometry import (
     SampleRng,
     build_stages,
 )
-from dptrain.data.lmdb_source import LmdbSource
-from dptrain.data.sampling import ShardPlan
 from dptrain.errors import ConfigError, DataError, SetupError
 from lmdb_helpers import NUM_CLASSES, collect, input_threads, make_cfg, png_value, write_db
 
@@ -177,7 +177,7 @@ def test_batches_do_not_depend_on_the_chunk_size_or_thread_counts(lib, tmp_path,
     path = write_db(tmp_path / "db", [_jpeg_record(i) for i in range(14)])
     ref = collect(LmdbSource(make_cfg(path, batch_size=5, crop_size=24, random_resized_crop=True, mirror=True),
                              num_classes=NUM_CLASSES, seed=2).train_batches(ShardPlan(0, 1, 5, seed=2), 0), 5)
-    monkeypatch.setattr("dptrain.data.lmdb_source.CHUNK_ROWS_MAX", chunk_rows)
+    monkeypatch.setattr("dptrain.data.sources.caffe_lmdb.CHUNK_ROWS_MAX", chunk_rows)
     cfg = make_cfg(path, batch_size=5, crop_size=24, random_resized_crop=True, mirror=True, parser_threads=2,
                    transformer_threads=3)
     out = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=2).train_batches(ShardPlan(0, 1, 5, seed=2), 0), 5)
@@ -211,7 +211,7 @@ def test_render_modes_and_a_failed_build_fall_back_with_one_warning(tmp_path, mo
     assert native_render.library() is None
     monkeypatch.setattr(native_render, "build", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no cc here")))
     _render_mode(monkeypatch, "auto")
-    with caplog.at_level(logging.WARNING, logger="dptrain.data.native_render"):
+    with caplog.at_level(logging.WARNING, logger="dptrain.data.transforms.native"):
         assert native_render.library() is None and native_render.library() is None
     assert [r.message for r in caplog.records if "native input path unavailable" in r.message][0].endswith("no cc here")
     assert len(caplog.records) == 1
@@ -228,7 +228,7 @@ def test_a_self_check_mismatch_falls_back_to_python(lib, monkeypatch, caplog):
     monkeypatch.setattr(native_render, "self_check", lambda lib: (_ for _ in ()).throw(
         RuntimeError("record 3 under ['Crop']: pixels differ by up to 9")))
     _render_mode(monkeypatch, "auto")
-    with caplog.at_level(logging.WARNING, logger="dptrain.data.native_render"):
+    with caplog.at_level(logging.WARNING, logger="dptrain.data.transforms.native"):
         assert native_render.library() is None
     assert "pixels differ by up to 9" in caplog.text
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
-from dptrain.data import render
-from dptrain.data.geometry import Sample, SampleRng
-from dptrain.data.render import RenderOptions, render_image
-from dptrain.data.transformer import single_threaded_torch_in_this_thread
+from dptrain.data.loader.renderers import single_threaded_torch_in_this_thread
+from dptrain.data.transforms import render
+from dptrain.data.transforms.geometry import Sample, SampleRng
+from dptrain.data.transforms.render import RenderOptions, render_image
 
 
 def _photo(height: int, width: int, mode: str) -> Image.Image:

@@ -33,14 +33,15 @@ import numpy as np
 import torch
 
 from dptrain.config import DataConfig
-from dptrain.data import jpeg_crop, native_render
-from dptrain.data.datum import parse_datum, read_mean_file
-from dptrain.data.geometry import ExpectSize, SampleSpec, build_stages, check_chain
-from dptrain.data.pipeline import EmptyStream, PipelineStream
-from dptrain.data.queues import QueueSet
-from dptrain.data.render import DEFAULT_RENDER, RenderOptions, probe_channels_and_size
+from dptrain.data.caffe.datum import parse_datum, read_mean_file
+from dptrain.data.loader.pipeline import EmptyStream, PipelineStream
+from dptrain.data.loader.queues import QueueSet
+from dptrain.data.loader.stream import BadRecordBudget, BatchRing, StreamParts, TestSequence, TrainSequence
 from dptrain.data.sampling import ShardPlan, eval_range
-from dptrain.data.stream import BadRecordBudget, BatchRing, StreamParts, TestSequence, TrainSequence
+from dptrain.data.transforms import jpeg_crop
+from dptrain.data.transforms import native as native_render
+from dptrain.data.transforms.geometry import ExpectSize, SampleSpec, build_stages, check_chain
+from dptrain.data.transforms.render import DEFAULT_RENDER, RenderOptions, probe_channels_and_size
 from dptrain.errors import ConfigError, DataError
 
 __all__ = ["DataError", "LmdbReader", "LmdbSource", "default_threads"]
@@ -65,8 +66,8 @@ PROBE_RECORDS = 16
 MAX_PARSERS_DEFAULT = 3
 """NVCaffe's default parser count; parsers are cheap, so a few per solver suffice."""
 CHUNK_ROWS_MAX = 16
-"""Most rows a parser reads and a transformer renders at once: the per-chunk Python work is spread
-over this many images, and each transformer still gets two chunks or more of a batch."""
+"""Most rows a reader reads and a renderer renders at once: the per-chunk Python work is spread
+over this many images, and each renderer still gets two chunks or more of a batch."""
 _PREFIX = re.compile(rb"^(\d{8})_")
 
 _envs: dict[str, tuple[int, lmdb.Environment]] = {}
@@ -141,7 +142,7 @@ class _Handle:
     def get_many(self, indices: list[int]) -> tuple[list[bytes], list[bytes], dict[int, DataError]]:
         """(keys, values, errors) of records ``indices``: a record that cannot be read has key
         ``#index``, value b"" and its DataError under its place in the list. One loop for the
-        whole list, with as few Python calls per record as the lookup allows (the parser's share
+        whole list, with as few Python calls per record as the lookup allows (the reader's share
         of the per-image Python work)."""
         r = self._reader
         keys: list[bytes] = []
@@ -225,7 +226,7 @@ class LmdbReader:
 
 
 def default_threads(cfg: DataConfig, cores: int) -> tuple[int, int]:
-    """(parsers, transformers) per solver; 0 in the config means: derive from ``cores``, the
+    """(readers, renderers) per solver (data.parser_threads, data.transformer_threads); 0 in the config means: derive from ``cores``, the
     cores this solver may use (``Topology.cores_per_process``).
 
     Rendering dominates and runs without the GIL (natively, or in Pillow's and torch's C code),
@@ -261,14 +262,14 @@ class LmdbSource:
                               f"set data.crop_size or data.resize")
         self.sample_shape = (out[True].height, out[True].width, self.channels)
         self.scale = cfg.scale
-        self.parsers, self.transformers = default_threads(cfg, cores)
+        self.readers, self.renderers = default_threads(cfg, cores)
         crop = "off"
         if render.crop_decode:  # built (or found in the cache) now, not in the first batch's time
             crop = "on" if jpeg_crop.library() is not None else "unavailable"
         # the native path renders what the default options do; other options measure the Python path
         self.native = render == DEFAULT_RENDER and native_render.library() is not None
-        log.info("LMDB input: %d parser + %d transformer threads per solver (%d cores), samples %s, prefetch %d, "
-                 "JPEG crop decode %s, %s path", self.parsers, self.transformers, cores, self.sample_shape,
+        log.info("LMDB input: %d reader + %d renderer threads per solver (%d cores), samples %s, prefetch %d, "
+                 "JPEG crop decode %s, %s path", self.readers, self.renderers, cores, self.sample_shape,
                  cfg.prefetch, crop, "native" if self.native else "Python")
 
     def _probe(self, cfg: DataConfig, rank: int) -> tuple[int, tuple[int, int]]:
@@ -345,7 +346,7 @@ class LmdbSource:
 
     def _stream(self, reader: LmdbReader, sequence: TrainSequence | TestSequence, batch_size: int,
                 rank: int, train: bool) -> PipelineStream:
-        p, t = self.parsers, self.transformers
+        p, t = self.readers, self.renderers
         parts = StreamParts(
             reader=reader, sequence=sequence,
             queues=QueueSet(p, t, capacity=2),
@@ -356,7 +357,7 @@ class LmdbSource:
             windows=self.mean_image is not None, drop_bad=not train,
             chunk_rows=min(CHUNK_ROWS_MAX, max(1, math.ceil(batch_size / (2 * t)))), native=self.native,
         )
-        return PipelineStream(parts, parsers=p, transformers=t)
+        return PipelineStream(parts, readers=p, renderers=t)
 
     def train_batches(self, plan: ShardPlan, start_step: int) -> PipelineStream:
         """Batches of global micro-batch ``start_step``, ``start_step + 1``, ... forever."""

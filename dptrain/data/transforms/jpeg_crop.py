@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 JPEG_ENV = "DPTRAIN_JPEG"
 """Environment variable: "auto" (default), "pillow" or "crop"."""
 _MODES = ("auto", "pillow", "crop")
-SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "jpeg_crop.c"
+SOURCE = Path(native_build.__file__).resolve().parent / "jpeg_crop.c"
 CFLAGS = ("-O2", "-fPIC", "-shared")
 LIBS = ("-ljpeg",)
 _ERR_LEN = 256

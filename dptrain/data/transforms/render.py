@@ -1,34 +1,33 @@
 """Rendering a planned sample: decode once, resample once, into its row of the pinned batch buffer.
 
-The stages of :mod:`dptrain.data.geometry` have planned the sample's box; ``render_*``
+The stages of :mod:`dptrain.data.transforms.geometry` have planned the sample's box; ``render_*``
 turns it into pixels. A box on whole pixels (a random-resized-crop of the stored
 image, a resize of the whole image) is resampled by torch's vectorised antialiased
 bilinear kernel at a third of Pillow's cost; a fractional box by Pillow, which takes it
-as floats. A JPEG's whole-pixel box is decoded alone (:mod:`dptrain.data.jpeg_crop`,
+as floats. A JPEG's whole-pixel box is decoded alone (:mod:`dptrain.data.transforms.jpeg_crop`,
 with Pillow's pixels), and JPEG draft mode applies: when the box shrinks by 2x or more,
 libjpeg decodes at 1/2, 1/4 or 1/8 scale. That downscale happens in the DCT domain, so
 it is several times faster and its pixels differ slightly (a few grey levels) from a
 full decode followed by a bilinear resize; both are antialiased. Draft mode never fires
 for crops that are scaled by less than 2x.
 
-Opening and converting an encoded image (:func:`open_image`, :func:`convert_image`) live
-here too: ``dptrain make-lmdb`` reads its input files with them, so a file it accepts
-decodes the same way in training.
+An encoded image is opened and converted by :mod:`dptrain.data.caffe.images`, the same functions
+``dptrain make-lmdb`` reads its input files with, so a file it accepts decodes the same way in training.
 """
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
-from dptrain.data import jpeg_crop
-from dptrain.data.datum import DatumLike, raw_to_hwc
-from dptrain.data.geometry import Sample, SampleRng, Stage
+from dptrain.data.caffe.datum import DatumLike, raw_to_hwc
+from dptrain.data.caffe.images import GRAY_MODES, convert_image, open_image
+from dptrain.data.transforms import jpeg_crop
+from dptrain.data.transforms.geometry import Sample, SampleRng, Stage
 from dptrain.errors import DataError
 
 
@@ -42,7 +41,7 @@ class RenderOptions:
     torch_resize: bool = True
     """Resample whole-pixel boxes with torch's antialiased bilinear kernel instead of Pillow's."""
     crop_decode: bool = True
-    """Decode only a JPEG's whole-pixel box (:mod:`dptrain.data.jpeg_crop`; same pixels, less work)."""
+    """Decode only a JPEG's whole-pixel box (:mod:`dptrain.data.transforms.jpeg_crop`; same pixels, less work)."""
 
 
 DEFAULT_RENDER = RenderOptions()
@@ -89,47 +88,6 @@ def _store(arr: np.ndarray, s: Sample, dst: np.ndarray) -> None:
     if arr.ndim == 2:
         arr = arr[:, :, None]
     dst[...] = arr[:, ::-1] if s.flip else arr
-
-
-GRAY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
-"""Pillow modes of one-channel images (LA: grey with alpha, which is dropped)."""
-_SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
-
-
-def open_image(data: bytes) -> Image.Image:
-    """Open an encoded image lazily (header only), refusing decompression bombs, turned upright.
-
-    An EXIF orientation other than 1 is applied (the image is then decoded here, so JPEG
-    draft mode does not apply to it), as OpenCV's ``imread`` does for Caffe's
-    ``convert_imageset``: a phone photo tagged "rotate 90" trains upright, not sideways.
-    """
-    try:
-        im = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as e:
-        raise DataError(f"decompression bomb: {e}") from e
-    except UnidentifiedImageError as e:  # its text shows only the BytesIO's repr
-        raise DataError("undecodable image (not a format Pillow recognises)") from e
-    except (OSError, SyntaxError, ValueError) as e:
-        raise DataError(f"undecodable image ({e})") from e
-    limit = Image.MAX_IMAGE_PIXELS
-    if limit is not None and im.size[0] * im.size[1] > limit:
-        raise DataError(f"decompression bomb: {im.size[0]}x{im.size[1]} pixels exceeds "
-                        f"PIL.Image.MAX_IMAGE_PIXELS = {limit}")
-    if "exif" in im.info:  # Pillow keeps the raw EXIF block there; most images have none
-        try:
-            if im.getexif().get(ExifTags.Base.Orientation, 1) != 1:
-                im = ImageOps.exif_transpose(im)
-        except (OSError, SyntaxError, ValueError) as e:
-            raise DataError(f"undecodable image ({e})") from e
-    return im
-
-
-def convert_image(im: Image.Image, mode: str) -> Image.Image:
-    """``im`` in ``mode`` ("RGB" or "L"). 16-bit grey keeps its high byte (what OpenCV, and so
-    Caffe, does); Pillow's own ``convert`` would clip every value above 255 to white."""
-    if im.mode in _SIXTEEN_BIT:
-        im = Image.fromarray((np.asarray(im) >> 8).astype(np.uint8), "L")
-    return im if im.mode == mode else im.convert(mode)
 
 
 def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: RenderOptions,

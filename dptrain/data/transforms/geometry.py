@@ -2,7 +2,7 @@
 
 A sample's geometry is planned before any pixel is decoded. Each stage only moves a
 *box* (the region of the stored image that will become the output) and the output
-size; :mod:`dptrain.data.render` then decodes and resamples once, straight into the
+size; :mod:`dptrain.data.transforms.render` then decodes and resamples once, straight into the
 sample's row of the pinned batch buffer. Planning first is what makes the crop decode
 and JPEG draft mode possible (see there).
 

@@ -30,10 +30,10 @@ from typing import Any
 import PIL
 
 from dptrain.config import DataConfig, config_to_dict, load_config
-from dptrain.data import jpeg_crop
-from dptrain.data.lmdb_source import LmdbSource
-from dptrain.data.render import DEFAULT_RENDER, RenderOptions
 from dptrain.data.sampling import ShardPlan
+from dptrain.data.sources.caffe_lmdb import LmdbSource
+from dptrain.data.transforms import jpeg_crop
+from dptrain.data.transforms.render import DEFAULT_RENDER, RenderOptions
 from dptrain.errors import ConfigError
 from dptrain.observe.provenance import git_commit
 from dptrain.topology import Topology
@@ -111,7 +111,7 @@ def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: i
         "cpu_ms_per_image": round(statistics.median(cpu_ms), 3),
         "python_calls_per_image": None if calls is None else round(calls, 1),
         "native_render": src.native, "cores": topology.cores_per_process,
-        "parser_threads": src.parsers, "transformer_threads": src.transformers,
+        "parser_threads": src.readers, "transformer_threads": src.renderers,
         "batch_size": cfg.batch_size, "sample_shape": list(src.sample_shape), "num_train": src.num_train,
         "draft": render.draft, "torch_resize": render.torch_resize,
         "crop_decode": render.crop_decode and jpeg_crop.library() is not None,

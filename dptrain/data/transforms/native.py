@@ -10,7 +10,7 @@ work out of Python keeps the threads, the pinned ring and the queue set, and lea
 calls per image: the parser's LMDB reads and a share of each chunk's bookkeeping
 (``tools/calls_per_image.py`` counts them).
 
-``dptrain/csrc/record_render.c`` does, for each record of a chunk, what :mod:`.parser` and
+``dptrain/csrc/record_render.c`` does, for each record of a chunk, what the renderer thread and
 :mod:`.render` do in Python: parse the Datum, plan the geometry with the same RNG and stages
 (boxes and flips equal bit for bit), decode only the needed region of a JPEG (the
 :mod:`.jpeg_crop` decoder, draft-scaled as Pillow's ``draft`` would) or take a raw record's
@@ -46,9 +46,9 @@ import numpy as np
 from PIL import Image
 
 from dptrain.csrc import build as native_build
-from dptrain.data import jpeg_crop
-from dptrain.data.datum import encode_datum, hwc_to_raw, parse_datum
-from dptrain.data.geometry import (
+from dptrain.data.caffe.datum import encode_datum, hwc_to_raw, parse_datum
+from dptrain.data.transforms import jpeg_crop
+from dptrain.data.transforms.geometry import (
     CenterResizedCrop,
     Crop,
     ExpectSize,
@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 RENDER_ENV = "DPTRAIN_RENDER"
 """Environment variable: "auto" (default), "python" or "native"."""
 _MODES = ("auto", "python", "native")
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+CSRC = Path(native_build.__file__).resolve().parent
 SOURCE = CSRC / "record_render.c"
 SOURCES = (SOURCE, CSRC / "jpeg_crop.c")
 CFLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared")
@@ -201,7 +201,7 @@ def self_check(lib: ctypes.CDLL) -> None:
     must be equal; pixels equal for plain crops and fractional boxes, within one grey level
     where the Python path resamples with torch. Run once per process before the path is used.
     """
-    from dptrain.data.render import RenderOptions, transform_datum
+    from dptrain.data.transforms.render import RenderOptions, transform_datum
 
     rng = np.random.default_rng(0)
     yy, xx = np.mgrid[0:83, 0:121]

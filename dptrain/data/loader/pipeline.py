@@ -1,10 +1,10 @@
-"""One solver's threaded stream: P parser and T transformer threads filling a batch ring, and its consumer.
+"""One solver's threaded stream: P reader and T renderer threads filling a batch ring, and its consumer.
 
-The threads share one :class:`~dptrain.data.stream.StreamParts` (see
-:mod:`dptrain.data.stream` for which record lands in which batch row and ring slot).
+The threads share one :class:`~dptrain.data.loader.stream.StreamParts` (see
+:mod:`dptrain.data.loader.stream` for which record lands in which batch row and ring slot).
 
 Slot reuse: the consumer hands each batch back with ``HostBatch.release(event)``. With a
-CUDA event (the batch's host-to-device copy), the first transformer that writes the slot
+CUDA event (the batch's host-to-device copy), the first renderer that writes the slot
 again calls ``event.synchronize()`` before touching it. With ``None`` (CPU) the consumer
 may still read the host tensor until it asks for its next batch, so the slot is freed
 then, whatever order the batches were released in. A consumer that keeps all R slots without releasing
@@ -24,19 +24,19 @@ from collections.abc import Callable
 import torch
 
 from dptrain.data.base import HostBatch
-from dptrain.data.parser import run_parser
-from dptrain.data.queues import POLL_S
-from dptrain.data.stream import StreamParts
-from dptrain.data.transformer import run_transformer
+from dptrain.data.loader.queues import POLL_S
+from dptrain.data.loader.readers import run_reader
+from dptrain.data.loader.renderers import run_renderer
+from dptrain.data.loader.stream import StreamParts
 
 JOIN_TIMEOUT_S = 30.0
 """close() waits this long per thread; every blocking wait in a thread polls the stop event every POLL_S."""
 
 
 class PipelineStream:
-    """Iterator of HostBatch over one sequence, fed by P parser and T transformer threads."""
+    """Iterator of HostBatch over one sequence, fed by P reader and T renderer threads."""
 
-    def __init__(self, parts: StreamParts, *, parsers: int, transformers: int) -> None:
+    def __init__(self, parts: StreamParts, *, readers: int, renderers: int) -> None:
         self._parts = parts
         self._ring = parts.ring
         self._stop = threading.Event()
@@ -48,12 +48,12 @@ class PipelineStream:
         self._released: set[int] = set()
         self._closed = False
         workers: list[tuple[str, Callable[[int, StreamParts, threading.Event], None], int]] = [
-            *((f"dptrain-parser-r{parts.rank}-{p}", run_parser, p) for p in range(parsers)),
-            *((f"dptrain-transformer-r{parts.rank}-{t}", run_transformer, t) for t in range(transformers)),
+            *((f"dptrain-reader-r{parts.rank}-{p}", run_reader, p) for p in range(readers)),
+            *((f"dptrain-renderer-r{parts.rank}-{t}", run_renderer, t) for t in range(renderers)),
         ]
         self._threads = [threading.Thread(target=self._guard, args=(fn, i), name=name, daemon=True)
                          for name, fn, i in workers]
-        self._transformers = self._threads[parsers:]
+        self._renderers = self._threads[readers:]
         for th in self._threads:
             th.start()
 
@@ -107,8 +107,8 @@ class PipelineStream:
                 if ring.owner[s] != b:
                     raise RuntimeError(f"rank {self._parts.rank}: all {ring.slots} ring slots are held; "
                                        f"call HostBatch.release(event) once each batch is consumed")
-                if not any(th.is_alive() for th in self._transformers):
-                    raise RuntimeError(f"rank {self._parts.rank}: transformer threads exited before batch {b} "
+                if not any(th.is_alive() for th in self._renderers):
+                    raise RuntimeError(f"rank {self._parts.rank}: renderer threads (data.transformer_threads) exited before batch {b} "
                                        f"was complete")
                 ring.cond.wait(POLL_S)
 

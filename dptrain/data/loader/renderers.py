@@ -1,10 +1,11 @@
-"""Transformer threads: take chunks of records from their queues, render them into the batch ring.
+"""Renderer threads (NVCaffe's "transformers", ``data.transformer_threads``): take chunks of records from
+their queues, parse them and render them into the batch ring.
 
-Transformer t renders the chunks :class:`~dptrain.data.queues.QueueSet` routes to it
+Renderer t renders the chunks :class:`~dptrain.data.loader.queues.QueueSet` routes to it
 straight into their rows of the ring slot: in one native call per chunk
-(:mod:`dptrain.data.native_render`: Datum parse, geometry, decode, resample, mirror, label
+(:mod:`dptrain.data.transforms.native`: Datum parse, geometry, decode, resample, mirror, label
 and crop window, without the GIL), and record by record in Python for what that call leaves
-and when it is off (:mod:`dptrain.data.geometry`, :mod:`dptrain.data.render`). A bad record
+and when it is off (:mod:`dptrain.data.transforms.geometry`, :mod:`dptrain.data.transforms.render`). A bad record
 is handled here (:func:`_fill_row`): counted against ``data.max_bad_records`` and replaced
 by a substitute in training, dropped in a test stream.
 """
@@ -15,13 +16,38 @@ import threading
 import numpy as np
 import torch
 
-from dptrain.data import native_render
 from dptrain.data.base import DROPPED_LABEL
-from dptrain.data.geometry import SampleRng
-from dptrain.data.parser import parse_record, parse_value
-from dptrain.data.render import transform_datum
-from dptrain.data.stream import ParsedChunk, ParsedRecord, RecordHandle, StreamParts
+from dptrain.data.caffe.datum import parse_datum
+from dptrain.data.loader.stream import ParsedChunk, ParsedRecord, RecordHandle, StreamParts
+from dptrain.data.transforms import native as native_render
+from dptrain.data.transforms.geometry import SampleRng
+from dptrain.data.transforms.render import transform_datum
 from dptrain.errors import DataError
+
+
+def parse_value(key: bytes, value: bytes, *, pos: int, epoch: int, index: int, num_classes: int, path: str,
+                rank: int) -> ParsedRecord:
+    """Parse a record a reader read (the Python path: substitutes, and records the native path leaves); a bad one comes back with ``error`` set (located at its key)."""
+    try:
+        d = parse_datum(value)
+        if not 0 <= d.label < num_classes:
+            raise DataError(f"label {d.label} is outside [0, {num_classes}); "
+                            f"fix the DB or set model.num_classes")
+        return ParsedRecord(pos, epoch, index, key, d)
+    except DataError as e:
+        return ParsedRecord(pos, epoch, index, key, None, e.located(path=path, key=key, rank=rank))
+
+
+def parse_record(handle: RecordHandle, *, pos: int, epoch: int, index: int,
+                 num_classes: int, rank: int) -> ParsedRecord:
+    """Read and parse record ``index``; a bad record comes back with ``error`` set."""
+    try:
+        key, value = handle.get(index)
+    except DataError as e:
+        key = f"#{index}".encode()
+        return ParsedRecord(pos, epoch, index, key, None, e.located(path=handle.path, key=key, rank=rank))
+    return parse_value(key, value, pos=pos, epoch=epoch, index=index, num_classes=num_classes, path=handle.path,
+                       rank=rank)
 
 
 def _fill_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, parts: StreamParts,
@@ -71,7 +97,7 @@ def _drop_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, par
 
 
 class _SubstituteReader:
-    """A transformer's own read transaction, opened only when a substitute is needed."""
+    """A renderer's own read handle, opened only when a substitute is needed."""
 
     def __init__(self, parts: StreamParts) -> None:
         self._parts = parts
@@ -95,9 +121,9 @@ _PIN_LOCK = threading.Lock()
 def single_threaded_torch_in_this_thread() -> None:
     """Run torch ops issued by the calling thread on that thread alone; leave every other thread as it was.
 
-    Each transformer thread already has a core's worth of work. Left at the default, every
+    Each renderer thread already has a core's worth of work. Left at the default, every
     resize would also start an OpenMP team as wide as the machine, whose spinning workers
-    take the cores from the other transformers, so each image costs more CPU time
+    take the cores from the other renderers, so each image costs more CPU time
     (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#data-transformer).
     ``torch.set_num_threads`` sets the calling thread's team size but also the default that
     threads started later inherit; a short-lived helper thread puts that default back, so the
@@ -132,8 +158,8 @@ def _python_rows(chunk: ParsedChunk, rows: list[int], row0: int, slot: tuple[np.
     return bad
 
 
-def run_transformer(t: int, parts: StreamParts, stop: threading.Event) -> None:
-    """Transformer thread t: take its chunks from its P queues, render them into the ring."""
+def run_renderer(t: int, parts: StreamParts, stop: threading.Event) -> None:
+    """Renderer thread t: take its chunks from its P queues, render them into the ring."""
     single_threaded_torch_in_this_thread()
     subs = _SubstituteReader(parts)
     lib = native_render.library() if parts.native else None
@@ -142,7 +168,7 @@ def run_transformer(t: int, parts: StreamParts, stop: threading.Event) -> None:
         num_classes=parts.num_classes, seed=parts.seed, draft=parts.render.draft, windows=parts.windows,
         max_rows=parts.chunk_rows)
     try:
-        for c in parts.queues.transformer_positions(t, parts.num_chunks):
+        for c in parts.queues.renderer_positions(t, parts.num_chunks):
             chunk = parts.queues.get(c, stop)
             if chunk is None:
                 return
@@ -164,7 +190,7 @@ def run_transformer(t: int, parts: StreamParts, stop: threading.Event) -> None:
             except DataError:
                 raise
             except Exception as e:  # a broken invariant, not a bad record: stop the stream
-                raise RuntimeError(f"rank {parts.rank}: transformer {t} failed on chunk {c} (records "
+                raise RuntimeError(f"rank {parts.rank}: renderer {t} failed on chunk {c} (records "
                                    f"{chunk.indices.tolist()}) of {parts.reader.path!r}: {e!r}") from e
             parts.ring.complete(b, parts.batch_rows(b), n, bad)
     finally:

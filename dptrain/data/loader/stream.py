@@ -4,17 +4,17 @@ Sample ``pos`` of a stream (0, 1, 2, ... from the stream's first batch) lands in
 ``pos // B``, row ``pos % B``; batch b lives in ring slot ``b % R`` with R = prefetch + 2.
 Which record sits at ``pos`` comes from :mod:`dptrain.data.sampling` alone (the sequences
 here), so the bytes of every batch are a pure function of (seed, epoch, rank,
-world_size, batch_size) and do not depend on the parser count P, the transformer count T,
+world_size, batch_size) and do not depend on the reader count P, the renderer count T,
 the chunk size K or thread timing.
 
 The threads move *chunks*: chunk c is rows ``[(c % m) * K, ...)`` of batch ``c // m``, at most
-K rows, with m = ceil(B / K) chunks per batch (:meth:`StreamParts.chunk_span`). A parser reads
-a chunk's records, a transformer renders the chunk into its rows of the ring slot in one
-native call (:mod:`dptrain.data.native_render`), so the Python work per image is a share of
+K rows, with m = ceil(B / K) chunks per batch (:meth:`StreamParts.chunk_span`). A reader reads
+a chunk's records, a renderer renders the chunk into its rows of the ring slot in one
+native call (:mod:`dptrain.data.transforms.native`), so the Python work per image is a share of
 a chunk's bookkeeping plus the LMDB reads.
 
-The parser and transformer threads (:mod:`dptrain.data.parser`,
-:mod:`dptrain.data.transformer`) and the consumer (:mod:`dptrain.data.pipeline`) import
+The reader and renderer threads (:mod:`dptrain.data.loader.readers`,
+:mod:`dptrain.data.loader.renderers`) and the consumer (:mod:`dptrain.data.loader.pipeline`) import
 this module, and it imports none of them: the threads never import the pipeline that
 starts them.
 """
@@ -28,18 +28,18 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from dptrain.data.datum import DatumLike
-from dptrain.data.geometry import Stage
-from dptrain.data.queues import POLL_S, QueueSet
-from dptrain.data.render import DEFAULT_RENDER, RenderOptions
+from dptrain.data.caffe.datum import DatumLike
+from dptrain.data.loader.queues import POLL_S, QueueSet
 from dptrain.data.sampling import ShardPlan, batches_per_epoch, rank_epoch_shard
+from dptrain.data.transforms.geometry import Stage
+from dptrain.data.transforms.render import DEFAULT_RENDER, RenderOptions
 from dptrain.errors import DataError
 
 log = logging.getLogger(__name__)
 
 
 class RecordHandle(Protocol):
-    """One thread's read transaction on an LMDB (see ``lmdb_source.LmdbReader.handle``)."""
+    """One thread's read transaction on an LMDB (see ``sources.caffe_lmdb.LmdbReader.handle``)."""
 
     path: str
 
@@ -50,7 +50,7 @@ class RecordHandle(Protocol):
 
 @dataclass(slots=True)
 class ParsedRecord:
-    """One record on its way from a parser to a transformer."""
+    """One record on its way from a reader to a renderer."""
 
     pos: int
     """Position in the solver's stream (batch pos // B, row pos % B)."""
@@ -64,7 +64,7 @@ class ParsedRecord:
 
 @dataclass(slots=True)
 class ParsedChunk:
-    """One chunk's records on their way from a parser to a transformer (see the module docstring)."""
+    """One chunk's records on their way from a reader to a renderer (see the module docstring)."""
 
     c: int
     """Chunk index in the stream."""
@@ -79,7 +79,7 @@ class ParsedChunk:
 
 
 class RecordReader(Protocol):
-    """A DB opened for reading by record index (``lmdb_source.LmdbReader``); each thread takes its own handle."""
+    """A DB opened for reading by record index (``sources.caffe_lmdb.LmdbReader``); each thread takes its own handle."""
 
     path: str
 
@@ -143,7 +143,7 @@ class BadRecordBudget:
     """Distinct bad records met by one stream, judged in stream order as a sequential reader would.
 
     Threads meet bad records out of order, so :meth:`spend` never raises: it notes where
-    each distinct record was first met, as (position, attempt), and the transformer
+    each distinct record was first met, as (position, attempt), and the renderer
     substitutes (or, in a test stream, drops) the record either way. Once more than
     ``data.max_bad_records`` distinct records are known, the (limit + 1)-th of them in
     stream order is the failure; :meth:`failure_before` hands it to the consumer when it
@@ -244,13 +244,13 @@ class StreamParts:
     """Everything the threads of one stream share (read-only except ring, budget, queues)."""
 
     reader: RecordReader
-    """The DB; every parser, and a transformer that needs a substitute, opens its own handle."""
+    """The records; every reader, and a renderer that needs a substitute, opens its own handle."""
     sequence: TrainSequence | TestSequence
     """Position -> (epoch, record index)."""
     queues: QueueSet[ParsedChunk]
-    """Parser -> transformer routing of the chunks (a chunk index plays the position's part)."""
+    """Reader -> renderer routing of the chunks (a chunk index plays the position's part)."""
     ring: BatchRing
-    """Where the transformers write and the consumer reads."""
+    """Where the renderers write and the consumer reads."""
     budget: BadRecordBudget
     """The stream's allowance of distinct bad records (data.max_bad_records)."""
     stages: list[Stage]
@@ -270,9 +270,9 @@ class StreamParts:
     """Test streams: a skipped bad record leaves its row empty with label ``DROPPED_LABEL``
     (scored by nobody) instead of a substitute, so every test sample counts once."""
     chunk_rows: int = 1
-    """K: rows of a batch that one parser reads and one transformer renders together."""
+    """K: rows of a batch that one reader reads and one renderer renders together."""
     native: bool = False
-    """Render with :mod:`dptrain.data.native_render` (else the Python path, sample by sample)."""
+    """Render with :mod:`dptrain.data.transforms.native` (else the Python path, sample by sample)."""
 
     def batch_rows(self, b: int) -> int:
         """Rows of batch b: batch_size, or fewer in the last batch of a finite stream."""
