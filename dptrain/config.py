@@ -609,3 +609,10 @@ def config_hash(cfg: TrainConfig) -> str:
     import hashlib
 
     return hashlib.sha256(dump_toml(cfg).encode()).hexdigest()[:12]
+
+
+def add_config_arguments(p: Any) -> None:
+    """``--config`` and ``--set`` on an ``argparse`` parser: the commands that read a recipe."""
+    p.add_argument("--config", required=True, help="TOML recipe, e.g. launch/configs/digits.toml")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (TOML literal; bare words are strings); repeatable")

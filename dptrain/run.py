@@ -13,7 +13,7 @@ import torch
 
 from dptrain.assemble import pick_device
 from dptrain.checkpoint import RunDir, resolve_resume
-from dptrain.config import TrainConfig
+from dptrain.config import TrainConfig, add_config_arguments, load_config
 from dptrain.distributed.comm import Communicator, agree_to_start, join_store
 from dptrain.distributed.control import StopFlag
 from dptrain.errors import ConfigError, RankFailure, UserError, first_line
@@ -134,3 +134,25 @@ def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | No
     if "test_top1" in result and not result.get("stopped_by_signal"):
         log.info("final test top-1 %.4f top-5 %.4f", result["test_top1"], result["test_top5"])
     return result
+
+
+def add_arguments(t: Any) -> None:
+    """``dptrain train``'s arguments."""
+    t.description = ("Train from a TOML recipe. Writes config.toml, metrics.jsonl and snapshot_iter_<N>.pt into "
+                     "train.run_dir. SIGTERM/SIGUSR1/Ctrl-C snapshot and exit 0.")
+    add_config_arguments(t)
+    t.add_argument("--resume", metavar="PATH|auto",
+                   help="continue bit-exactly from a snapshot; 'auto' picks the newest one in train.run_dir")
+    t.add_argument("--trace", metavar="PATH", help="write a Chrome trace per rank to PATH.rank<r>.json")
+    t.add_argument("--weights", metavar="PATH",
+                   help="start a new run from the model weights in PATH (a dptrain snapshot, or a torch state_dict "
+                        "such as torchvision's ResNet-50); iteration, solver state and RNG start fresh")
+    t.add_argument("--weights-skip", action="append", default=[], metavar="GLOB",
+                   help="names not to load with --weights, keeping their initial values (e.g. 'fc.*' for a new "
+                        "classifier head); repeatable")
+
+
+def main(args: Any) -> None:
+    """``dptrain train``: train this solver (:func:`run_training`)."""
+    run_training(load_config(args.config, args.set), resume=args.resume, trace=args.trace, weights=args.weights,
+                 weights_skip=tuple(args.weights_skip))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from dptrain import kernels
-from dptrain.config import TrainConfig, config_hash
+from dptrain.config import TrainConfig, add_config_arguments, config_hash, load_config
 from dptrain.errors import ConfigError
 from dptrain.observe.provenance import git_commit
 from dptrain.observe.trace import NullTracer, Tracer
@@ -194,3 +194,25 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         "warmup": warmup,
     })
     return rec
+
+
+def add_arguments(b: Any) -> None:
+    """``dptrain bench``'s arguments."""
+    b.description = ("Time training steps after a warm-up and print images/s, step time percentiles and a "
+                     "per-phase breakdown as one JSON line.")
+    add_config_arguments(b)
+    b.add_argument("--synthetic", action="store_true", help="use synthetic data (takes the input pipeline out)")
+    b.add_argument("--steps", type=int, default=30, help="timed steps (default 30)")
+    b.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (default 5)")
+    b.add_argument("--phase-steps", type=int, default=5,
+                   help="extra steps timed phase by phase with device syncs (default 5)")
+    b.add_argument("--trace", metavar="PATH", help="write a Chrome trace per rank of the phase-timed steps")
+
+
+def main(args: Any) -> dict[str, Any] | None:
+    """``dptrain bench``: the record rank 0 prints."""
+    overrides = list(args.set)
+    if args.synthetic:
+        overrides.append('data.source="synthetic"')
+    return run_bench(load_config(args.config, overrides), steps=args.steps, warmup=args.warmup,
+                     phase_steps=args.phase_steps, trace=args.trace)

@@ -118,7 +118,7 @@ def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: i
     }
 
 
-def add_data_bench_args(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``dptrain data-bench``."""
     p.description = "Measure the LMDB input pipeline alone and print one JSON line with images_per_s."
     p.add_argument("--config", required=True, help="TOML recipe with data.source = \"lmdb\"")
@@ -136,7 +136,7 @@ def add_data_bench_args(p: argparse.ArgumentParser) -> None:
                    help="skip the pass that counts Python calls per image (it runs after the timed windows)")
 
 
-def run_data_bench(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> dict[str, Any]:
     """Entry of ``dptrain data-bench``: measure; return the record (the CLI prints it as one JSON line)."""
     cfg = load_config(args.config, args.set)
     if cfg.data.source != "lmdb":

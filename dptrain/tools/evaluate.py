@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dptrain.config import TrainConfig
+from dptrain.config import TrainConfig, add_config_arguments, load_config
 from dptrain.errors import ConfigError, RankFailure
 from dptrain.run import open_communicator, stop_with_the_launcher
 from dptrain.topology import Topology
@@ -49,3 +49,18 @@ def run_scoring(cfg: TrainConfig, weights: str) -> dict[str, Any] | None:
     if comm.rank != 0:
         return None
     return {**result, "weights": str(path), "world_size": comm.world_size}
+
+
+def add_arguments(s: Any) -> None:
+    """``dptrain test``'s arguments."""
+    s.description = ("Run the test phase alone, on every solver under torchrun (counts are summed over the ranks), "
+                     "and print test_top1, test_top5 and test_samples as one JSON line. Writes nothing into "
+                     "train.run_dir.")
+    add_config_arguments(s)
+    s.add_argument("--weights", required=True, metavar="PATH",
+                   help="the weights to score: a dptrain snapshot or a torch state_dict")
+
+
+def main(args: Any) -> dict[str, Any] | None:
+    """``dptrain test``: the record rank 0 prints."""
+    return run_scoring(load_config(args.config, args.set), args.weights)

@@ -47,7 +47,7 @@ def make_digits_lmdb(out: str | Path, *, encoded: bool) -> dict[str, int]:
     return counts
 
 
-def add_make_lmdb_args(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``dptrain make-lmdb``."""
     p.description = ("Convert images into a Caffe Datum LMDB. SOURCE is an image folder (one subfolder per "
                      "class) or a 'path label' list file (paths relative to --root). With --digits, OUT/train "
@@ -63,7 +63,7 @@ def add_make_lmdb_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--digits", action="store_true", help="write the built-in digits to OUT/train and OUT/test")
 
 
-def run_make_lmdb(args: argparse.Namespace) -> dict:
+def main(args: argparse.Namespace) -> dict:
     """Entry of ``dptrain make-lmdb``: write the LMDB(s); return what was written (the CLI prints it)."""
     if args.digits:
         if len(args.paths) != 1:

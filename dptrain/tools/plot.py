@@ -81,3 +81,16 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.savefig(out, dpi=80)
     plt.close(fig)
     return out
+
+
+def add_arguments(p: Any) -> None:
+    """``dptrain plot``'s arguments."""
+    p.description = ("Loss, test accuracy, images/s, loss scale and skipped steps, and compute time per rank, from "
+                     "RUN_DIR/metrics.jsonl, into one PNG (needs matplotlib).")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a train.run_dir")
+    p.add_argument("--out", metavar="PNG", help="output file (default: RUN_DIR/metrics.png)")
+
+
+def main(args: Any) -> dict[str, str]:
+    """``dptrain plot``: the PNG written."""
+    return {"plot": str(plot_run(args.run_dir, args.out))}

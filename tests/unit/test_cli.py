@@ -184,7 +184,7 @@ def test_data_bench_does_not_need_the_test_lmdb(cfg, capsys, tmp_path):
 
 
 def test_demo_starts_its_own_run_over_but_never_deletes_another_run(tmp_path, capsys, monkeypatch):
-    from dptrain.cli import DEMO_MARK, _start_demo_run
+    from dptrain.tools.demo import DEMO_MARK, _start_demo_run
 
     mine = tmp_path / "demo"
     _start_demo_run(mine)
@@ -203,12 +203,10 @@ def test_demo_starts_its_own_run_over_but_never_deletes_another_run(tmp_path, ca
 def test_internal_error_keeps_its_traceback(cfg, monkeypatch):
     """A broken invariant (RuntimeError, even one whose text reads like a config message) is a
     bug: it must reach the user with its traceback, not as a one-line 'error: ... exit 2'."""
-    import dptrain.cli as cli
-
     def broken(args):
         raise RuntimeError("model.name must be one of [...]: an invariant, not the user's input")
 
-    monkeypatch.setattr(cli, "cmd_train", broken)
+    monkeypatch.setattr("dptrain.run.main", broken)
     with pytest.raises(RuntimeError, match="an invariant"):
         main(["train", "--config", cfg("")])
 
@@ -218,19 +216,17 @@ def test_internal_error_keeps_its_traceback(cfg, monkeypatch):
     (LossScaleError("loss scale fell to"), 2, "dptrain: error: loss scale fell to"),
 ])
 def test_user_errors_are_one_line_with_their_exit_code(cfg, monkeypatch, capsys, exc, code, fragment):
-    import dptrain.cli as cli
 
     def fail(args):
         raise exc
 
-    monkeypatch.setattr(cli, "cmd_train", fail)
+    monkeypatch.setattr("dptrain.run.main", fail)
     assert main(["train", "--config", cfg("")]) == code
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [fragment]
 
 
 def test_rank_failure_exits_1_naming_the_rank(cfg, monkeypatch, capsys):
-    import dptrain.cli as cli
     from dptrain.errors import RankFailure
 
     def fail(args):
@@ -238,7 +234,7 @@ def test_rank_failure_exits_1_naming_the_rank(cfg, monkeypatch, capsys):
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(cli, "cmd_train", fail)
+    monkeypatch.setattr("dptrain.run.main", fail)
     assert main(["train", "--config", cfg("")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dptrain: error (rank 1): another rank failed or hung first: rank 1: allreduce of "
@@ -247,9 +243,9 @@ def test_rank_failure_exits_1_naming_the_rank(cfg, monkeypatch, capsys):
 
 def test_subprocess_internal_error_prints_a_traceback(tmp_path):
     """Through the real entry point: a RuntimeError from inside training is not turned into exit 2."""
-    script = ("import sys, dptrain.cli as cli\n"
+    script = ("import sys, dptrain.cli as cli, dptrain.run as run\n"
               "def broken(args):\n    raise RuntimeError('flat buffer invariant broken')\n"
-              "cli.cmd_train = broken\n"
+              "run.main = broken\n"
               f"sys.exit(cli.main(['train', '--config', {str(tmp_path / 'c.toml')!r}]))\n")
     (tmp_path / "c.toml").write_text("")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -259,13 +255,13 @@ def test_subprocess_internal_error_prints_a_traceback(tmp_path):
 def test_an_error_line_goes_out_in_one_write(monkeypatch, tmp_path):
     """Solvers that fail together share the launcher's stderr pipe; `print` wrote the text and its
     newline apart, so two ranks' lines ran together (seen in CI). `say` makes one write per line."""
-    from dptrain import cli
+    from dptrain import launcher
 
     writes = []
     with open(tmp_path / "err", "w") as f:
-        monkeypatch.setattr(cli.sys, "stderr", f)
-        real = cli.os.write
-        monkeypatch.setattr(cli.os, "write", lambda fd, data: writes.append(bytes(data)) or real(fd, data))
-        cli.say("dptrain: error (rank 1): another rank failed or hung first: x")
+        monkeypatch.setattr(launcher.sys, "stderr", f)
+        real = launcher.os.write
+        monkeypatch.setattr(launcher.os, "write", lambda fd, data: writes.append(bytes(data)) or real(fd, data))
+        launcher.say("dptrain: error (rank 1): another rank failed or hung first: x")
     assert writes == [b"dptrain: error (rank 1): another rank failed or hung first: x\n"]
     assert (tmp_path / "err").read_text() == writes[0].decode()

@@ -22,6 +22,7 @@ PACKAGE = REPO / "dptrain"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dptrain.__main__", "dptrain.torchrun"),
     ("dptrain.cli",),
+    ("dptrain.launcher",),
     ("dptrain.tools",),
     ("dptrain.run",),
     ("dptrain.train",),

@@ -566,7 +566,8 @@ def test_data_bench_measures_and_rejects_other_sources(db29, tmp_path, capsys):
     import argparse
     import json
 
-    from dptrain.tools.data_bench import add_data_bench_args, run_data_bench
+    from dptrain.tools.data_bench import add_arguments as add_data_bench_args
+    from dptrain.tools.data_bench import main as run_data_bench
 
     ap = argparse.ArgumentParser()
     add_data_bench_args(ap)

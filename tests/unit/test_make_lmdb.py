@@ -15,7 +15,8 @@ from dptrain.data.sampling import ShardPlan
 from dptrain.data.sources.caffe_lmdb import LmdbReader, LmdbSource
 from dptrain.data.sources.files import read_list_file
 from dptrain.errors import InputError
-from dptrain.tools.make_lmdb import add_make_lmdb_args, run_make_lmdb
+from dptrain.tools.make_lmdb import add_arguments
+from dptrain.tools.make_lmdb import main as make_lmdb_main
 
 CLASSES = ("cat", "dog")
 
@@ -87,9 +88,9 @@ def test_encoded_png_exact_and_jpeg_within_tolerance(folder, tmp_path):
 
 def test_cli_folder_with_shuffle_gray_resize(folder, tmp_path, capsys):
     ap = argparse.ArgumentParser()
-    add_make_lmdb_args(ap)
+    add_arguments(ap)
     out = tmp_path / "gray"
-    summary = run_make_lmdb(ap.parse_args([str(folder), str(out), "--gray", "--resize", "6", "8",
+    summary = make_lmdb_main(ap.parse_args([str(folder), str(out), "--gray", "--resize", "6", "8",
                                            "--shuffle", "--seed", "3"]))
     assert summary["records"] == 12 and summary["classes"] == 2  # .png and .jpg of each image
     keys = [k.decode() for k, _ in db_keys_and_values(out)]
@@ -101,7 +102,7 @@ def test_cli_folder_with_shuffle_gray_resize(folder, tmp_path, capsys):
     assert images.shape == (12, 6, 8, 1)
     assert labels.tolist() == [int(n.startswith("dog")) for n in names]
     again = tmp_path / "gray2"
-    run_make_lmdb(ap.parse_args([str(folder), str(again), "--gray", "--resize", "6", "8", "--shuffle", "--seed", "3"]))
+    make_lmdb_main(ap.parse_args([str(folder), str(again), "--gray", "--resize", "6", "8", "--shuffle", "--seed", "3"]))
     assert [k for k, _ in db_keys_and_values(again)] == [k.encode() for k in keys]  # seeded
 
 
@@ -109,8 +110,8 @@ def test_list_file_with_root(folder, tmp_path, capsys):
     listing = tmp_path / "list.txt"
     listing.write_text("dog/05.png 1\n\ncat/00.png 0\ncat/01.png 1\n")
     ap = argparse.ArgumentParser()
-    add_make_lmdb_args(ap)
-    assert run_make_lmdb(ap.parse_args([str(listing), str(tmp_path / "out"), "--root", str(folder)]))["records"] == 3
+    add_arguments(ap)
+    assert make_lmdb_main(ap.parse_args([str(listing), str(tmp_path / "out"), "--root", str(folder)]))["records"] == 3
     images, labels = read_all(str(tmp_path / "out"), 3)
     assert labels.tolist() == [1, 0, 1]
     assert np.array_equal(images, np.stack([image(5), image(0), image(1)]))
@@ -120,8 +121,8 @@ def test_digits_written_for_the_demo(tmp_path, capsys):
     from dptrain.data.sources.builtin import load_digits_arrays
 
     ap = argparse.ArgumentParser()
-    add_make_lmdb_args(ap)
-    summary = run_make_lmdb(ap.parse_args(["--digits", str(tmp_path / "digits"), "--encoded"]))
+    add_arguments(ap)
+    summary = make_lmdb_main(ap.parse_args(["--digits", str(tmp_path / "digits"), "--encoded"]))
     assert summary["records"] == {"train": 1500, "test": 297}
     xtr, ytr, xte, yte = load_digits_arrays()
     cfg = DataConfig(source="lmdb", path=str(tmp_path / "digits/train"), test_path=str(tmp_path / "digits/test"))
@@ -135,7 +136,7 @@ def test_digits_written_for_the_demo(tmp_path, capsys):
 
 def test_make_lmdb_errors(folder, tmp_path):
     ap = argparse.ArgumentParser()
-    add_make_lmdb_args(ap)
+    add_arguments(ap)
     make_lmdb(tmp_path / "db", [("cat/00.png", 0)], root=folder)
     with pytest.raises(InputError, match="already holds an LMDB; remove it"):
         make_lmdb(tmp_path / "db", [("cat/00.png", 0)], root=folder)
@@ -147,14 +148,14 @@ def test_make_lmdb_errors(folder, tmp_path):
     with pytest.raises(InputError, match=r"bad.txt:2: expected 'path label'"):
         read_list_file(bad)
     with pytest.raises(InputError, match="list file .*missing.txt' does not exist"):
-        run_make_lmdb(ap.parse_args([str(tmp_path / "missing.txt"), str(tmp_path / "o")]))
+        make_lmdb_main(ap.parse_args([str(tmp_path / "missing.txt"), str(tmp_path / "o")]))
     (tmp_path / "noclasses").mkdir()
     with pytest.raises(InputError, match="has no images in class subfolders"):
-        run_make_lmdb(ap.parse_args([str(tmp_path / "noclasses"), str(tmp_path / "o")]))
+        make_lmdb_main(ap.parse_args([str(tmp_path / "noclasses"), str(tmp_path / "o")]))
     with pytest.raises(InputError, match="--digits takes one output path"):
-        run_make_lmdb(ap.parse_args(["--digits", "a", "b"]))
+        make_lmdb_main(ap.parse_args(["--digits", "a", "b"]))
     with pytest.raises(InputError, match="takes SOURCE OUT"):
-        run_make_lmdb(ap.parse_args(["only_one"]))
+        make_lmdb_main(ap.parse_args(["only_one"]))
 
 
 def test_map_grows_and_bad_options_are_refused(folder, tmp_path, monkeypatch):

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from dptrain.checkpoint import RunDir, good_snapshots, is_diverging, list_snapshots, resolve_resume, save_snapshot
-from dptrain.cli import failure_summary, main
+from dptrain.cli import main
 from dptrain.errors import RunDirError
+from dptrain.launcher import failure_summary
 
 DIGITS = ["model.name=\"lenet\"", "data.source=\"digits\"", "data.batch_size=16", "solver.display=5"]
 

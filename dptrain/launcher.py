@@ -1,0 +1,128 @@
+"""The torchrun wrapper and its exit protocol: ``python -m dptrain.torchrun`` (the launch scripts and
+``dptrain demo`` call it in torchrun's place).
+
+torchrun reports a failed worker with a Python traceback and a table, and exits 1 whatever
+the workers exited with. The solvers have printed their one-line errors already, so the
+wrapper prints one summary line instead (:func:`failure_summary`) and exits with the
+solvers' code: 2 when any solver exited 2 (a user error). Each solver leaves its exit code in
+:data:`EXIT_DIR_ENV` (:func:`report_exit`), so a stop signal to the launcher, which torchrun
+forwards to the solvers, can tell "every solver snapshotted and stopped" (exit 0) from a kill.
+:func:`say` writes a line in one ``write``: the solvers share the launcher's pipe.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from dptrain.errors import EXIT_USER_ERROR
+
+
+def say(line: str) -> None:
+    """Write one line to stderr in a single write: the solvers share the launcher's pipe and
+    often fail at the same moment, and ``print`` writes the text and its newline apart, so
+    two ranks' lines could run together (a write of up to PIPE_BUF bytes to a pipe is atomic)."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an in-memory stream (tests capture it so)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        return
+    data = (line + "\n").encode(errors="replace")
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def failure_summary(codes: dict[int, int]) -> str:
+    """The launcher's one line about failed solvers: each rank's exit code or the signal that
+    killed it, and where to look. A rank killed by a signal printed nothing (torchrun stops the
+    survivors with SIGTERM, then SIGKILL), so only ranks that exited with a code are pointed to."""
+    import signal
+
+    def one(rank: int, code: int) -> str:
+        if code >= 0:
+            return f"rank {rank} exit {code}"
+        try:
+            return f"rank {rank} killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"rank {rank} killed by signal {-code}"
+
+    listed = ", ".join(one(r, c) for r, c in codes.items())
+    spoke = [r for r, c in codes.items() if c > 0]
+    where = (f"the error line of rank {', '.join(map(str, spoke))} is above" if spoke else
+             "none of them printed an error: they were killed (by torchrun after another failure, or by the system, "
+             "e.g. out of memory)")
+    return f"dptrain: {len(codes)} solver process(es) failed ({listed}); {where}"
+
+
+EXIT_DIR_ENV = "DPTRAIN_EXIT_DIR"
+"""Set by :func:`torchrun_main` for its solvers: each writes ``rank<R>.code`` there as it exits, so the
+launcher knows how they ended when torchrun itself stopped them on a signal."""
+
+
+def _solver_codes(folder: Path) -> dict[int, int]:
+    codes = {}
+    for f in folder.glob("rank*.code"):
+        try:
+            codes[int(f.stem[4:])] = int(f.read_text())
+        except ValueError:
+            continue
+    return codes
+
+
+def torchrun_main(argv: list[str] | None = None) -> int:
+    """``python -m dptrain.torchrun …``: torchrun, exiting with the solvers' code and without its traceback.
+
+    torchrun reports a failed worker by raising ``ChildFailedError`` (a Python traceback and
+    a table, exit code 1 whatever the workers exited with). The solvers have already printed
+    their one-line errors, so this prints one summary line and exits 2 when any solver exited
+    2 (a user error), else with the first failure's code. A stop signal to the launcher, which
+    torchrun forwards to the solvers (they snapshot and stop), exits 0 when every solver of
+    this node reported exit 0 (each writes its code into :data:`EXIT_DIR_ENV`), as a stop
+    signal to one solver does; otherwise one line naming the ranks and 128 + signal.
+    Everything else (arguments, rendezvous, restarts) is torchrun's own.
+    """
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as run
+    from torch.distributed.run import parse_args
+
+    nproc = getattr(parse_args(argv), "nproc_per_node", None)
+    with tempfile.TemporaryDirectory(prefix="dptrain-exit-") as folder:
+        os.environ[EXIT_DIR_ENV] = folder
+        try:
+            run(argv)
+        except ChildFailedError as e:
+            codes = {rank: f.exitcode for rank, f in sorted(e.failures.items())}
+            say(failure_summary(codes))
+            if EXIT_USER_ERROR in codes.values():
+                return EXIT_USER_ERROR
+            first = next(iter(codes.values()))
+            return first if 0 < first < 256 else 1
+        except SignalException as e:
+            codes = _solver_codes(Path(folder))
+            expected = int(nproc) if str(nproc).isdigit() else len(codes)
+            if codes and len(codes) == expected and not any(codes.values()):
+                say(f"dptrain: launcher got {e.sigval.name}; all {len(codes)} solver(s) snapshotted and stopped "
+                    f"(exit 0)")
+                return 0
+            listed = ", ".join(f"rank {r} exit {c}" for r, c in sorted(codes.items())) or "none reported"
+            say(f"dptrain: launcher got {e.sigval.name}; solvers: {listed} of {expected}; a solver that did not "
+                f"report was killed before it could snapshot")
+            return EXIT_USER_ERROR if EXIT_USER_ERROR in codes.values() else 128 + int(e.sigval)
+        finally:
+            os.environ.pop(EXIT_DIR_ENV, None)
+    return 0
+
+
+def report_exit(code: int) -> None:
+    """Under :func:`torchrun_main`, leave this solver's exit code where the launcher looks."""
+    folder, rank = os.environ.get(EXIT_DIR_ENV), os.environ.get("RANK")
+    if folder and rank is not None:
+        try:
+            (Path(folder) / f"rank{rank}.code").write_text(str(code))
+        except OSError:
+            pass
