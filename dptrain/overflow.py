@@ -1,6 +1,5 @@
 """Which layer overflowed: the parameters whose reduced gradient was not finite, and the
-first layer of a forward whose output is not finite; and since when a run diverges
-(:class:`DivergenceWatch`).
+first layer of a forward whose output is not finite.
 
 :class:`OverflowLocator` runs inside the optimizer's norm pass, after the overflow flag is
 set and before the update zeroes the gradients. It attributes a skipped step to the
@@ -23,8 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
-from collections import Counter, deque
+from collections import Counter
 
 import torch
 from torch import nn
@@ -35,58 +33,6 @@ log = logging.getLogger(__name__)
 
 MAX_NAMED = 5
 """Parameters named in a log line or a metrics record (the ones that overflowed most often)."""
-EXPLOSION_FACTOR = 10.0
-"""A finite loss this many times the median of the recent ones marks the start of a divergence."""
-LOSS_WINDOW = 20
-"""Iterations whose losses make the recent range; as many in range end a divergence (a spike)."""
-LOSS_FLOOR = 0.1
-"""The median is taken as at least this: a loss under EXPLOSION_FACTOR x LOSS_FLOOR is never an explosion
-(a near-perfect fit's tiny losses would otherwise flag any ordinary one)."""
-
-
-class DivergenceWatch:
-    """Since which iteration's weights the run diverges, from each iteration's mean loss.
-
-    A loss that is not finite, or finite but :data:`EXPLOSION_FACTOR` times above the median
-    of the last :data:`LOSS_WINDOW` in-range losses, starts a divergence: the loss of step s
-    was computed with the weights of iteration s - 1, so from those weights on every snapshot
-    is suspect (:meth:`suspect`). A diverging fp32 run typically shows a loss of 1e17 several
-    iterations before the first inf, with finite but useless weights in between. After
-    :data:`LOSS_WINDOW` iterations back in range the divergence is over (a spike); snapshots
-    taken during it stay marked.
-    """
-
-    def __init__(self, factor: float = EXPLOSION_FACTOR, window: int = LOSS_WINDOW) -> None:
-        self.factor, self.window = factor, window
-        self._recent: deque[float] = deque(maxlen=window)
-        self._calm = 0
-        self.since: int | None = None
-        """First iteration whose weights are suspect, while a divergence lasts."""
-
-    def observe(self, step: int, loss: float) -> str | None:
-        """Record the mean loss of step ``step``; the reason when a divergence starts there, else None."""
-        median = max(statistics.median(self._recent), LOSS_FLOOR) if self._recent else None
-        if math.isfinite(loss) and (median is None or loss <= self.factor * median):
-            self._recent.append(loss)
-            if self.since is not None:
-                self._calm += 1
-                if self._calm >= self.window:
-                    self.since, self._calm = None, 0
-            return None
-        self._calm = 0
-        if self.since is not None:
-            return None
-        self.since = step - 1
-        if not math.isfinite(loss):
-            return f"the loss of iteration {step} is not finite"
-        return (f"the loss of iteration {step} ({loss:.4g}) is {loss / median:.3g}x the median of the "
-                f"{len(self._recent)} before it ({median:.4g})")
-
-    def suspect(self, iteration: int) -> bool:
-        """Whether the weights of ``iteration`` come from a divergence under way."""
-        return self.since is not None and iteration >= self.since
-
-
 class OverflowLocator:
     """Counts, per parameter, the steps whose reduced gradient was not finite (see the module docstring)."""
 

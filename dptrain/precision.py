@@ -11,13 +11,11 @@ import fnmatch
 import functools
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from dptrain.config import LossScaleConfig, PrecisionConfig
-from dptrain.errors import LossScaleError
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +128,7 @@ class LossScaler:
     ``found_inf`` ([1] fp32) is set by :meth:`record_overflow` from the optimizer's norm pass
     and read by the update kernel, which skips the step when it is set. :meth:`update` advances the scale with
     device ops only. The host reads device state only in :meth:`stats` and
-    :meth:`check_floor`, which the trainer calls at display and snapshot boundaries.
+    :meth:`floor_hit`, which the trainer calls at display and snapshot boundaries.
 
     Dynamic rule: an overflowing step is always skipped; after ``hysteresis`` consecutive
     overflows the scale is multiplied by ``backoff_factor`` (and the streak restarts);
@@ -203,15 +201,10 @@ class LossScaler:
         """Host copy of the scale and the skipped-step count. A host sync: call when logging."""
         return {"loss_scale": float(self.scale.item()), "skipped_steps": int(self._skipped.item())}
 
-    def check_floor(self, culprits: Callable[[], str] = lambda: "") -> None:
-        """Raise :class:`LossScaleError` if the scale hit ``min_scale``, naming what ``culprits()``
-        returns: the parameters that overflowed most often. A host sync."""
-        if bool(self._floor_hit.item()):
-            names = culprits()
-            where = f" (non-finite gradients most often in {names})" if names else ""
-            raise LossScaleError(
-                f"loss scale fell to precision.loss_scale.min_scale = {self.cfg.min_scale}: gradients overflow at "
-                f"every scale{where}; lower solver.base_lr, add solver.clip_gradients, or use bf16 storage")
+    def floor_hit(self) -> bool:
+        """Whether a backoff would have taken the scale below ``min_scale`` (``dptrain.train.health``
+        ends the run then). A host sync: call at display and snapshot boundaries."""
+        return bool(self._floor_hit.item())
 
     def state_dict(self) -> dict[str, torch.Tensor | str]:
         return {

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from dptrain.assemble import pick_device
-from dptrain.checkpoint import RunDir, resolve_resume
 from dptrain.config import TrainConfig, add_config_arguments, load_config
 from dptrain.distributed.comm import Communicator, agree_to_start, join_store
 from dptrain.distributed.control import StopFlag
 from dptrain.errors import ConfigError, RankFailure, UserError, first_line
 from dptrain.hostmem import apply_host_malloc
 from dptrain.observe.trace import Tracer
+from dptrain.snapshots import RunDir, resolve_resume
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 from dptrain.weights import check_weights_path, load_weights

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dptrain.checkpoint import check_snapshot, free_space, load_snapshot, load_tensors, save_atomically
 from dptrain.errors import ConfigError, SnapshotError, first_line
 from dptrain.flat import FlatParams
+from dptrain.snapshots import check_snapshot, free_space, load_snapshot, load_tensors, save_atomically
 
 log = logging.getLogger(__name__)
 

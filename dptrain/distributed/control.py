@@ -30,7 +30,7 @@ from dptrain.distributed.comm import Communicator, Work
 
 FIELDS = ("stop", "nonfinite_loss", "loss")
 """The control vector's entries, each summed over the ranks: the loss so too, so that every rank
-sees every iteration's mean loss (for :class:`dptrain.overflow.DivergenceWatch`) without a host sync."""
+sees every iteration's mean loss (for :class:`dptrain.train.health.DivergenceWatch`) without a host sync."""
 STOP, NONFINITE, LOSS = 0, 1, 2
 CUDA_LAG = 2
 """Iterations between a CUDA step and the host reading its flags: the device-to-host copy of

@@ -40,7 +40,7 @@ DEMO_MARK = ".dptrain-demo"
 def _start_demo_run(run_dir: Path) -> None:
     """The demo starts over each time: it removes the outputs of its own earlier run, and
     refuses a folder holding a run it did not write."""
-    from dptrain.checkpoint import RunDir
+    from dptrain.snapshots import RunDir
 
     d = RunDir(run_dir)
     earlier = d.earlier_run()

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from dptrain.assemble import RunPlan, build_model_and_params, input_error, nhwc_hazards, running_stats
-from dptrain.checkpoint import RunDir, StateParts
 from dptrain.config import TrainConfig, config_to_dict, dump_toml
 from dptrain.csrc.inductor import point_caches
 from dptrain.data import build_source
@@ -29,11 +28,12 @@ from dptrain.optimizer import MasterOptimizer
 from dptrain.overflow import OverflowLocator, first_nonfinite_layer
 from dptrain.param_groups import resolve_multipliers
 from dptrain.precision import DTYPES, LossScaler, warn_if_slow_on_cpu
+from dptrain.snapshots import RunDir, Snapshots, StateParts
 from dptrain.train.compiled import compile_for_training, eager
 from dptrain.train.display import DisplayWindow
+from dptrain.train.health import HealthWatch, check_loss_scale_floor
 from dptrain.train.scoring import BAD, score, score_record, score_rounds
-from dptrain.train.snapshots import Snapshots
-from dptrain.train.stops import HealthWatch, StopAgreed, StopProtocol
+from dptrain.train.stops import StopAgreed, StopProtocol
 
 log = logging.getLogger(__name__)
 
@@ -218,12 +218,12 @@ class Trainer:
                 "batch_size": self.plan.batch_size, "seed": self.cfg.train.seed}
 
     def save(self) -> Path | None:
-        """Write snapshot_iter_<iteration>.pt (rank 0 gets its path); see ``dptrain.train.snapshots``."""
+        """Write snapshot_iter_<iteration>.pt (rank 0 gets its path); see ``dptrain.snapshots``."""
         return self.snapshots.save(self.iteration, self._data_at(self.iteration), self.window)
 
     def checkpoint(self) -> None:
         """A scheduled snapshot: first the loss-scale floor check, whose error names the culprits."""
-        self.scaler.check_floor(self.overflow.most_often)
+        check_loss_scale_floor(self.scaler, self.overflow.most_often)
         self.save()
 
     def resume(self, path: Path) -> None:
@@ -255,7 +255,7 @@ class Trainer:
         warning = self.stragglers.judge(rec, ms_per_iter)
         if warning is not None and self.rank == 0:
             log.warning("%s", warning)
-        self.scaler.check_floor(self.overflow.most_often)
+        check_loss_scale_floor(self.scaler, self.overflow.most_often)
         self.write_metrics(rec)
         log.info("iter %d loss %.4f lr %.5g %.1f img/s scale %g skipped %d", rec["iter"], rec["loss"], rec["lr"],
                  rec["images_per_s"], rec["loss_scale"], rec["skipped_steps"])

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from dptrain.checkpoint import check_same_start
 from dptrain.config import load_config
 from dptrain.distributed.comm import Communicator
 from dptrain.errors import SnapshotError
+from dptrain.snapshots import check_same_start
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from dptrain.checkpoint import list_snapshots
 from dptrain.config import load_config
 from dptrain.distributed.comm import Communicator
+from dptrain.snapshots import list_snapshots
 from dptrain.train import Trainer
 
 STOP_BUDGET_S = 10.0
@@ -169,7 +169,7 @@ REFUSED_BUDGET_S = 20.0
 """Launch to exit for a refused run on 2 cores (interpreter and torch start-up included); the bug
 it guards against waited for torchrun's 30 s SIGKILL, or for the process group's timeout."""
 HOLDER = """import sys, time
-from dptrain.checkpoint import RunDir
+from dptrain.snapshots import RunDir
 held = RunDir(sys.argv[1])
 held.lock()
 print("locked", flush=True)

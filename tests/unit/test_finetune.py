@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dptrain.checkpoint import SNAPSHOT_FORMAT, RunDir, load_snapshot, save_snapshot
 from dptrain.cli import main
 from dptrain.config import config_to_dict, load_config
 from dptrain.distributed.comm import Communicator
@@ -16,6 +15,7 @@ from dptrain.errors import SnapshotError
 from dptrain.flat import FlatParams
 from dptrain.models import build_model
 from dptrain.observe.metrics import read_metrics
+from dptrain.snapshots import SNAPSHOT_FORMAT, RunDir, load_snapshot, save_snapshot
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 from dptrain.weights import from_torchvision, load_weights, to_torchvision

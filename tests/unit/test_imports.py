@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dptrain.run",),
     ("dptrain.train",),
     ("dptrain.weights", "dptrain.assemble"),
-    ("dptrain.optimizer", "dptrain.checkpoint", "dptrain.data", "dptrain.layout"),
+    ("dptrain.optimizer", "dptrain.snapshots", "dptrain.data", "dptrain.layout"),
     ("dptrain.distributed", "dptrain.precision", "dptrain.overflow", "dptrain.param_groups"),
     ("dptrain.kernels", "dptrain.flat"),
     ("dptrain.config",),

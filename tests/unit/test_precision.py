@@ -10,6 +10,7 @@ from dptrain.errors import LossScaleError
 from dptrain.flat import ALIGN_ELEMS, FlatParams
 from dptrain.optimizer import MasterOptimizer
 from dptrain.precision import LossScaler, apply_precision
+from dptrain.train.health import check_loss_scale_floor
 
 CPU = torch.device("cpu")
 
@@ -93,11 +94,11 @@ def test_min_scale_raises_loss_scale_error():
     s = _scaler(init_scale=4.0, min_scale=2.0)
     _step(s, True)
     assert _scale(s) == 2.0
-    s.check_floor()  # at the floor, not below it: training goes on
+    check_loss_scale_floor(s)  # at the floor, not below it: training goes on
     _step(s, True)  # a backoff below min_scale
     assert _scale(s) == 2.0
     with pytest.raises(LossScaleError, match=r"precision\.loss_scale\.min_scale = 2\.0"):
-        s.check_floor()
+        check_loss_scale_floor(s)
 
 
 def test_static_scale_skips_but_never_changes():

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dptrain.checkpoint import RunDir, good_snapshots, is_diverging, list_snapshots, resolve_resume, save_snapshot
 from dptrain.cli import main
 from dptrain.errors import RunDirError
 from dptrain.launcher import failure_summary
+from dptrain.snapshots import RunDir, good_snapshots, is_diverging, list_snapshots, resolve_resume, save_snapshot
 
 DIGITS = ["model.name=\"lenet\"", "data.source=\"digits\"", "data.batch_size=16", "solver.display=5"]
 
@@ -104,7 +104,7 @@ def test_a_stop_at_startup_ends_in_a_snapshot_at_the_first_iteration(tmp_path, e
 
 
 def test_a_stop_on_a_snapshot_iteration_writes_that_snapshot_once(tmp_path, monkeypatch):
-    import dptrain.train.snapshots as train
+    import dptrain.snapshots.content as train
     from dptrain.config import load_config
     from dptrain.distributed.comm import Communicator
     from dptrain.topology import Topology
@@ -191,7 +191,7 @@ def test_a_finite_loss_that_explodes_starts_the_divergence_and_taints_the_snapsh
 
 
 def test_divergence_watch_on_synthetic_losses():
-    from dptrain.overflow import LOSS_WINDOW, DivergenceWatch
+    from dptrain.train.health import LOSS_WINDOW, DivergenceWatch
 
     w = DivergenceWatch()
     assert w.observe(1, 2.3) is None and w.observe(2, 2.1) is None and w.observe(3, 20.0) is None  # 8.7x: in range
@@ -222,7 +222,7 @@ def test_launcher_summary_points_at_errors_only_where_a_solver_printed_one():
 def test_disk_full_reports_the_free_space_after_removing_the_partial_file(tmp_path, monkeypatch):
     import shutil
 
-    import dptrain.checkpoint as ck
+    import dptrain.snapshots.files as ck
 
     seen = []
     real_usage = shutil.disk_usage
@@ -243,7 +243,7 @@ def test_disk_full_reports_the_free_space_after_removing_the_partial_file(tmp_pa
 
 
 def test_a_permission_error_on_a_snapshot_names_permissions_not_space(tmp_path, monkeypatch):
-    import dptrain.checkpoint as ck
+    import dptrain.snapshots.files as ck
 
     def denied(obj, f):
         raise PermissionError(13, "Permission denied")

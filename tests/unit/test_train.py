@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dptrain.checkpoint import SNAPSHOT_FORMAT, list_snapshots, load_snapshot, resolve_resume, save_snapshot
 from dptrain.config import load_config
 from dptrain.distributed.comm import Communicator
 from dptrain.errors import RunDirError, SnapshotError
+from dptrain.snapshots import SNAPSHOT_FORMAT, list_snapshots, load_snapshot, resolve_resume, save_snapshot
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 
@@ -252,7 +252,7 @@ def test_stale_snapshot_temporaries_are_removed_and_write_errors_are_one_line(tm
 
     import torch
 
-    from dptrain.checkpoint import remove_stale_temporaries, save_snapshot
+    from dptrain.snapshots import remove_stale_temporaries, save_snapshot
 
     dead = tmp_path / ".snapshot_iter_5.pt.999999999.tmp"  # no such pid
     mine = tmp_path / f".snapshot_iter_6.pt.{os.getpid()}.tmp"
@@ -273,7 +273,7 @@ def test_stale_snapshot_temporaries_are_removed_and_write_errors_are_one_line(tm
 def test_run_dir_that_is_not_writable_is_a_one_line_error(tmp_path, monkeypatch):
     import os
 
-    from dptrain.checkpoint import RunDir
+    from dptrain.snapshots import RunDir
 
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))

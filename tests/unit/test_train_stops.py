@@ -6,7 +6,8 @@ import torch
 
 from dptrain.distributed.control import FIELDS, LOSS, NONFINITE, STOP, StopFlag
 from dptrain.errors import DivergenceError
-from dptrain.train.stops import HealthWatch, StopAgreed, StopProtocol
+from dptrain.train.health import HealthWatch
+from dptrain.train.stops import StopAgreed, StopProtocol
 
 
 def sums(stop: float = 0.0, nonfinite: float = 0.0, loss: float = 1.0) -> torch.Tensor:

@@ -1,0 +1,198 @@
+"""What a snapshot holds, and one solver's part in writing, resuming and starting over.
+
+**Content** (:func:`capture`, :func:`restore`): the model's buffers and fp32 masters, the
+optimizer state, the reducer's bucket layout, every rank's RNG, the data position and the
+running display state, assembled from the parts that own them (:class:`StateParts`).
+
+**The protocol** (:class:`Snapshots`): a snapshot is written by rank 0 after every rank
+contributed its state (RNG streams and running loss are gathered), atomically
+(:func:`dptrain.snapshots.files.save_snapshot`). It is refused when the fp32 masters are not
+finite, so a diverged run keeps its last good snapshot, and one written while the run diverges
+is marked (the health watch's ``suspect``) and not offered to ``--resume auto``. A resume checks
+first that every rank starts at the same iteration, and drops the metrics.jsonl lines a crashed
+run wrote past the snapshot.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from dptrain.distributed.comm import Communicator
+from dptrain.errors import DivergenceError, SnapshotError
+from dptrain.flat import FlatParams
+from dptrain.observe.metrics import MetricsWriter
+from dptrain.snapshots.files import (
+    SNAPSHOT_FORMAT,
+    load_snapshot,
+    mark_diverging,
+    save_snapshot,
+    snapshot_path,
+    unmark_diverging,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Health(Protocol):
+    """What the snapshots ask of the run's health watch (``dptrain.train.health.HealthWatch``)."""
+
+    def suspect(self, iteration: int) -> str | None: ...
+    def error(self, what: str) -> DivergenceError: ...
+
+
+class Display(Protocol):
+    """The running display state a snapshot carries (``dptrain.train.display.DisplayWindow``)."""
+
+    def state(self, comm: Communicator) -> dict[str, Any]: ...
+
+
+@dataclass
+class StateParts:
+    """What a snapshot captures, held by the parts that own it."""
+
+    model: nn.Module
+    flat: FlatParams
+    optimizer: Any
+    """``optimizer.MasterOptimizer`` (state_dict / load_state_dict)."""
+    reducer: Any
+    """``reducer.Reducer`` (state_dict / load_state_dict; its load may re-lay out ``flat``)."""
+    comm: Communicator
+
+
+def capture(parts: StateParts, *, iteration: int, data: dict[str, int], display: dict[str, Any],
+            config: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot content at ``iteration``; collective (every rank's RNG state is gathered).
+
+    ``model`` holds every floating buffer and parameter in fp32, the parameters from their
+    masters; ``display`` is the running display state, gathered per rank by the caller.
+    """
+    model_state = {k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone()
+                   for k, v in parts.model.state_dict().items()}
+    model_state.update(parts.flat.master_state())
+    rng = {"torch": torch.get_rng_state()}
+    if parts.comm.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(parts.comm.device)
+    return {
+        "format": SNAPSHOT_FORMAT,
+        "iteration": iteration,
+        "model": model_state,
+        "optimizer": parts.optimizer.state_dict(),
+        "reducer": parts.reducer.state_dict(),
+        "rng": parts.comm.allgather_object(rng),
+        "data": data,
+        "display": display,
+        "config": config,
+    }
+
+
+def restore(parts: StateParts, state: dict[str, Any]) -> None:
+    """Load a snapshot into the parts: buffers, masters (weights re-derived), optimizer and
+    scaler state, the reducer's layout, and this rank's RNG (rank 0's for a rank the
+    snapshot did not have). The data position and display state are the caller's."""
+    rank = parts.comm.rank
+    params = {n for n, _ in parts.model.named_parameters()}
+    buffers = {k: v for k, v in state["model"].items() if k not in params}
+    missing = parts.model.load_state_dict(buffers, strict=False)
+    if missing.unexpected_keys:
+        raise SnapshotError(f"snapshot has keys this model lacks: {missing.unexpected_keys[:5]}; "
+                            "was it written for another model.name?")
+    for name, p in parts.model.named_parameters():
+        saved = state["model"].get(name)
+        if saved is None or saved.shape != p.shape:
+            got = "missing" if saved is None else f"{list(saved.shape)}"
+            raise SnapshotError(f"snapshot's {name!r} is {got} but this model's is {list(p.shape)}; was it written "
+                                f"with another model.num_classes / model.width / input channels?")
+    parts.reducer.load_state_dict(state["reducer"])  # may re-lay out the flat buffers: first
+    parts.flat.load_master_state(state["model"])
+    parts.optimizer.load_state_dict(state["optimizer"])
+    rng = state["rng"][rank] if rank < len(state["rng"]) else state["rng"][0]
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and parts.comm.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], parts.comm.device)
+    if rank >= len(state["rng"]):
+        log.warning("rank %d: the snapshot holds RNG states for %d rank(s); this rank starts from rank 0's",
+                    rank, len(state["rng"]))
+
+
+def check_same_start(comm: Communicator, iteration: int) -> None:
+    """Every rank must start at the same iteration (collective; before any other collective of
+    a resume): a node that found no snapshot (node-local run dirs) would otherwise train from
+    scratch beside resumed ones."""
+    starts = comm.allgather_object(iteration)
+    if len(set(starts)) > 1:
+        listed = ", ".join(f"rank {r}: {it}" for r, it in enumerate(starts))
+        raise SnapshotError(f"the ranks resumed at different iterations ({listed}); every rank must read the same "
+                            f"snapshot: use a train.run_dir all nodes share, or pass --resume PATH")
+
+
+class Snapshots:
+    """Snapshots of ``run_dir`` for the solver that owns ``parts`` (module docstring)."""
+
+    def __init__(self, parts: StateParts, run_dir: Path, config: dict[str, Any], *, health: Health,
+                 metrics: MetricsWriter) -> None:
+        self.parts, self.run_dir, self.config = parts, run_dir, config
+        self.comm = parts.comm
+        self.health, self.metrics = health, metrics
+        self.saved_at: int | None = None
+        """Iteration of the snapshot last written or resumed from: a stop there writes nothing new."""
+
+    def save(self, iteration: int, data: dict[str, int], display: Display) -> Path | None:
+        """Write snapshot_iter_<iteration>.pt (rank 0, which gets the path); collective.
+        ``data`` is the data position and setup (see :meth:`resume`)."""
+        path = snapshot_path(self.run_dir, iteration)
+        rank0 = self.comm.rank == 0
+        if self.saved_at == iteration:
+            return path if rank0 else None
+        if not all(bool(torch.isfinite(g.master).all()) for g in self.parts.flat.groups):
+            raise self.health.error(f"the weights are not finite at iteration {iteration}, so no snapshot was written")
+        state = capture(self.parts, iteration=iteration, data=data, display=display.state(self.comm),
+                        config=self.config)
+        self.saved_at = iteration
+        if not rank0:
+            return None
+        unmark_diverging(path)  # a marker left by the run that wrote this iteration before a resume
+        save_snapshot(state, path)
+        suspect = self.health.suspect(iteration)
+        if suspect:
+            mark_diverging(path, suspect)
+            log.warning("snapshot %s (marked diverging)", path)
+        else:
+            log.info("snapshot %s", path)
+        return path
+
+    def resume(self, path: Path, data_at: Callable[[int], dict[str, int]]) -> dict[str, Any]:
+        """Load snapshot ``path`` into the parts once every rank starts at its iteration; returns
+        the snapshot (its ``iteration``, ``data`` and ``display`` are the caller's to apply).
+        ``data_at(iteration)`` is this run's data setup there, compared with the snapshot's."""
+        state = load_snapshot(path)
+        iteration = int(state["iteration"])
+        check_same_start(self.comm, iteration)
+        restore(self.parts, state)
+        self.saved_at = iteration
+        self._warn_if_data_setup_changed(state["data"], data_at(iteration))
+        dropped = self.metrics.drop_after(iteration)  # lines a crashed run wrote past its last snapshot
+        log.info("resumed from %s at iteration %d%s", path, iteration,
+                 f"; dropped {dropped} metrics.jsonl line(s) past it" if dropped else "")
+        return state
+
+    def start_over(self) -> None:
+        """``--resume auto`` found no snapshot: start at 0, dropping what a crashed run logged."""
+        check_same_start(self.comm, 0)
+        dropped = self.metrics.drop_after(0)  # the crashed run's lines: this run writes them again
+        log.info("--resume auto: no snapshot in %s; starting fresh%s", self.run_dir,
+                 f" (dropped {dropped} metrics.jsonl line(s) of the earlier run)" if dropped else "")
+
+    def _warn_if_data_setup_changed(self, then: dict[str, int], now: dict[str, int]) -> None:
+        """Resuming with another batch size, world size, iter_size or seed is allowed, but the run
+        no longer continues the interrupted one sample for sample: say so."""
+        changed = [f"{k} {then[k]} -> {v}" for k, v in now.items() if k in then and then[k] != v]
+        if changed and self.comm.rank == 0:
+            log.warning("resuming with another data setup than the snapshot's (%s): training goes on, but the sample "
+                        "order (and, for more ranks, the RNG streams) differ from an uninterrupted run",
+                        ", ".join(changed))
