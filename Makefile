@@ -32,7 +32,7 @@ lint: setup
 demo: setup
 	$(VENV)/bin/dptrain demo --nproc $(NPROC)
 
-# A deprecation warning fails the CPU suite: it is fixed where it arises (dptrain/csrc/inductor.py explains
+# A deprecation warning fails the CPU suite: it is fixed where it arises (dptrain/inductor.py explains
 # the one torch-internal case). Not for test-gpu: the GPU image's own packages are not ours to fix.
 test: setup
 	$(PY) -m pytest -q -m "not gpu and not slow" -W error::DeprecationWarning $(PYTEST_ARGS)

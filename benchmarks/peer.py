@@ -28,10 +28,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dptrain.csrc.inductor import prepare as prepare_inductor
 from dptrain.data.base import DeviceFeeder
-from dptrain.data.sampling import ShardPlan
+from dptrain.data.sampling import SampleOrder
 from dptrain.data.sources.builtin import synthetic_source
+from dptrain.inductor import prepare as prepare_inductor
 from dptrain.models import build_model
 
 
@@ -55,7 +55,7 @@ def make_step(model_name: str, width: int, num_classes: int, precision: str, bat
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     src = synthetic_source(num_classes, image_size, 1_000_000, 1, device)
-    feeder = DeviceFeeder(src.train_batches(ShardPlan(rank, world, batch_size, 1), 0), device=device,
+    feeder = DeviceFeeder(src.train_batches(SampleOrder(rank, world, batch_size, 1), 0), device=device,
                           dtype=torch.float32, mean=src.mean, scale=src.scale, channels_last=channels_last)
 
     def step() -> None:

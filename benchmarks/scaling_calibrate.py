@@ -5,7 +5,7 @@
 ``--repeats``, plus the gloo allreduce alone (``collective_bench``) at 2 and 3 processes.
 Everything lands in ``--dir`` (JSON lines and traces). ``--report`` then predicts each run's
 step time and exposed communication with ``scaling_model.simulate_step`` and
-``dptrain.distributed.planning.planner``'s overlap model, from:
+``dptrain.distributed.buckets.planner``'s overlap model, from:
 
 - the solver's compute profile (forward, backward, update, gradient-ready curve) at that
   world size, taken from the trace of the profile run (cap ``KAPPA_CAP_MB``: the finest
@@ -54,7 +54,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scaling_model as sm  # noqa: E402
 
-from dptrain.distributed.planning.planner import LinearCost, fit_linear_cost  # noqa: E402
+from dptrain.distributed.buckets.planner import LinearCost, fit_linear_cost  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CAPS_MB = (1.0, 5.0, 25.0, 100.0)

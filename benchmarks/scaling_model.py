@@ -17,7 +17,7 @@ busbw/2); hierarchical = NVLink reduce-scatter, per-rail ring allreduce of S/g a
 NVLink allgather. ``best`` takes the fastest per message, as NCCL's tuner does.
 
 Overlap: buckets launch in plan order when ready and run one at a time on one channel;
-exposed comm = max(0, end of the last allreduce - end of backward) (``dptrain.distributed.planning.planner``,
+exposed comm = max(0, end of the last allreduce - end of backward) (``dptrain.distributed.buckets.planner``,
 the cost model the Reducer's ``bucket_mb = "auto"`` plans with). The costs a real step pays
 beyond that (:class:`Terms`, each documented with its source in the profile files):
 
@@ -63,7 +63,7 @@ from typing import Any, Literal
 import numpy as np
 import tomllib
 
-from dptrain.distributed.planning.planner import (
+from dptrain.distributed.buckets.planner import (
     buckets_of,
     expected_max_normal,
     fit_linear_cost,
@@ -518,7 +518,7 @@ class Terms:
     host_ms_per_step: float = 0.0
     overlap_rate: float = 1.0
     """Speed of an allreduce while backward runs, relative to after it (1: NCCL on its own SMs; a
-    CPU host without a spare core: much less; ``dptrain.distributed.planning.planner.finish_ms``)."""
+    CPU host without a spare core: much less; ``dptrain.distributed.buckets.planner.finish_ms``)."""
     world_size: int = 1
     gpus_per_node: int = 1
 
@@ -550,7 +550,7 @@ def one_solver_ms(p: Profile, t: Terms = Terms()) -> float:
 
 
 def simulate_step(p: Profile, comm_ms: Callable[[float], float], t: Terms = Terms()) -> StepPrediction:
-    """T_N for ``t.world_size`` solvers (module docstring); the overlap is ``dptrain.distributed.planning.planner``'s."""
+    """T_N for ``t.world_size`` solvers (module docstring); the overlap is ``dptrain.distributed.buckets.planner``'s."""
     o = simulate_overlap([b.ready_ms for b in p.buckets], [b.nbytes for b in p.buckets], p.backward_ms, comm_ms,
                          t.overlap_rate)
     compute = max(p.compute_ms, t.host_ms_per_step)
@@ -577,7 +577,7 @@ def strong_efficiency(p_full: Profile, pred: StepPrediction, world_size: int) ->
 
 
 def auto_plan(p: Profile, comm: Callable[[float], float], t: Terms = Terms()) -> Profile:
-    """``p`` cut where ``reducer.bucket_mb = "auto"`` would cut it (``dptrain.distributed.planning.planner.plan_cuts``),
+    """``p`` cut where ``reducer.bucket_mb = "auto"`` would cut it (``dptrain.distributed.buckets.planner.plan_cuts``),
     weighing ``t``'s contention and overlap rate as the Reducer weighs its measured ones."""
     ready, nbytes = [b.ready_ms for b in p.buckets], [b.nbytes for b in p.buckets]
     r, s = buckets_of(ready, nbytes, plan_cuts(ready, nbytes, comm, p.backward_ms, t.overlap_rate, t.contention))
@@ -606,7 +606,7 @@ def sweep_bucket_sizes(p: Profile, comm: Callable[[int], float], caps_mb: list[f
 def fit_alpha_beta(sizes_bytes: list[float], times_s: list[float], n: int, relative: bool = True) -> tuple[float, float]:
     """Least-squares (alpha_us, busbw_gbs) of the ring model T = 2(n-1) alpha + 2(n-1)/n * S/B.
 
-    Fits T = a + b S (``dptrain.distributed.planning.planner.fit_linear_cost``, the Reducer's fit), then
+    Fits T = a + b S (``dptrain.distributed.buckets.planner.fit_linear_cost``, the Reducer's fit), then
     alpha = a / (2(n-1)) and B = 2(n-1)/n / b.
     """
     if n < 2:

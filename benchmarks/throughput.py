@@ -285,7 +285,7 @@ def main() -> int:
     cases = SUITES[args.suite](args.quick)
     cases = select(cases, args.only, cpu=args.suite != "gpu", allow_slow_dtypes=args.allow_slow_dtypes)
     if args.suite == "buckets":
-        from dptrain.distributed.planning.probe import AUTO_DONE_ITER
+        from dptrain.distributed.buckets.probe import AUTO_DONE_ITER
 
         if args.warmup < AUTO_DONE_ITER:  # bench times auto's plan only after its probe and check
             print(f"--warmup {args.warmup} -> {AUTO_DONE_ITER}: every case warms up as long as the auto plan's "

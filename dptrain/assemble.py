@@ -11,14 +11,14 @@ from dptrain.config import TrainConfig
 from dptrain.distributed.comm import Communicator
 from dptrain.errors import ConfigError, SetupError
 from dptrain.flat import FlatParams
-from dptrain.layout import cpu_nhwc_hazards
+from dptrain.memory_format import cpu_nhwc_hazards
 from dptrain.models import build_model, check_input
 from dptrain.optimizer import rule_for
 from dptrain.precision import DTYPES, apply_precision
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class RunSetup:
     """Values derived once from the config and the topology; logged at startup."""
 
     rank: int
@@ -32,14 +32,14 @@ class RunPlan:
     storage: str
     loss_scale: str
     channels_last: bool = False
-    """``model.channels_last`` resolved (``dptrain.layout``)."""
+    """``model.channels_last`` resolved (``dptrain.memory_format``)."""
 
     def describe(self) -> str:
         return (
             f"global batch {self.global_batch} = batch_size {self.batch_size} x world_size "
             f"{self.world_size} x iter_size {self.iter_size}; {self.micro_steps_per_epoch // self.iter_size} "
             f"iterations per epoch; storage {self.storage}, loss scale {self.loss_scale}, device {self.device}, "
-            f"layout {'NHWC' if self.channels_last else 'NCHW'}"
+            f"memory format {'NHWC' if self.channels_last else 'NCHW'}"
         )
 
 
@@ -57,7 +57,7 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 
 def nhwc_hazards(cfg: TrainConfig, in_channels: int) -> list[str]:
-    """The model's convolutions torch's CPU NHWC backward breaks on (``layout.cpu_nhwc_hazards``),
+    """The model's convolutions torch's CPU NHWC backward breaks on (``memory_format.cpu_nhwc_hazards``),
     from a copy built on the meta device (shapes only)."""
     with torch.device("meta"):
         probe = build_model(cfg.model.name, num_classes=cfg.model.num_classes, width=cfg.model.width,

@@ -44,7 +44,7 @@ class ModelConfig:
     width: int = 64
     """Base channel count for the ``*_cifar`` nets (ResNet-18 uses 64). Smaller is faster."""
     channels_last: bool | Literal["auto"] = "auto"
-    """Store activations NHWC. "auto": wherever it was measured faster (``dptrain.layout``: CUDA
+    """Store activations NHWC. "auto": wherever it was measured faster (``dptrain.memory_format``: CUDA
     with fp16/bf16 storage; CPU with bf16 where the CPU runs it natively); true/false force it."""
     compile: CompileSetting = "auto"
     """Compile the model's forward and backward with torch.compile, in segments that keep the
@@ -372,7 +372,7 @@ class ReducerConfig:
     """Bucket capacity in MiB. Bigger: fewer launches; smaller: the first allreduce starts earlier.
     "auto": probe a few iterations with a bucket per parameter, fit the allreduce's cost, its overlap
     rate and its contention with backward, and choose the bucket boundaries that minimise what the
-    communication adds to the step, exposed + contention (``dptrain.distributed.planning``: ``probe``
+    communication adds to the step, exposed + contention (``dptrain.distributed.buckets``: ``probe``
     measures, ``planner`` plans, ``auto`` drives them; rank 0 decides, every rank switches at the
     same iteration; implies ``replan``)."""
     first_bucket_mb: float = 1.0

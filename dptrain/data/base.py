@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from dptrain.data.sampling import ShardPlan
+from dptrain.data.sampling import SampleOrder
 
 DROPPED_LABEL = -1
 """Label of a test-batch row whose record was bad and skipped (data.max_bad_records): it holds
@@ -60,7 +60,7 @@ class DataSource(Protocol):
     scale: float
     """Multiplier after mean subtraction."""
 
-    def train_batches(self, plan: ShardPlan, start_step: int) -> BatchStream:
+    def train_batches(self, plan: SampleOrder, start_step: int) -> BatchStream:
         """Batches for global micro-batch ``start_step``, ``start_step + 1``, ... forever."""
         ...
 

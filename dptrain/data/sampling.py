@@ -1,8 +1,8 @@
 """Sample order: a pure function of (seed, epoch, rank, world_size, batch_size).
 
 Step k of an epoch (one global micro-batch) is ``perm[k*G:(k+1)*G]`` with
-``G = batch_size * world_size`` samples (``ShardPlan.samples_per_step``), and rank r takes
-``[r*B:(r+1)*B]`` of it. (The global *batch* of an iteration is G x iter_size: ``RunPlan``.) So 2 solvers x B see exactly the samples of
+``G = batch_size * world_size`` samples (``SampleOrder.samples_per_step``), and rank r takes
+``[r*B:(r+1)*B]`` of it. (The global *batch* of an iteration is G x iter_size: ``RunSetup``.) So 2 solvers x B see exactly the samples of
 1 solver x 2B, and runs at different world sizes can be compared.
 
 Remainder policy (training): the last ``N mod G`` samples of each epoch's permutation are
@@ -26,7 +26,7 @@ from dptrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class ShardPlan:
+class SampleOrder:
     """Which samples one solver takes; built once by the Trainer from the run's topology."""
 
     rank: int
@@ -72,13 +72,13 @@ def batches_per_epoch(num_samples: int, samples_per_step: int) -> int:
     return n
 
 
-def step_position(step: int, num_samples: int, plan: ShardPlan) -> tuple[int, int]:
+def step_position(step: int, num_samples: int, plan: SampleOrder) -> tuple[int, int]:
     """(epoch, batch index within the epoch) of global micro-batch ``step``."""
     per_epoch = batches_per_epoch(num_samples, plan.samples_per_step)
     return divmod(step, per_epoch)
 
 
-def rank_batch_indices(step: int, num_samples: int, plan: ShardPlan) -> np.ndarray:
+def rank_batch_indices(step: int, num_samples: int, plan: SampleOrder) -> np.ndarray:
     """Sample indices of this rank's slice of global micro-batch ``step``: [batch_size] int64."""
     epoch, k = step_position(step, num_samples, plan)
     perm = epoch_permutation(plan.seed, epoch, num_samples, plan.shuffle, plan.samples_per_step)
@@ -86,7 +86,7 @@ def rank_batch_indices(step: int, num_samples: int, plan: ShardPlan) -> np.ndarr
     return perm[start : start + plan.batch_size].copy()  # writable: callers may hand it to torch
 
 
-def rank_epoch_shard(epoch: int, num_samples: int, plan: ShardPlan) -> np.ndarray:
+def rank_epoch_shard(epoch: int, num_samples: int, plan: SampleOrder) -> np.ndarray:
     """All indices this rank reads in ``epoch``, in the order it reads them."""
     per_epoch = batches_per_epoch(num_samples, plan.samples_per_step)
     perm = epoch_permutation(plan.seed, epoch, num_samples, plan.shuffle, plan.samples_per_step)

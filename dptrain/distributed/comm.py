@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.csrc.inductor import point_caches
 from dptrain.distributed.flight import FlightRecorder, progress_store
 from dptrain.errors import PeerStartupError, RankFailure, SetupError, StartupStopped, first_line
+from dptrain.inductor import point_caches
 from dptrain.observe.trace import now_us
 from dptrain.topology import Topology
 
@@ -189,7 +189,7 @@ def import_dynamo_first() -> None:
     two-solver ``bench`` runs did. Imported first, it holds no group, and close() joins the threads
     (tests/distributed/test_teardown.py checks that none is left). Costs ~1 s at startup where nothing else
     would import it (CUDA runs).
-    Inductor's caches are pointed at dptrain's cache folder first (``dptrain.csrc.inductor``): the
+    Inductor's caches are pointed at dptrain's cache folder first (``dptrain.inductor``): the
     import would otherwise fix torch's default folder in /tmp for the process.
     """
     point_caches()
@@ -198,6 +198,14 @@ def import_dynamo_first() -> None:
 
 STARTUP_POLL_S = 0.1
 """How often a rank waiting for the others at start-up looks at the store and at its stop flag."""
+
+
+def _check_rendezvous_env(topology: Topology) -> None:
+    """Several solvers need torch's env:// rendezvous variables, which torchrun sets."""
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise SetupError(f"WORLD_SIZE={topology.world_size} but {missing} are not set; start the solvers "
+                         f"with torchrun")
 
 
 def join_store(topology: Topology, timeout_s: float) -> dist.Store | None:
@@ -209,10 +217,7 @@ def join_store(topology: Topology, timeout_s: float) -> dist.Store | None:
     """
     if topology.world_size <= 1:
         return None
-    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]  # torch's env:// rendezvous
-    if missing:
-        raise SetupError(f"WORLD_SIZE={topology.world_size} but {missing} are not set; start the solvers "
-                         f"with torchrun")
+    _check_rendezvous_env(topology)
     import_dynamo_first()
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", topology.rank, topology.world_size, timeout=timeout))
@@ -288,10 +293,7 @@ class Communicator:
         """
         if topology.world_size <= 1:
             return cls(topology, device=device, backend=None, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
-        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]  # torch's env:// rendezvous
-        if missing:
-            raise SetupError(f"WORLD_SIZE={topology.world_size} but {missing} are not set; start the solvers "
-                             f"with torchrun")
+        _check_rendezvous_env(topology)
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=pg_timeout_s)}
         if store is not None:

@@ -28,7 +28,7 @@ on it is identical everywhere without another collective.
 The Reducer is mechanism only. Measurement hangs beside it as observers
 (:class:`ReducerObserver`: told when a synced backward begins, each gradient is ready, its
 collectives completed, and wait() is done; an observer may hold a backward's launches until its
-end). ``bucket_mb = "auto"`` is one (:mod:`dptrain.distributed.planning.auto`): a probe with a bucket per
+end). ``bucket_mb = "auto"`` is one (:mod:`dptrain.distributed.buckets.tuner`): a probe with a bucket per
 parameter measures the gradient-ready times, the collectives' costs and the backward time their
 overlap takes, rank 0 plans the boundaries that minimise what the communication adds to the step
 (exposed + contention), and every rank adopts them at the same iteration (:meth:`Reducer.adopt_ready_order`,
@@ -64,8 +64,7 @@ from typing import Protocol
 import torch
 
 from dptrain.config import ReducerConfig
-from dptrain.distributed.comm import AsyncAllreduce, Communicator, Work
-from dptrain.distributed.planning.plan import (
+from dptrain.distributed.buckets.plan import (
     Bucket,
     BucketPlan,
     GroupSpec,
@@ -75,7 +74,8 @@ from dptrain.distributed.planning.plan import (
     order_from_ready,
     plan_from_ready_order,
 )
-from dptrain.distributed.planning.probe import PROBE_CAP_MB
+from dptrain.distributed.buckets.probe import PROBE_CAP_MB
+from dptrain.distributed.comm import AsyncAllreduce, Communicator, Work
 from dptrain.errors import ConfigError, RankFailure
 from dptrain.flat import FlatParams
 from dptrain.observe.trace import Tracer, now_us
@@ -105,7 +105,7 @@ class Launched:
 class ReducerObserver(Protocol):
     """What the Reducer tells whoever measures it (``reducer.observers``), at each synced backward;
     the Reducer only moves gradients, as DDP keeps its Logger and Timer beside its reducer. The
-    ``bucket_mb = "auto"`` planner is one (:class:`dptrain.distributed.planning.auto.AutoPlan`)."""
+    ``bucket_mb = "auto"`` planner is one (:class:`dptrain.distributed.buckets.tuner.BucketTuner`)."""
 
     @property
     def timing(self) -> bool:

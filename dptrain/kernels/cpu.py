@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from dptrain.csrc.inductor import prepare as prepare_inductor
+from dptrain.inductor import prepare as prepare_inductor
 from dptrain.kernels.spec import (
     DECAY_DECOUPLED,
     DECAY_L2,

@@ -98,7 +98,7 @@ def warm_up(trainer: Trainer, steps: int) -> int:
     for _ in range(steps):
         trainer.train_step()
     extra = 0
-    while trainer.autoplan is not None and trainer.autoplan.pending:
+    while trainer.bucket_tuner is not None and trainer.bucket_tuner.pending:
         trainer.train_step()
         extra += 1
     return extra
@@ -187,7 +187,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         "precision": cfg.precision.storage,
         "data": cfg.data.source,
         "bucket_mb": cfg.reducer.bucket_mb,
-        "auto_buckets": (trainer.autoplan.report or None) if trainer.autoplan is not None else None,
+        "auto_buckets": (trainer.bucket_tuner.report or None) if trainer.bucket_tuner is not None else None,
         "config_hash": config_hash(cfg),
         "git_commit": git_commit(),
         "steps": steps,

@@ -30,7 +30,7 @@ from typing import Any
 import PIL
 
 from dptrain.config import DataConfig, config_to_dict, load_config
-from dptrain.data.sampling import ShardPlan
+from dptrain.data.sampling import SampleOrder
 from dptrain.data.sources.caffe_lmdb import LmdbSource
 from dptrain.data.transforms import jpeg_crop
 from dptrain.data.transforms.render import DEFAULT_RENDER, RenderOptions
@@ -55,7 +55,7 @@ class _CallCounter:
         return next(self.count)
 
 
-def count_python_calls(src: LmdbSource, plan: ShardPlan, *, batches: int, warmup: int) -> float:
+def count_python_calls(src: LmdbSource, plan: SampleOrder, *, batches: int, warmup: int) -> float:
     """Python calls per image of a fresh stream of ``src`` over ``batches`` batches after ``warmup``."""
     counter = _CallCounter()
     threading.setprofile(counter)  # the stream's threads start with the hook
@@ -89,7 +89,7 @@ def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: i
     cfg = dataclasses.replace(cfg, test_path="")  # the training stream alone: the test DB need not exist here
     src = LmdbSource(cfg, num_classes=num_classes, seed=seed, render=render, rank=topology.rank,
                      cores=topology.cores_per_process)
-    plan = ShardPlan(0, 1, cfg.batch_size, seed, cfg.shuffle == "epoch")
+    plan = SampleOrder(0, 1, cfg.batch_size, seed, cfg.shuffle == "epoch")
     stream = src.train_batches(plan, 0)
     rates, cpu_ms = [], []
     try:

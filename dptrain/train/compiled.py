@@ -20,7 +20,7 @@ ReLUs); the glue between segments (pooling, flatten) runs eagerly.
 one graph, and so does the CPU. There, segments once ran far slower than one graph (2 solvers at
 0.75x eager): a segment that ends at a ReLU had its boolean mask saved for backward, and
 inductor's C++ kernels read and write booleans at a crawl. dptrain's CPU compile now saves no
-such mask (``dptrain.csrc.inductor.cpu_compile_options``; in plain torch, one thread, 7 segments of
+such mask (``dptrain.inductor.cpu_compile_options``; in plain torch, one thread, 7 segments of
 ResNet-18 CIFAR bf16 stepped in 112 ms against 194 ms with the masks, one graph in 100 ms). With
 2 solvers the segments' overlap showed no gain over one graph: against the same compiled DDP
 peer, in the same processes, 1.066x and 1.045x in segments, 1.130x and 1.049x whole, each run
@@ -50,7 +50,7 @@ they must be issued in a fixed order on a stream the capture follows, through NC
 captured at all; so "reduce-overhead" with several solvers is refused at start-up. Not yet run on
 a GPU.
 
-**Caches.** ``dptrain.csrc.inductor``: a second start of the same recipe loads the compiled
+**Caches.** ``dptrain.inductor``: a second start of the same recipe loads the compiled
 code from ``<cache>/inductor`` instead of compiling it again. The CPU partition's graph pass is
 part of the cache key, so artifacts compiled without it are not loaded.
 """
@@ -68,11 +68,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dptrain.config import CompileGraphs, CompileSetting
-from dptrain.csrc.inductor import cpu_compile_options, point_caches
-from dptrain.csrc.inductor import prepare as prepare_inductor
 from dptrain.distributed.comm import Communicator
 from dptrain.errors import ConfigError
 from dptrain.flat import FlatParams
+from dptrain.inductor import cpu_compile_options, point_caches
+from dptrain.inductor import prepare as prepare_inductor
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ class CompiledModel:
         call of a torch module such as a Sequential stem as a frame dynamo skips: its layers would
         run eagerly.) The recompile limit is raised: the segments of one class share a code
         object, and a ResNet's blocks come in up to 8 shapes. On the CPU each compile (and
-        recompile) has the partition pass of ``dptrain.csrc.inductor.cpu_compile_options``."""
+        recompile) has the partition pass of ``dptrain.inductor.cpu_compile_options``."""
         prepare_inductor()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         how = {"mode": "reduce-overhead"} if self.cuda_graphs else {"options": cpu_compile_options(device_type) or None}

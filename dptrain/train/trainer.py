@@ -10,18 +10,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dptrain.assemble import RunPlan, build_model_and_params, input_error, nhwc_hazards, running_stats
+from dptrain.assemble import RunSetup, build_model_and_params, input_error, nhwc_hazards, running_stats
 from dptrain.config import TrainConfig, config_to_dict, dump_toml
-from dptrain.csrc.inductor import point_caches
 from dptrain.data import build_source
 from dptrain.data.base import DeviceFeeder
-from dptrain.data.sampling import ShardPlan, batches_per_epoch
+from dptrain.data.sampling import SampleOrder, batches_per_epoch
+from dptrain.distributed.buckets.tuner import attach_bucket_tuner
 from dptrain.distributed.comm import Communicator
 from dptrain.distributed.control import NONFINITE, ControlChannel, StopFlag
-from dptrain.distributed.planning.auto import attach_auto_plan
 from dptrain.distributed.reducer import Reducer
 from dptrain.distributed.straggler import StepClock, StragglerMonitor
-from dptrain.layout import resolve_channels_last
+from dptrain.inductor import point_caches
+from dptrain.memory_format import resolve_channels_last
 from dptrain.observe.metrics import MetricsWriter, TensorBoardWriter
 from dptrain.observe.trace import NullTracer, PhaseTimer, Tracer
 from dptrain.optimizer import MasterOptimizer
@@ -44,7 +44,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, comm: Communicator, *, tracer: Tracer | None = None,
                  time_phases: bool = False, stop: StopFlag | None = None, compile_model: bool = True) -> None:
         """``compile_model=False``: never compile the model (``dptrain test`` scores eagerly)."""
-        point_caches()  # before the CPU layout probe below imports torch._dynamo (dptrain.csrc.inductor)
+        point_caches()  # before the CPU layout probe below imports torch._dynamo (dptrain.inductor)
         self.cfg, self.comm = cfg, comm
         self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
         if self.device.type == "cuda":
@@ -65,15 +65,15 @@ class Trainer:
         ls_mode = cfg.precision.resolved_loss_scale_mode()
         self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
         self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer, running_stats(self.model))
-        self.autoplan = attach_auto_plan(self.reducer)
+        self.bucket_tuner = attach_bucket_tuner(self.reducer)
         """The reducer.bucket_mb = "auto" planner watching the reducer (None for a fixed plan)."""
         multipliers = resolve_multipliers(self.model, cfg.solver.param_groups, cfg.solver.no_decay)
         self.overflow = OverflowLocator(self.flat, self.device, enabled=self.scaler.enabled)
         self.optimizer = MasterOptimizer(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor, multipliers,
                                          locator=self.overflow)
-        self.shard = ShardPlan(self.rank, self.world_size, cfg.data.batch_size, cfg.train.seed,
+        self.shard = SampleOrder(self.rank, self.world_size, cfg.data.batch_size, cfg.train.seed,
                                cfg.data.shuffle == "epoch")
-        self.plan = RunPlan(
+        self.plan = RunSetup(
             rank=self.rank, world_size=self.world_size, device=str(self.device), batch_size=cfg.data.batch_size,
             iter_size=cfg.solver.iter_size, global_batch=cfg.data.batch_size * self.world_size * cfg.solver.iter_size,
             micro_steps_per_epoch=batches_per_epoch(self.source.num_train, self.shard.samples_per_step),

@@ -12,8 +12,8 @@ import torch
 
 from dist_harness import run_ranks
 from dptrain.config import load_config
+from dptrain.distributed.buckets.probe import AUTO_DECISION_ITER, AUTO_DONE_ITER, AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
 from dptrain.distributed.comm import Communicator
-from dptrain.distributed.planning.probe import AUTO_DECISION_ITER, AUTO_DONE_ITER, AUTO_PROBE_ITERS, AUTO_WARMUP_ITERS
 from dptrain.train import Trainer
 
 BASE = ["model.name=resnet18_cifar", "model.width=4", "data.source=synthetic", "data.image_size=16",
@@ -33,7 +33,7 @@ def _auto_rank(rank: int, world: int, out: str) -> None:
     auto = _trainer(f"{out}/auto")
     probe_buckets = len(auto.reducer.plan.buckets)
     digests, held = [], []
-    probe = auto.autoplan.probe
+    probe = auto.bucket_tuner.probe
     record = probe.record
 
     def spy(launched, n_buckets, backward_end_us, done_us, **kw):
@@ -52,7 +52,7 @@ def _auto_rank(rank: int, world: int, out: str) -> None:
     state = auto.reducer.state_dict()
     assert state["bucket_cuts"] and state["bucket_cuts"][0] == 0
     assert len(auto.reducer.plan.buckets) < probe_buckets == sum(len(g.segments) for g in auto.flat.groups)
-    report = auto.autoplan.report
+    report = auto.bucket_tuner.report
     assert report["buckets"] == len(auto.reducer.plan.buckets) and report["measured_exposed_ms"] >= 0
     assert report["predicted_exposed_ms"] >= 0 and report["beta_ms_per_mb"] >= 0
     assert 0 <= report["measured_after_slowest_ms"] <= report["measured_exposed_ms"]  # the least wait over the ranks
@@ -103,7 +103,7 @@ def _late_rank(rank: int, world: int, out: str, where: str) -> None:
     if rank == 1:
         t._forward = late_backward if where == "backward" else late_forward
     waits = []
-    probe = t.autoplan.probe
+    probe = t.bucket_tuner.probe
     record, gathered, seen = probe.record, probe.gathered, {}
     probe.record = lambda *a, **k: waits.append((a[3] - a[2]) / 1e3) or record(*a, **k)  # done - backward end
     probe.gathered = lambda *a: seen.setdefault("gathered", gathered(*a))

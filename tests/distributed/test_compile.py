@@ -12,9 +12,9 @@ import torch
 
 from dist_harness import run_ranks
 from dptrain.config import load_config
-from dptrain.csrc.inductor import prepare as prepare_inductor
 from dptrain.distributed.comm import Communicator
 from dptrain.errors import ConfigError
+from dptrain.inductor import prepare as prepare_inductor
 from dptrain.observe.trace import Tracer
 from dptrain.train import Trainer
 

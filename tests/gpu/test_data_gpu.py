@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from devices import DEVICES, gpu_only
-from dptrain.data.sampling import ShardPlan, rank_batch_indices
+from dptrain.data.sampling import SampleOrder, rank_batch_indices
 from dptrain.data.sources.caffe_lmdb import LmdbSource
 from lmdb_helpers import NUM_CLASSES, H, W, input_threads, make_cfg, raw_value, write_db
 
@@ -29,7 +29,7 @@ def test_device_feeder_reuses_ring_slots_only_after_their_copy(db29, device):
     pinned = device == "cuda"  # as build_source does
     src = LmdbSource(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=2),
                       num_classes=NUM_CLASSES, seed=2, pin_memory=pinned)
-    plan = ShardPlan(0, 1, 4, seed=2)
+    plan = SampleOrder(0, 1, 4, seed=2)
     stream = src.train_batches(plan, 0)
     assert stream._ring.images.is_pinned() == pinned
     feeder = DeviceFeeder(stream, device=torch.device(device), dtype=torch.float32, mean=(0.0,), scale=1.0,
@@ -57,7 +57,7 @@ def test_mean_image_on_cuda_equals_the_cpu_feeder(tmp_path):
     out = {}
     for device in ("cpu", "cuda"):
         src = LmdbSource(cfg, num_classes=NUM_CLASSES, seed=5, pin_memory=device == "cuda")
-        feeder = DeviceFeeder(src.train_batches(ShardPlan(0, 1, 4, seed=5), 0), device=torch.device(device),
+        feeder = DeviceFeeder(src.train_batches(SampleOrder(0, 1, 4, seed=5), 0), device=torch.device(device),
                               dtype=torch.float32, mean=src.mean, scale=src.scale, channels_last=True,
                               mean_image=src.mean_image)
         try:

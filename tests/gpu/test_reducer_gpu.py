@@ -200,8 +200,8 @@ def test_cupy_nccl_reducer_averages_and_overlaps_on_two_gpus():
 
 
 def _auto_rank(rank: int, world: int) -> None:
-    from dptrain.distributed.planning.auto import attach_auto_plan
-    from dptrain.distributed.planning.probe import AUTO_DONE_ITER
+    from dptrain.distributed.buckets.probe import AUTO_DONE_ITER
+    from dptrain.distributed.buckets.tuner import attach_bucket_tuner
 
     device = torch.device("cuda", rank)
     comm = Communicator.from_initialized(device)
@@ -209,7 +209,7 @@ def _auto_rank(rank: int, world: int) -> None:
     model = Tiny().to(device, torch.float16)
     flat = FlatParams(model, state_dtype=torch.float32)
     reducer = Reducer(flat, ReducerConfig(bucket_mb="auto"), comm, Tracer(rank))
-    autoplan = attach_auto_plan(reducer)
+    bucket_tuner = attach_bucket_tuner(reducer)
     for p in model.parameters():
         p.register_hook(lambda g, v=rank + 1: torch.full_like(g, v))
     x = torch.randn(64, 256, device=device, dtype=torch.float16)
@@ -222,7 +222,7 @@ def _auto_rank(rank: int, world: int) -> None:
         torch.cuda.synchronize()
         for g in flat.groups:  # every plan reduces to the closed-form average
             assert torch.all(g.grads.float() / reducer.grad_divisor == (world + 1) / 2)
-    report = autoplan.report
+    report = bucket_tuner.report
     assert report["buckets"] == len(reducer.plan.buckets) and report["measured_exposed_ms"] is None, report
     assert report["predicted_exposed_ms"] >= 0 and reducer.state_dict()["bucket_cuts"][0] == 0
     assert report["measured_contention_ms"] is None and 0 <= report["contention"] <= 1, report  # not host-timed

@@ -22,7 +22,7 @@ from dptrain.train import Trainer
 SHAPES = {
     "cuda": ["model.width=16", "data.image_size=32", "data.batch_size=16"],
     # 4 channels, 8 px: ~20 ms per fp32 step on one core, 60 ms in fp16; NCHW, since torch's CPU
-    # NHWC backward of the 1x1 stride-2 shortcut with 4 input channels corrupts the heap (dptrain.layout)
+    # NHWC backward of the 1x1 stride-2 shortcut with 4 input channels corrupts the heap (dptrain.memory_format)
     "cpu": ["model.width=4", "data.image_size=8", "data.batch_size=16", "model.channels_last=false"],
 }
 """Model and batch sizes per device."""

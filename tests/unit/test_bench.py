@@ -80,7 +80,7 @@ def test_throughput_dry_run_lists_every_case_and_its_peer():
     assert [ln.split("reducer.bucket_mb=")[1].split()[0] for ln in sweep] == ["1", "5", "25", "100"]
     buckets = subprocess.run([sys.executable, str(script), "--dry-run", "--suite", "buckets", "--warmup", "2"],
                              capture_output=True, text=True, check=True).stdout.splitlines()
-    from dptrain.distributed.planning.probe import (
+    from dptrain.distributed.buckets.probe import (
         AUTO_DONE_ITER,  # every case warms up as long as auto's probe and check
     )
 

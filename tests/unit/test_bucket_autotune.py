@@ -1,4 +1,4 @@
-"""dptrain.distributed.planning.planner: the cost fit, the overlap model and the planner (pure functions);
+"""dptrain.distributed.buckets.planner: the cost fit, the overlap model and the planner (pure functions);
 explicit cuts in build_bucket_plan; the config's "auto" values. Expected values are worked out
 by hand in the comments; the planner is also checked against brute force."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import random
 import pytest
 
 from dptrain.config import load_config
-from dptrain.distributed.planning import planner as bucket_autotune
-from dptrain.distributed.planning.plan import GroupSpec, SegmentSpec, build_bucket_plan
-from dptrain.distributed.planning.planner import (
+from dptrain.distributed.buckets import planner as bucket_autotune
+from dptrain.distributed.buckets.plan import GroupSpec, SegmentSpec, build_bucket_plan
+from dptrain.distributed.buckets.planner import (
     LinearCost,
     buckets_of,
     comm_cost_ms,

@@ -1,4 +1,4 @@
-"""dptrain.distributed.planning.probe: what the auto plan's probe records per iteration (single process; the
+"""dptrain.distributed.buckets.probe: what the auto plan's probe records per iteration (single process; the
 least over the ranks is tested on 2 gloo ranks in tests/distributed/test_bucket_auto.py)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dptrain.distributed.planning.probe import (
+from dptrain.distributed.buckets.probe import (
     AUTO_DECISION_ITER,
     AUTO_DONE_ITER,
     AUTO_PROBE_ITERS,

@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 from dptrain.config import ReducerConfig
-from dptrain.distributed.comm import Communicator
-from dptrain.distributed.planning.plan import (
+from dptrain.distributed.buckets.plan import (
     MIB,
     GroupSpec,
     SegmentSpec,
@@ -16,6 +15,7 @@ from dptrain.distributed.planning.plan import (
     order_from_ready,
     plan_from_ready_order,
 )
+from dptrain.distributed.comm import Communicator
 from dptrain.distributed.reducer import Reducer, group_specs
 from dptrain.errors import ConfigError
 from dptrain.flat import FlatParams

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dptrain.config import load_config
-from dptrain.csrc.inductor import cpu_compile_options
-from dptrain.csrc.inductor import prepare as prepare_inductor
 from dptrain.distributed.comm import Communicator
+from dptrain.inductor import cpu_compile_options
+from dptrain.inductor import prepare as prepare_inductor
 from dptrain.models import MODELS, build_model
 from dptrain.topology import Topology
 from dptrain.train import Trainer
@@ -76,7 +76,7 @@ def test_auto_compiles_on_cuda_in_16_bits_and_on_the_cpu_as_measured():
 
 
 def test_a_failing_compiler_falls_back_to_eager_with_one_warning(tmp_path, monkeypatch, caplog):
-    prepare_inductor()  # inductor's quiet first import (dptrain.csrc.inductor)
+    prepare_inductor()  # inductor's quiet first import (dptrain.inductor)
     import torch._inductor.compile_fx as compile_fx
 
     def broken(*args, **kwargs):
@@ -103,7 +103,7 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_warning(tmp_path, monke
 
 @pytest.mark.parametrize("device_type, cuda_graphs", [("cpu", False), ("cuda", False), ("cuda", True)])
 def test_each_segment_compiles_with_the_cpu_partition_pass_on_the_cpu_only(monkeypatch, device_type, cuda_graphs):
-    """The pass that keeps boolean masks out of the CPU partition (dptrain/csrc/inductor.py, whose test checks
+    """The pass that keeps boolean masks out of the CPU partition (dptrain/inductor.py, whose test checks
     what it does) is a per-function option: every compile and recompile of a segment has it."""
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: (calls.append(kw), fn)[1])

@@ -1,4 +1,4 @@
-"""torch.compile's set-up (dptrain.csrc.inductor), each in a fresh interpreter started as a solver starts
+"""torch.compile's set-up (dptrain.inductor), each in a fresh interpreter started as a solver starts
 (torch._dynamo first): inductor's caches point at dptrain's cache folder, and its first import prints no
 DeprecationWarning. (A compile that writes
 there: tests/distributed/test_compile.py.)"""
@@ -12,7 +12,7 @@ import sys
 SCRIPT = r"""
 import json, os, warnings
 import torch
-from dptrain.csrc.inductor import prepare
+from dptrain.inductor import prepare
 from dptrain.distributed.comm import import_dynamo_first
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -49,7 +49,7 @@ def test_a_users_own_cache_folder_wins(tmp_path):
 PARTITION = r"""
 import json
 import torch
-from dptrain.csrc.inductor import cpu_compile_options, prepare
+from dptrain.inductor import cpu_compile_options, prepare
 prepare()
 
 def block(x, w):  # a graph that ends at a ReLU, as a segment of a ResNet does, and a dropout: a comparison
@@ -83,7 +83,7 @@ print(json.dumps(got))
 
 
 def test_cpu_graphs_save_no_comparison_mask_in_any_compile_and_are_cached_apart(tmp_path):
-    """torch's own partition saves the ReLU's boolean mask (the slow kernels, dptrain/csrc/inductor.py);
+    """torch's own partition saves the ReLU's boolean mask (the slow kernels, dptrain/inductor.py);
     dptrain's saves the ReLU's output instead, with the same output and gradient, in a recompile at a
     new shape too, and is not served torch's artifact from the shared on-disk cache. Dropout's mask,
     a comparison of a random draw, is left to torch: the same draw, output and gradient."""

@@ -17,7 +17,7 @@ from PIL import Image
 
 from dptrain.config import DataConfig
 from dptrain.data.caffe.datum import encode_blob, encode_datum
-from dptrain.data.sampling import ShardPlan, batches_per_epoch, epoch_permutation, rank_batch_indices
+from dptrain.data.sampling import SampleOrder, batches_per_epoch, epoch_permutation, rank_batch_indices
 from dptrain.data.sources.caffe_lmdb import LmdbSource, default_threads
 from dptrain.data.transforms.render import RenderOptions
 from dptrain.errors import ConfigError, DataError
@@ -60,7 +60,7 @@ def test_order_and_augmentation_independent_of_thread_counts(db29):
     for p, t in itertools.product((1, 2, 3), repeat=2):
         cfg = make_cfg(db29, batch_size=3, parser_threads=p, transformer_threads=t, crop_size=4, mirror=True)
         src = LmdbSource(cfg, num_classes=NUM_CLASSES, seed=11)
-        results[p, t] = [collect(src.train_batches(ShardPlan(r, world, 3, seed=11), 0), steps) for r in range(world)]
+        results[p, t] = [collect(src.train_batches(SampleOrder(r, world, 3, seed=11), 0), steps) for r in range(world)]
     ref = results[1, 1]
     for key, res in results.items():
         for r in range(world):
@@ -69,7 +69,7 @@ def test_order_and_augmentation_independent_of_thread_counts(db29):
     flips = 0
     for r in range(world):
         for step, (images, labels, info) in enumerate(ref[r]):
-            expect = rank_batch_indices(step, 29, ShardPlan(r, world, 3, seed=11))
+            expect = rank_batch_indices(step, 29, SampleOrder(r, world, 3, seed=11))
             assert ids(images) == expect.tolist() and labels.tolist() == (expect % NUM_CLASSES).tolist()
             assert all(is_window(im, i) for im, i in zip(images, expect, strict=True)) and info == {"bad_records": 0}
             flips += sum(not np.array_equal(im, pixels(i)[:4, :4]) for im, i in zip(images, expect, strict=True))
@@ -82,7 +82,7 @@ def test_shards_disjoint_covering_and_reshuffled_per_epoch(db29):
     per_epoch = batches_per_epoch(29, world * b)  # 4
     src = LmdbSource(make_cfg(db29, batch_size=b, parser_threads=2, transformer_threads=2),
                       num_classes=NUM_CLASSES, seed=5)
-    epochs = [[ids(x) for x, _, _ in collect(src.train_batches(ShardPlan(r, world, b, seed=5), 0), 2 * per_epoch)]
+    epochs = [[ids(x) for x, _, _ in collect(src.train_batches(SampleOrder(r, world, b, seed=5), 0), 2 * per_epoch)]
               for r in range(world)]
     for e in range(2):
         shards = [sum(epochs[r][e * per_epoch:(e + 1) * per_epoch], []) for r in range(world)]
@@ -90,13 +90,13 @@ def test_shards_disjoint_covering_and_reshuffled_per_epoch(db29):
         assert len(set(union)) == len(union) == per_epoch * world * b  # disjoint
         assert set(union) == set(epoch_permutation(5, e, 29, True)[:len(union)].tolist())  # cover, remainder stated
     assert epochs[0][:per_epoch] != epochs[0][per_epoch:]  # a new permutation each epoch
-    again = [ids(x) for x, _, _ in collect(src.train_batches(ShardPlan(0, world, b, seed=5), 0), 2 * per_epoch)]
+    again = [ids(x) for x, _, _ in collect(src.train_batches(SampleOrder(0, world, b, seed=5), 0), 2 * per_epoch)]
     assert again == epochs[0]  # reproducible from the seed
 
 
 def test_start_step_resumes_the_same_sequence(db29):
     src = LmdbSource(make_cfg(db29, crop_size=4, mirror=True), num_classes=NUM_CLASSES, seed=3)
-    plan = ShardPlan(0, 1, 4, seed=3)
+    plan = SampleOrder(0, 1, 4, seed=3)
     full = collect(src.train_batches(plan, 0), 10)
     resumed = collect(src.train_batches(plan, 6), 4)
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(full[6:], resumed, strict=True))
@@ -104,7 +104,7 @@ def test_start_step_resumes_the_same_sequence(db29):
 
 def test_no_shuffle_reads_record_order_as_a_ring(db29):
     src = LmdbSource(make_cfg(db29, shuffle="none"), num_classes=NUM_CLASSES, seed=3)
-    out = collect(src.train_batches(ShardPlan(0, 1, 4, seed=3, shuffle=False), 0), 15)
+    out = collect(src.train_batches(SampleOrder(0, 1, 4, seed=3, shuffle=False), 0), 15)
     seen = sum((ids(x) for x, _, _ in out), [])
     # 7 batches of 4 per epoch leave one record over; the next epoch starts with it, as Caffe's reader would
     assert seen == [i % 29 for i in range(60)]
@@ -129,7 +129,7 @@ def test_key_table_for_keys_without_index_prefix(tmp_path):
     names = [b"zeta", b"alpha", b"mid", b"beta", b"omega"]
     path = write_db(tmp_path / "db", [raw_value(i) for i in range(5)], keys=names)
     src = LmdbSource(make_cfg(path, batch_size=5, shuffle="none"), num_classes=NUM_CLASSES, seed=1)
-    (images, _, _), = collect(src.train_batches(ShardPlan(0, 1, 5, seed=1, shuffle=False), 0), 1)
+    (images, _, _), = collect(src.train_batches(SampleOrder(0, 1, 5, seed=1, shuffle=False), 0), 1)
     assert ids(images) == [names.index(k) for k in sorted(names)]  # records are numbered in key order
 
 
@@ -172,7 +172,7 @@ def test_mean_file_image_is_subtracted_pixel_by_pixel_at_each_crop_as_caffe_does
                    scale=0.5, shuffle="none")
     src = LmdbSource(cfg, num_classes=NUM_CLASSES, seed=2)
     assert src.mean_image is not None and tuple(src.mean_image.shape) == (3, H, W)
-    stream = (src.train_batches(ShardPlan(0, 1, 4, seed=2, shuffle=False), 0) if train
+    stream = (src.train_batches(SampleOrder(0, 1, 4, seed=2, shuffle=False), 0) if train
               else src.test_batches(0, 1, 4))
     feeder = DeviceFeeder(stream, device=torch.device("cpu"), dtype=torch.float32, mean=src.mean, scale=src.scale,
                           channels_last=False, mean_image=src.mean_image)
@@ -328,7 +328,7 @@ def test_bad_record_raises_with_rank_and_key_and_stops_threads(tmp_path, monkeyp
     values[6] = make_value()  # not among the records probed at open (0, 3, 5, 8, ...): the threads meet it
     src = LmdbSource(make_cfg(write_db(tmp_path / "db", values), shuffle="none", crop_size=4,
                                parser_threads=2, transformer_threads=2), num_classes=NUM_CLASSES, seed=1)
-    stream = src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0)
+    stream = src.train_batches(SampleOrder(0, 1, 4, seed=1, shuffle=False), 0)
     with pytest.raises(DataError, match=f"rank 0: LMDB .* key '00000006_r6': {match}"):
         collect(stream, 3)
     assert input_threads() == []
@@ -341,7 +341,7 @@ def test_a_bad_record_probed_at_open_names_its_key_and_respects_the_skip_budget(
     with pytest.raises(DataError, match="rank 0: LMDB .* key '00000000_r0': unparsable record"):
         LmdbSource(make_cfg(path, crop_size=4), num_classes=NUM_CLASSES, seed=1)
     src = LmdbSource(make_cfg(path, crop_size=4, shuffle="none", max_bad_records=1), num_classes=NUM_CLASSES, seed=1)
-    (images, _, info), = collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), 1)
+    (images, _, info), = collect(src.train_batches(SampleOrder(0, 1, 4, seed=1, shuffle=False), 0), 1)
     assert ids(images) == [1, 1, 2, 3] and info["bad_records"] == 1  # record 0 replaced by the next one
 
 
@@ -350,7 +350,7 @@ def test_one_grey_image_at_key_0_does_not_make_a_colour_db_grey(tmp_path):
     values = [png_value(grey)] + [png_value(pixels(i)) for i in range(1, 12)]
     src = LmdbSource(make_cfg(write_db(tmp_path / "db", values), shuffle="none"), num_classes=NUM_CLASSES, seed=1)
     assert src.sample_shape == (H, W, 3)
-    (images, _, _), = collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), 1)
+    (images, _, _), = collect(src.train_batches(SampleOrder(0, 1, 4, seed=1, shuffle=False), 0), 1)
     assert np.array_equal(images[0], np.repeat(grey[:, :, None], 3, axis=2))  # the grey record, as RGB
     assert ids(images[1:]) == [1, 2, 3]
     only_grey = write_db(tmp_path / "grey", [png_value(grey)] * 8)
@@ -361,7 +361,7 @@ def test_skip_budget_substitutes_the_next_record_deterministically(tmp_path, cap
     values = [raw_value(i) for i in range(12)]
     values[2], values[5] = b"\xff", raw_value(5, label=99)
     path = write_db(tmp_path / "db", values)
-    plan = ShardPlan(0, 1, 4, seed=1, shuffle=False)
+    plan = SampleOrder(0, 1, 4, seed=1, shuffle=False)
     outs = []
     for p, t in ((1, 1), (3, 2)):
         src = LmdbSource(make_cfg(path, shuffle="none", max_bad_records=2, parser_threads=p, transformer_threads=t),
@@ -407,7 +407,7 @@ def test_host_batches_stay_intact_until_the_next_one_is_asked_for_in_any_release
     path = write_db(tmp_path / "db", [raw_value(i) for i in range(40)])
     src = LmdbSource(make_cfg(path, batch_size=1, prefetch=1, transformer_threads=2, shuffle="none"),
                       num_classes=NUM_CLASSES, seed=1)
-    stream = src.train_batches(ShardPlan(0, 1, 1, seed=1, shuffle=False), 0)  # 3 ring slots
+    stream = src.train_batches(SampleOrder(0, 1, 1, seed=1, shuffle=False), 0)  # 3 ring slots
     try:
         held = [next(stream) for _ in range(3)]
         for hb in reversed(held):  # out of order, with no event: a host reader
@@ -430,7 +430,7 @@ def test_over_budget_error_arrives_at_its_batch_naming_the_same_key_for_any_thre
         for p, t, prefetch in ((1, 1, 1), (2, 2, 1), (1, 3, 4), (3, 2, 4)):
             src = LmdbSource(make_cfg(path, shuffle="none", max_bad_records=limit, parser_threads=p,
                                        transformer_threads=t, prefetch=prefetch), num_classes=NUM_CLASSES, seed=1)
-            stream = src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0)
+            stream = src.train_batches(SampleOrder(0, 1, 4, seed=1, shuffle=False), 0)
             delivered = 0
             with pytest.raises(DataError) as err:
                 for hb in stream:
@@ -443,12 +443,12 @@ def test_over_budget_error_arrives_at_its_batch_naming_the_same_key_for_any_thre
 def test_close_mid_stream_and_release_misuse_leave_no_thread(db29):
     src = LmdbSource(make_cfg(db29, prefetch=1, parser_threads=2, transformer_threads=3),
                       num_classes=NUM_CLASSES, seed=1)
-    stream = src.train_batches(ShardPlan(0, 1, 4, seed=1), 0)
+    stream = src.train_batches(SampleOrder(0, 1, 4, seed=1), 0)
     held = [next(stream) for _ in range(3)]  # prefetch + 2 = 3 slots, none released
     with pytest.raises(RuntimeError, match="all 3 ring slots are held; call HostBatch.release"):
         next(stream)
     assert input_threads() == [] and len(held) == 3
-    stream = src.train_batches(ShardPlan(0, 1, 4, seed=1), 0)
+    stream = src.train_batches(SampleOrder(0, 1, 4, seed=1), 0)
     next(stream).release(None)
     stream.close()
     stream.close()
@@ -472,7 +472,7 @@ def test_jpeg_random_resized_crop_is_deterministic_across_threads(tmp_path):
         cfg = make_cfg(path, batch_size=3, parser_threads=p, transformer_threads=t, crop_size=16,
                        random_resized_crop=True, mirror=True)
         outs.append(collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=4).train_batches(
-            ShardPlan(0, 1, 3, seed=4), 0), 6))
+            SampleOrder(0, 1, 3, seed=4), 0), 6))
     assert outs[0][0][0].shape == (3, 16, 16, 3)
     assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(*outs, strict=True))
 
@@ -493,7 +493,7 @@ def test_crop_decode_feeds_the_same_batches_as_full_decode(tmp_path, monkeypatch
     for crop_decode in (True, False):
         calls.clear()
         src = LmdbSource(cfg, num_classes=NUM_CLASSES, seed=3, render=RenderOptions(crop_decode=crop_decode))
-        outs.append(collect(src.train_batches(ShardPlan(0, 1, 4, seed=3), 0), 6))
+        outs.append(collect(src.train_batches(SampleOrder(0, 1, 4, seed=3), 0), 6))
         assert bool(calls) == crop_decode
     for (fast, fast_labels, _), (full, full_labels, _) in zip(*outs, strict=True):
         assert np.array_equal(fast, full) and np.array_equal(fast_labels, full_labels)
@@ -511,7 +511,7 @@ def test_draft_mode_fires_for_2x_downscale_and_stays_close(tmp_path, monkeypatch
     monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft",
                         lambda self, mode, size: calls.append(size) or real_draft(self, mode, size))
     cfg = make_cfg(path, resize=[18, 24], shuffle="none")  # 72x96 -> 18x24: 4x smaller
-    plan = ShardPlan(0, 1, 4, seed=0, shuffle=False)
+    plan = SampleOrder(0, 1, 4, seed=0, shuffle=False)
 
     def batch(**render):
         (images, _, _), = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=0,
@@ -536,7 +536,7 @@ def test_shard_with_only_bad_records_fails_even_within_budget(tmp_path):
     src = LmdbSource(make_cfg(write_db(tmp_path / "db", values), shuffle="none", max_bad_records=10),
                       num_classes=NUM_CLASSES, seed=1)
     with pytest.raises(DataError, match="rank 1: .*all 4 records of this solver's shard are bad"):
-        collect(src.train_batches(ShardPlan(1, 2, 2, seed=1, shuffle=False), 0), 1)
+        collect(src.train_batches(SampleOrder(1, 2, 2, seed=1, shuffle=False), 0), 1)
     assert input_threads() == []
 
 
@@ -545,12 +545,12 @@ def test_prefix_seek_reports_a_gap_in_the_key_sequence(tmp_path):
     src = LmdbSource(make_cfg(write_db(tmp_path / "db", [raw_value(i) for i in range(4)], keys=keys),
                                shuffle="none"), num_classes=NUM_CLASSES, seed=1)
     with pytest.raises(DataError, match="key '#2': no record with key prefix '00000002_'"):
-        collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), 1)
+        collect(src.train_batches(SampleOrder(0, 1, 4, seed=1, shuffle=False), 0), 1)
 
 
 def test_double_release_and_dead_renderers_raise(db29, monkeypatch):
     src = LmdbSource(make_cfg(db29), num_classes=NUM_CLASSES, seed=1)
-    stream = src.train_batches(ShardPlan(0, 1, 4, seed=1), 0)
+    stream = src.train_batches(SampleOrder(0, 1, 4, seed=1), 0)
     hb = next(stream)
     hb.release(None)
     with pytest.raises(RuntimeError, match="batch 0 released twice"):
@@ -558,7 +558,7 @@ def test_double_release_and_dead_renderers_raise(db29, monkeypatch):
     stream.close()
     monkeypatch.setattr("dptrain.data.loader.pipeline.run_renderer", lambda t, parts, stop: None)
     with pytest.raises(RuntimeError, match=r"renderer threads \(data.transformer_threads\) exited before batch 0 was complete"):
-        collect(src.train_batches(ShardPlan(0, 1, 4, seed=1), 0), 1)
+        collect(src.train_batches(SampleOrder(0, 1, 4, seed=1), 0), 1)
     assert input_threads() == []
 
 
@@ -660,7 +660,7 @@ def test_a_damaged_leaf_page_costs_only_its_own_records_under_a_skip_budget(tmp_
     assert 0 < len(bad) < n // 3 and all("LMDB is damaged" in str(e) for e in errors.values()), (len(bad), errors)
     src = LmdbSource(make_cfg(path, shuffle="none", max_bad_records=len(bad)), num_classes=NUM_CLASSES, seed=1)
     with caplog.at_level(logging.WARNING, logger="dptrain.data.loader.stream"):
-        batches = collect(src.train_batches(ShardPlan(0, 1, 4, seed=1, shuffle=False), 0), n // 4)
+        batches = collect(src.train_batches(SampleOrder(0, 1, 4, seed=1, shuffle=False), 0), n // 4)
     named = {m.split("key '")[1].split("'")[0] for m in caplog.messages if "skipping bad record" in m}
     assert named == bad  # warned once each, and no other record
     seen = set(ids(np.concatenate([b[0] for b in batches])))

@@ -11,7 +11,7 @@ from PIL import Image
 from dptrain.config import DataConfig
 from dptrain.data.caffe.datum import parse_datum
 from dptrain.data.caffe.writer import make_lmdb
-from dptrain.data.sampling import ShardPlan
+from dptrain.data.sampling import SampleOrder
 from dptrain.data.sources.caffe_lmdb import LmdbReader, LmdbSource
 from dptrain.data.sources.files import read_list_file
 from dptrain.errors import InputError
@@ -41,7 +41,7 @@ def folder(tmp_path):
 
 def read_all(path: str, n: int, **kw) -> tuple[np.ndarray, np.ndarray]:
     src = LmdbSource(DataConfig(source="lmdb", path=path, batch_size=n, shuffle="none", **kw), num_classes=2, seed=0)
-    stream = src.train_batches(ShardPlan(0, 1, n, seed=0, shuffle=False), 0)
+    stream = src.train_batches(SampleOrder(0, 1, n, seed=0, shuffle=False), 0)
     try:
         hb = next(stream)
         return hb.images.numpy().copy(), hb.labels.numpy().copy()

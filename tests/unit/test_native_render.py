@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from dptrain.data.caffe.datum import encode_datum, hwc_to_raw
-from dptrain.data.sampling import ShardPlan
+from dptrain.data.sampling import SampleOrder
 from dptrain.data.sources.caffe_lmdb import LmdbSource
 from dptrain.data.transforms import native as native_render
 from dptrain.data.transforms.geometry import (
@@ -104,7 +104,7 @@ def _both_paths(monkeypatch, path: str, n_batches: int, **cfg_kw) -> list[list]:
         _render_mode(monkeypatch, mode)
         src = LmdbSource(make_cfg(path, **cfg_kw), num_classes=NUM_CLASSES, seed=9)
         assert src.native == (mode == "native")
-        outs.append(collect(src.train_batches(ShardPlan(0, 1, cfg_kw.get("batch_size", 4), seed=9), 0), n_batches))
+        outs.append(collect(src.train_batches(SampleOrder(0, 1, cfg_kw.get("batch_size", 4), seed=9), 0), n_batches))
     native_render.reset()
     return outs
 
@@ -158,7 +158,7 @@ def test_a_label_of_the_wrong_wire_type_is_a_bad_record_naming_its_key(lib, tmp_
     src = LmdbSource(make_cfg(write_db(tmp_path / "db", values), crop_size=40, shuffle="none"),
                      num_classes=NUM_CLASSES, seed=0)
     with pytest.raises(DataError, match=f"key '00000005_r5'.*field label \\(number 5\\) holds a {found}"):
-        collect(src.train_batches(ShardPlan(0, 1, 4, seed=0, shuffle=False), 0), 2)
+        collect(src.train_batches(SampleOrder(0, 1, 4, seed=0, shuffle=False), 0), 2)
     assert input_threads() == []
 
 
@@ -176,11 +176,11 @@ def test_a_damaged_jpeg_inside_a_chunk_is_substituted_as_in_the_python_path(lib,
 def test_batches_do_not_depend_on_the_chunk_size_or_thread_counts(lib, tmp_path, monkeypatch, chunk_rows):
     path = write_db(tmp_path / "db", [_jpeg_record(i) for i in range(14)])
     ref = collect(LmdbSource(make_cfg(path, batch_size=5, crop_size=24, random_resized_crop=True, mirror=True),
-                             num_classes=NUM_CLASSES, seed=2).train_batches(ShardPlan(0, 1, 5, seed=2), 0), 5)
+                             num_classes=NUM_CLASSES, seed=2).train_batches(SampleOrder(0, 1, 5, seed=2), 0), 5)
     monkeypatch.setattr("dptrain.data.sources.caffe_lmdb.CHUNK_ROWS_MAX", chunk_rows)
     cfg = make_cfg(path, batch_size=5, crop_size=24, random_resized_crop=True, mirror=True, parser_threads=2,
                    transformer_threads=3)
-    out = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=2).train_batches(ShardPlan(0, 1, 5, seed=2), 0), 5)
+    out = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=2).train_batches(SampleOrder(0, 1, 5, seed=2), 0), 5)
     assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(ref, out, strict=True))
     assert input_threads() == []
 
@@ -194,7 +194,7 @@ def test_crop_windows_for_a_mean_image_match_the_python_path(lib, tmp_path, monk
     for mode in ("native", "python"):
         _render_mode(monkeypatch, mode)
         src = LmdbSource(cfg, num_classes=NUM_CLASSES, seed=1)
-        stream = src.train_batches(ShardPlan(0, 1, 4, seed=1), 0)
+        stream = src.train_batches(SampleOrder(0, 1, 4, seed=1), 0)
         try:
             hb = next(stream)
             outs.append((hb.images.numpy().copy(), hb.windows.numpy().copy()))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dptrain.data.sampling import (
-    ShardPlan,
+    SampleOrder,
     batches_per_epoch,
     epoch_permutation,
     eval_range,
@@ -17,18 +17,18 @@ from dptrain.errors import ConfigError
 
 def test_global_batch_independent_of_world_size():
     n = 1000
-    one = ShardPlan(rank=0, world_size=1, batch_size=64, seed=3)
+    one = SampleOrder(rank=0, world_size=1, batch_size=64, seed=3)
     for step in (0, 5, 15, 16, 40):  # 15 per epoch: covers an epoch boundary
         whole = rank_batch_indices(step, n, one)
-        halves = [rank_batch_indices(step, n, ShardPlan(r, 2, 32, 3)) for r in range(2)]
-        quarters = [rank_batch_indices(step, n, ShardPlan(r, 4, 16, 3)) for r in range(4)]
+        halves = [rank_batch_indices(step, n, SampleOrder(r, 2, 32, 3)) for r in range(2)]
+        quarters = [rank_batch_indices(step, n, SampleOrder(r, 4, 16, 3)) for r in range(4)]
         assert np.array_equal(whole, np.concatenate(halves))
         assert np.array_equal(whole, np.concatenate(quarters))
 
 
 def test_shards_disjoint_and_cover_with_stated_remainder():
     n, world = 1003, 3
-    plans = [ShardPlan(r, world, 10, seed=7) for r in range(world)]
+    plans = [SampleOrder(r, world, 10, seed=7) for r in range(world)]
     shards = [rank_epoch_shard(2, n, p) for p in plans]
     union = np.concatenate(shards)
     assert len(np.unique(union)) == len(union)  # disjoint
@@ -51,7 +51,7 @@ def test_unshuffled_epochs_continue_where_the_last_one_stopped():
     """shuffle = "none" reads the records as a ring, at any world size: no record is left out for good."""
     n = 29
     for world, batch in ((1, 4), (2, 2), (3, 3)):
-        plans = [ShardPlan(r, world, batch, seed=0, shuffle=False) for r in range(world)]
+        plans = [SampleOrder(r, world, batch, seed=0, shuffle=False) for r in range(world)]
         steps = 3 * batches_per_epoch(n, world * batch)
         stream = [int(i) for step in range(steps) for p in plans for i in rank_batch_indices(step, n, p)]
         assert stream == [i % n for i in range(len(stream))], (world, batch)

@@ -30,7 +30,7 @@ import torch
 
 from dptrain.data.caffe.datum import DatumLike
 from dptrain.data.loader.queues import POLL_S, QueueSet
-from dptrain.data.sampling import ShardPlan, batches_per_epoch, rank_epoch_shard
+from dptrain.data.sampling import SampleOrder, batches_per_epoch, rank_epoch_shard
 from dptrain.data.transforms.geometry import Stage
 from dptrain.data.transforms.render import DEFAULT_RENDER, RenderOptions
 from dptrain.errors import DataError
@@ -91,7 +91,7 @@ class TrainSequence:
 
     length: int | None = None
 
-    def __init__(self, num_samples: int, plan: ShardPlan, start_step: int) -> None:
+    def __init__(self, num_samples: int, plan: SampleOrder, start_step: int) -> None:
         self._num, self._plan, self._start = num_samples, plan, start_step
         self._per_epoch = batches_per_epoch(num_samples, plan.samples_per_step)
         self.span = self._per_epoch * plan.batch_size

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dptrain.data.base import HostBatch
-from dptrain.data.sampling import ShardPlan, eval_range, rank_batch_indices
+from dptrain.data.sampling import SampleOrder, eval_range, rank_batch_indices
 from dptrain.errors import ConfigError
 
 DIGITS_TRAIN = 1500
@@ -53,7 +53,7 @@ class _IndexedStream:
         pass
 
 
-def _train_indices(num: int, plan: ShardPlan, start_step: int) -> Iterator[np.ndarray]:
+def _train_indices(num: int, plan: SampleOrder, start_step: int) -> Iterator[np.ndarray]:
     step = start_step
     while True:
         yield rank_batch_indices(step, num, plan)
@@ -82,7 +82,7 @@ class ArraySource:
         self.mean, self.scale = mean, scale
         self.mean_image = None
 
-    def train_batches(self, plan: ShardPlan, start_step: int) -> _IndexedStream:
+    def train_batches(self, plan: SampleOrder, start_step: int) -> _IndexedStream:
         return _IndexedStream(*self._train, _train_indices(self.num_train, plan, start_step))
 
     def test_batches(self, rank: int, world_size: int, batch_size: int) -> _IndexedStream:

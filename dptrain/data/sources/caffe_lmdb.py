@@ -37,7 +37,7 @@ from dptrain.data.caffe.datum import parse_datum, read_mean_file
 from dptrain.data.loader.pipeline import EmptyStream, PipelineStream
 from dptrain.data.loader.queues import QueueSet
 from dptrain.data.loader.stream import BadRecordBudget, BatchRing, StreamParts, TestSequence, TrainSequence
-from dptrain.data.sampling import ShardPlan, eval_range
+from dptrain.data.sampling import SampleOrder, eval_range
 from dptrain.data.transforms import jpeg_crop
 from dptrain.data.transforms import native as native_render
 from dptrain.data.transforms.geometry import ExpectSize, SampleSpec, build_stages, check_chain
@@ -359,7 +359,7 @@ class LmdbSource:
         )
         return PipelineStream(parts, readers=p, renderers=t)
 
-    def train_batches(self, plan: ShardPlan, start_step: int) -> PipelineStream:
+    def train_batches(self, plan: SampleOrder, start_step: int) -> PipelineStream:
         """Batches of global micro-batch ``start_step``, ``start_step + 1``, ... forever."""
         return self._stream(self._train, TrainSequence(self.num_train, plan, start_step), plan.batch_size,
                             plan.rank, train=True)

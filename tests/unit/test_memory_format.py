@@ -1,9 +1,9 @@
-"""dptrain.layout: model.channels_last = "auto" resolves by device and storage; true/false override it."""
+"""dptrain.memory_format: model.channels_last = "auto" resolves by device and storage; true/false override it."""
 from __future__ import annotations
 
 import torch
 
-from dptrain import layout
+from dptrain import memory_format as layout
 from dptrain.precision import cpu_native_support
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)  # a device object only: nothing runs on it
@@ -33,7 +33,7 @@ def test_a_model_with_a_convolution_torch_breaks_on_in_nhwc_stays_nchw_on_the_cp
         assert nhwc_hazards(load_config(None, [f"model.name={name}"]), 3) == [], name
     assert nhwc_hazards(load_config(None, ["model.name=resnet18_cifar", "model.width=8"]), 3) == []
 
-    caplog.set_level("INFO", logger="dptrain.layout")
+    caplog.set_level("INFO", logger="dptrain.memory_format")
     assert layout.resolve_channels_last("auto", "fp32", CPU, narrow) is False
     assert layout.resolve_channels_last("auto", "fp16", CUDA, narrow) is True  # CUDA: not this bug
     assert "layer2.0.downsample.0" in caplog.text

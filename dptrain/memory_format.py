@@ -1,4 +1,4 @@
-"""The activation layout: ``model.channels_last = "auto"`` resolved once, where it was measured faster.
+"""The activation memory format (NCHW or NHWC): ``model.channels_last = "auto"`` resolved once, where it was measured faster.
 
 Rule (every zoo model is convolutional; ``true``/``false`` in the config override it):
 

@@ -1,5 +1,5 @@
 """The measuring side of ``reducer.bucket_mb = "auto"``: what the Reducer's probe records, and
-how the ranks' records become the planner's inputs (:mod:`dptrain.distributed.planning.planner` plans).
+how the ranks' records become the planner's inputs (:mod:`dptrain.distributed.buckets.planner` plans).
 
 After ``AUTO_WARMUP_ITERS`` synced iterations, ``2 * AUTO_PROBE_ITERS`` more run with one
 bucket per parameter, alternately overlapped and held (the 1st, 3rd, ... probe iteration
@@ -38,8 +38,8 @@ from statistics import fmean, median, stdev
 
 import torch
 
+from dptrain.distributed.buckets.planner import AutoDecision, decide_plan
 from dptrain.distributed.comm import Communicator
-from dptrain.distributed.planning.planner import AutoDecision, decide_plan
 from dptrain.observe.trace import now_us
 
 AUTO_WARMUP_ITERS = 1
@@ -50,7 +50,7 @@ and held); medians over them."""
 AUTO_DECISION_ITER = AUTO_WARMUP_ITERS + 2 * AUTO_PROBE_ITERS
 """The synced iteration at whose end the plan is decided and applied."""
 AUTO_DONE_ITER = AUTO_DECISION_ITER + 2 * AUTO_PROBE_ITERS
-"""The synced iteration at whose end the chosen plan has been checked (``AutoPlan.report``, :mod:`.auto`)."""
+"""The synced iteration at whose end the chosen plan has been checked (``BucketTuner.report``, :mod:`.auto`)."""
 PROBE_CAP_MB = 1e-9
 """Caps below any parameter's size: one bucket per parameter while probing, so every gradient's
 ready time and a spread of message sizes (biases to the largest weight) are measured."""

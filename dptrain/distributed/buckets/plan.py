@@ -6,7 +6,7 @@ and close a bucket when adding the next parameter would exceed the cap. The firs
 of each group uses ``first_bucket_mb`` so communication starts early in backward (DDP
 uses 1 MiB). A parameter is never split; one larger than the cap gets a bucket of its
 own. A bucket never crosses groups, so it is one contiguous slice of one flat buffer.
-With explicit ``cuts`` (the auto plan, ``dptrain.distributed.planning.planner``) the caps give way to
+With explicit ``cuts`` (the auto plan, ``dptrain.distributed.buckets.planner``) the caps give way to
 cut positions in the global ready order: a bucket closes where the next parameter lies
 past a cut, so every group is cut at the same points in time.
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dptrain.distributed.planning.plan import order_from_ready
-from dptrain.distributed.planning.probe import AutoProbe, check_line
+from dptrain.distributed.buckets.plan import order_from_ready
+from dptrain.distributed.buckets.probe import AutoProbe, check_line
 from dptrain.distributed.reducer import Launched, Reducer, group_specs
 from dptrain.observe.trace import now_us
 
@@ -23,16 +23,16 @@ PROBE_SETTLE_S = 1.0
 """CUDA probe: how long to wait for the completion watcher to stamp collectives the device has finished."""
 
 
-def attach_auto_plan(reducer: Reducer) -> AutoPlan | None:
+def attach_bucket_tuner(reducer: Reducer) -> BucketTuner | None:
     """The planner of ``reducer.bucket_mb = "auto"``, watching ``reducer``; None for a fixed plan or one solver."""
     if reducer.cfg.bucket_mb != "auto" or reducer.world_size <= 1:
         return None
-    plan = AutoPlan(reducer)
+    plan = BucketTuner(reducer)
     reducer.observers.append(plan)
     return plan
 
 
-class AutoPlan:
+class BucketTuner:
     """Drives ``reducer.bucket_mb = "auto"`` as a :class:`~dptrain.distributed.reducer.ReducerObserver` (see
     :mod:`.probe` for the iterations and what they measure)."""
 

@@ -15,7 +15,7 @@ runs an allreduce at ``overlap_rate`` of its full speed while backward still com
 at full speed after it (:func:`finish_ms`). On a GPU NCCL has SMs of its own (rate 1); on a
 CPU host without a spare core the gloo threads get little time until backward ends (the
 Reducer fits the rate on its probe's communication left after the slowest rank's backward,
-:mod:`dptrain.distributed.planning.probe`).
+:mod:`dptrain.distributed.buckets.probe`).
 
 Planner (:func:`plan_cuts`): over the gradients in ready order, choose where buckets start
 so that the last allreduce ends as early as possible (which minimises exposed
