@@ -2,6 +2,8 @@
 model with its flat buffers, initialised identically on every rank."""
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +13,7 @@ from dptrain.config import TrainConfig
 from dptrain.distributed.comm import Communicator
 from dptrain.errors import ConfigError, SetupError
 from dptrain.flat import FlatParams
-from dptrain.memory_format import cpu_nhwc_hazards
+from dptrain.memory_format import cpu_nhwc_hazards, resolve_channels_last
 from dptrain.models import build_model, check_input
 from dptrain.optimizer import rule_for
 from dptrain.precision import DTYPES, apply_precision
@@ -56,47 +58,73 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def nhwc_hazards(cfg: TrainConfig, in_channels: int) -> list[str]:
-    """The model's convolutions torch's CPU NHWC backward breaks on (``memory_format.cpu_nhwc_hazards``),
-    from a copy built on the meta device (shapes only)."""
-    with torch.device("meta"):
-        probe = build_model(cfg.model.name, num_classes=cfg.model.num_classes, width=cfg.model.width,
-                            in_channels=in_channels)
-    return cpu_nhwc_hazards(probe)
+def _freeze(model: nn.Module, patterns: list[str]) -> None:
+    """``model.freeze``: no gradient for the parameters whose names match a glob (each glob must match)."""
+    names = [n for n, _ in model.named_parameters()]
+    for pattern in patterns:
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ConfigError(f"model.freeze glob {pattern!r} matches no parameter (names look like {names[:4]}); "
+                              f"fix the glob or remove it")
+        for n in hits:
+            model.get_parameter(n).requires_grad_(False)
 
 
 def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.device,
-                           in_channels: int = 3, channels_last: bool = False) -> tuple[nn.Module, FlatParams]:
-    """The model in its storage dtype with flat buffers, initialised identically on every rank.
+                           in_channels: int = 3) -> tuple[nn.Module, FlatParams, bool]:
+    """The model in its storage dtype with flat buffers, initialised identically on every rank, and
+    its resolved ``model.channels_last``.
 
-    Rank 0's fp32 weights are broadcast *before* the cast, so the fp32 masters start from
-    the exact initial weights rather than from their fp16 rounding.
+    The model is built in fp32 on the CPU from the seed; ``model.channels_last = "auto"`` is
+    resolved on it (the CPU NHWC hazards are read off its convolutions); then rank 0's fp32 weights
+    and buffers are broadcast *before* the cast, so the fp32 masters start from the exact initial
+    weights rather than from their fp16 rounding. Frozen parameters keep their fp32 values beside
+    the flat buffers (``FlatParams.frozen``), so snapshots, ``export`` and ``--weights`` carry them
+    exactly.
     """
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
-    model = build_model(m.name, num_classes=m.num_classes, width=m.width, in_channels=in_channels,
-                        channels_last=channels_last).to(device)
+    model = build_model(m.name, num_classes=m.num_classes, width=m.width, in_channels=in_channels, args=m.args)
+    hazards = cpu_nhwc_hazards(model) if device.type == "cpu" else None
+    channels_last = resolve_channels_last(m.channels_last, cfg.precision.storage, device, hazards)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model = model.to(device)
+    _freeze(model, m.freeze)
     comm.broadcast_module(model)
     fp32_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_precision(model, cfg.precision)
     flat = FlatParams(model, state_names=rule_for(cfg.solver).state_names,
                       state_dtype=DTYPES[cfg.precision.momentum_dtype])
     flat.load_master_state(fp32_weights)
-    return model, flat
+    return model, flat, channels_last
 
 
-def running_stats(model: nn.Module) -> list[torch.Tensor]:
-    """The model's normalisation running statistics (``running_mean`` / ``running_var`` buffers)."""
-    return [b for name, b in model.named_buffers()
-            if name.rsplit(".", 1)[-1] in ("running_mean", "running_var") and b.is_floating_point()]
+NORM_STATISTICS = ("running_mean", "running_var")
+"""Buffer names of a normalisation's running statistics (BatchNorm's, and any custom norm that keeps
+torch's names): averaged over the ranks every iteration. Every other buffer comes from rank 0 at
+the start and then stays each rank's own."""
 
 
-def input_error(cfg: TrainConfig, sample_shape: tuple[int, int, int], error: RuntimeError) -> ConfigError | None:
+def running_stats(model: nn.Module) -> Callable[[], list[torch.Tensor]]:
+    """The model's floating normalisation running statistics, read afresh at each call: a model that
+    reassigns a buffer (``self.running_mean = ...``) instead of updating it in place is averaged
+    in its new tensor."""
+    names = [n for n, b in model.named_buffers()
+             if n.rsplit(".", 1)[-1] in NORM_STATISTICS and b.is_floating_point()]
+
+    def current() -> list[torch.Tensor]:
+        return [model.get_buffer(n) for n in names]
+
+    return current
+
+
+def input_error(cfg: TrainConfig, sample_shape: tuple[int, int, int], error: Exception) -> ConfigError | None:
     """The ConfigError for a first forward that failed because the model cannot take the data's
     samples (a forward on the meta device finds out, ~2 s of imports on first use); None when the
-    failure is something else."""
+    failure is something else (or the model cannot be built on the meta device to tell)."""
     m = cfg.model
-    why = check_input(m.name, num_classes=m.num_classes, width=m.width, sample_shape=sample_shape)
+    why = check_input(m.name, num_classes=m.num_classes, width=m.width, sample_shape=sample_shape, args=m.args)
     if why is None:
         return None
     h, w, c = sample_shape

@@ -38,11 +38,32 @@ CompileGraphs = Literal["auto", "whole", "segments"]
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = "lenet"
-    """Model zoo entry; see ``dptrain.models.MODELS`` for the choices."""
+    """A zoo entry (``dptrain.models.MODELS``: lenet, resnet18/34/50/101, resnet18_cifar, alexnet,
+    googlenet), or your own model as ``"package.module:callable"``: any importable callable that
+    returns an ``nn.Module`` (a class or a factory; ``"torchvision.models:vit_b_16"``; ``"timm:NAME"``
+    goes through ``timm.create_model``). Modules are imported from ``PYTHONPATH`` and the working
+    directory."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the callable of an import-path ``model.name`` (a TOML table,
+    ``[model.args]``; on the command line ``--set model.args.depth=12``). ``num_classes`` is passed
+    from ``model.num_classes`` when the callable takes it."""
     num_classes: int = 10
     """Width of the classifier. Labels must lie in [0, num_classes)."""
     width: int = 64
-    """Base channel count for the ``*_cifar`` nets (ResNet-18 uses 64). Smaller is faster."""
+    """Base channel count for the zoo's ``*_cifar`` nets (ResNet-18 uses 64). Smaller is faster."""
+    freeze: list[str] = field(default_factory=list)
+    """Globs over parameter names (``"backbone.*"``) whose parameters are frozen: not reduced, not
+    updated, kept exactly (also every parameter the model itself builds with requires_grad=False).
+    A glob that matches no parameter is an error."""
+    unused_parameters: Literal["auto", "error"] = "auto"
+    """Parameters that get no gradient in an iteration (a branch not taken, a head left out of the
+    loss). "auto": reduced as zeros on every rank (every rank launches the same buckets), named in
+    one warning, and left as torch's optimizers leave a parameter without a gradient when no rank
+    gave it one (no decay, no momentum step). "error": the first one ends the run with one line."""
+    aux_loss_weight: float = 0.3
+    """Weight of each auxiliary classifier's cross-entropy, added to the main loss when the model
+    returns more logits than one (a tuple, list or dict, as torchvision's GoogLeNet and Inception do
+    in training; ``dptrain.train.outputs``). 0.3 is the GoogLeNet paper's."""
     channels_last: bool | Literal["auto"] = "auto"
     """Store activations NHWC. "auto": wherever it was measured faster (``dptrain.memory_format``: CUDA
     with fp16/bf16 storage; CPU with bf16 where the CPU runs it natively); true/false force it."""
@@ -63,12 +84,22 @@ class ModelConfig:
     batch-norm backward ran several times slower than the same operations in one graph)."""
 
     def __post_init__(self) -> None:
-        from dptrain.models import MODELS
+        from dptrain.models import MODELS, is_import_path
 
-        if self.name not in MODELS:
-            raise ConfigError(f"model.name must be one of {sorted(MODELS)}, got {self.name!r}")
+        if is_import_path(self.name):
+            module, _, attr = self.name.partition(":")
+            if not all(p.isidentifier() for p in [*module.split("."), *attr.split(".")]):
+                raise ConfigError(f"model.name {self.name!r} is not \"package.module:callable\" (dotted Python names "
+                                  f"on both sides of the colon); or use a zoo entry {sorted(MODELS)}")
+        elif self.name not in MODELS:
+            raise ConfigError(f"model.name must be one of {sorted(MODELS)}, got {self.name!r}; or give your own model "
+                              f"as \"package.module:callable\"")
+        elif self.args:
+            raise ConfigError(f"model.args applies to a model given by import path (\"package.module:callable\"); the "
+                              f"zoo's {self.name!r} takes model.num_classes and model.width: remove [model.args]")
         _positive("model.num_classes", self.num_classes)
         _positive("model.width", self.width)
+        _positive("model.aux_loss_weight", self.aux_loss_weight, allow_zero=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,6 +367,11 @@ class LossScaleConfig:
             )
 
 
+FP32_NORMS = ("BatchNorm*", "SyncBatchNorm", "LayerNorm*", "GroupNorm", "InstanceNorm*", "RMSNorm")
+"""``precision.fp32_modules``' default: the normalisation layers of torch (and, by their base
+classes, of torchvision and timm)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrecisionConfig:
     storage: Literal["fp32", "fp16", "bf16"] = "fp32"
@@ -344,8 +380,11 @@ class PrecisionConfig:
     """dtype of the master weights that take the update."""
     momentum_dtype: Literal["fp32", "fp16"] = "fp32"
     """Momentum history dtype (NVCaffe solver_data_type). fp16 uses the lr-factored form G = m*G + g; w -= lr*G."""
-    fp32_modules: list[str] = field(default_factory=lambda: ["BatchNorm*"])
-    """Module type names or qualified-name globs kept in fp32 (inputs cast in, outputs cast back)."""
+    fp32_modules: list[str] = field(default_factory=lambda: list(FP32_NORMS))
+    """Module type names (a base class's name matches too: torchvision's and timm's LayerNorm2d are
+    LayerNorms) or qualified-name globs kept in fp32, parameters and statistics (inputs cast in,
+    outputs cast back; BatchNorm takes 16-bit inputs natively). By default every normalisation, as
+    Apex's O2 kept only BatchNorm and lost LayerNorm and GroupNorm models to fp16."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """[precision.loss_scale] table."""
 
@@ -474,6 +513,10 @@ def _check_value(key: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list of {_type_name(item_tp)}, got {value!r}")
         return [_check_value(f"{key}[{i}]", item_tp, v) for i, v in enumerate(value)]
+    if origin is dict:  # a free-form table (model.args): any TOML values under string keys
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table, got {value!r}")
+        return dict(value)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a table, got {value!r}")
@@ -581,9 +624,14 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):  # a table inside a list (solver.param_groups): an inline table
-        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, dict):  # a table inside a list (solver.param_groups) or a value: an inline table
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
     raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def _toml_key(k: str) -> str:
+    """A key as TOML writes it: bare when it can be (the config's own keys), quoted otherwise (model.args)."""
+    return k if k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k) else _toml_value(k)
 
 
 def dump_toml(cfg: TrainConfig) -> str:
@@ -593,11 +641,11 @@ def dump_toml(cfg: TrainConfig) -> str:
     def emit(table: dict[str, Any], name: str) -> None:
         scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
         lines.append(f"[{name}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
+        lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items())
         lines.append("")
         for k, v in table.items():
             if isinstance(v, dict):
-                emit(v, f"{name}.{k}")
+                emit(v, f"{name}.{_toml_key(k)}")
 
     for section, table in config_to_dict(cfg).items():
         emit(table, section)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dptrain.errors import SnapshotError
+from dptrain.errors import ConfigError, SnapshotError
 
 ALIGN_ELEMS = 64
 """Each parameter starts at a multiple of 64 elements, as NVCaffe pads its flat buffers;
@@ -137,11 +137,15 @@ class FlatGroup:
         for s in self.segments:
             s.param.grad = None
 
-    def restore_grads(self) -> None:
-        """Put back the views of parameters whose ``.grad`` is still None (no gradient in backward)."""
+    def restore_grads(self) -> list[str]:
+        """Put back the views of parameters whose ``.grad`` is still None (no gradient in backward);
+        their names."""
+        missing = []
         for s in self.segments:
             if s.param.grad is None:
                 s.param.grad = self._grad_views[id(s.param)]
+                missing.append(s.name)
+        return missing
 
     def check_grad_views(self) -> None:
         """Raise if someone replaced a ``.grad`` (e.g. ``zero_grad(set_to_none=True)``); holds
@@ -210,7 +214,13 @@ class FlatParams:
                  state_dtype: torch.dtype = torch.float32) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
-            raise RuntimeError("the model has no trainable parameters")
+            raise ConfigError("the model has no trainable parameters (every one is frozen: requires_grad=False or "
+                              "model.freeze); unfreeze some")
+        self._frozen_params = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+        self.frozen: dict[str, torch.Tensor] = {n: p.detach().float().cpu() for n, p in self._frozen_params.items()}
+        """Frozen parameters' fp32 values by name (host memory): they take no update and are not reduced,
+        but the model holds them in its storage dtype, so their exact values are kept here for
+        snapshots, ``export`` and ``--weights`` (:meth:`master_state`, :meth:`load_master_state`)."""
         named.reverse()  # backward produces the last layers' gradients first
         self._layout_order: list[str] = [n for n, _ in named]
         self._layout_version = 0
@@ -235,10 +245,10 @@ class FlatParams:
         for g in self.groups:
             g.release_grads()
 
-    def restore_grads(self) -> None:
-        """After the last backward of a training step: the views of parameters that got no gradient."""
-        for g in self.groups:
-            g.restore_grads()
+    def restore_grads(self) -> list[str]:
+        """After the last backward of a training step: the views of parameters that got no gradient
+        in any of the step's backwards; their names (``dptrain.distributed.unused``)."""
+        return [n for g in self.groups for n in g.restore_grads()]
 
     def zero_grads(self) -> None:
         """Zero every flat gradient buffer (a training step that failed part-way)."""
@@ -288,18 +298,25 @@ class FlatParams:
             g.check_grad_views()
 
     def master_state(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+        """Every parameter's fp32 value by name: the masters of the trainable ones, and the frozen ones'."""
+        out: dict[str, torch.Tensor] = {n: t.clone() for n, t in self.frozen.items()}
         for g in self.groups:
             out.update(g.master_state())
         return out
 
     def load_master_state(self, state: dict[str, torch.Tensor]) -> None:
-        names = {s.name for g in self.groups for s in g.segments}
+        """Set every parameter from fp32 values by name: the masters (the model's weights re-derived) and
+        the frozen parameters (their fp32 values kept, the model's copy cast to its dtype)."""
+        names = {s.name for g in self.groups for s in g.segments} | set(self.frozen)
         missing = sorted(names - set(state))
         if missing:
             raise SnapshotError(f"snapshot lacks parameters {missing[:5]}; was it written for another model?")
         for g in self.groups:
             g.load_master_state(state)
+        with torch.no_grad():
+            for n, p in self._frozen_params.items():
+                self.frozen[n] = state[n].detach().float().cpu().clone()
+                p.copy_(state[n])
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """The optimizer state: {state name: {parameter name: values}} over every group."""

@@ -12,8 +12,9 @@ import torch
 
 from dptrain import kernels
 from dptrain.config import SolverConfig
+from dptrain.distributed.unused import UnusedParams
 from dptrain.errors import SnapshotError
-from dptrain.flat import FlatParams
+from dptrain.flat import FlatGroup, FlatParams, Segment
 from dptrain.kernels import Hyper, UpdateArgs
 from dptrain.kernels.spec import RULES, PerElement, Rule, bias_corrections
 from dptrain.overflow import OverflowLocator
@@ -112,12 +113,16 @@ class MasterOptimizer:
     """
 
     def __init__(self, flat: FlatParams, cfg: SolverConfig, scaler: LossScaler, grad_divisor: int,
-                 multipliers: dict[str, Multipliers] | None = None, locator: OverflowLocator | None = None) -> None:
+                 multipliers: dict[str, Multipliers] | None = None, locator: OverflowLocator | None = None,
+                 unused: UnusedParams | None = None) -> None:
         self.flat, self.cfg, self.scaler, self.grad_divisor = flat, cfg, scaler, grad_divisor
         self.rule = rule_for(cfg)
         self.multipliers = multipliers or {}
         self.locator = locator
         """Names the parameters of a skipped step (see dptrain.overflow); runs in the norm pass."""
+        self.unused = unused
+        """The parameters no rank gave a gradient (``dptrain.distributed.unused``): the update leaves them
+        and their state as they were, as torch's optimizers leave a parameter whose ``.grad`` is None."""
         self._need_norm = scaler.enabled or cfg.clip_gradients > 0
         self._tables: dict[int, _Tables] = {}
         self._tables_version = -1
@@ -147,6 +152,7 @@ class MasterOptimizer:
         if self.rule.bias_correction:
             self._steps += (self.scaler.found_inf == 0).long()  # device op: a skipped step does not count
             bc = bias_corrections(self._steps, self.cfg.beta1, self.cfg.beta2)
+        held = self._hold()
         for i, g in enumerate(self.flat.groups):
             t = self._tables_of(i)
             if self.cfg.larc:
@@ -160,8 +166,37 @@ class MasterOptimizer:
                                       found_inf=self.scaler.found_inf, hyper=hyper, lr_scale=lr_scale,
                                       decay_scale=t.decay_scale, bias_correction=bc),
                            cpu_fused=self.cfg.cpu_fused_update)
+        self._put_back(held)
         self.scaler.update()
         return lr
+
+    def _hold(self) -> list[tuple[FlatGroup, Segment, torch.Tensor, list[torch.Tensor]]]:
+        """Before the update: copies of the master and state of every parameter that may have had no
+        gradient on any rank (the candidates: few, and known on the host), with the device mask
+        of those that had none. Device ops only."""
+        got = self.unused.hold() if self.unused is not None else None
+        if got is None:
+            return []
+        names, none = got
+        where = {s.name: (g, s) for g in self.flat.groups for s in g.segments}
+        held = []
+        for k, name in enumerate(names):
+            g, seg = where[name]
+            span = slice(seg.offset, seg.offset + seg.numel)
+            keep = [none[k], g.master[span].clone(), *(g.state[n][span].clone() for n in self.rule.state_names)]
+            held.append((g, seg, keep[0], keep[1:]))
+        return held
+
+    def _put_back(self, held: list[tuple[FlatGroup, Segment, torch.Tensor, list[torch.Tensor]]]) -> None:
+        """After the update: where the mask is set, the master and state as they were, the weights
+        derived from the master again (the update zeroed the gradients, as it should)."""
+        for g, seg, none, (master, *state) in held:
+            span = slice(seg.offset, seg.offset + seg.numel)
+            g.master[span].copy_(torch.where(none, master, g.master[span]))
+            for n, old in zip(self.rule.state_names, state, strict=True):
+                g.state[n][span].copy_(torch.where(none, old, g.state[n][span]))
+            if g.master is not g.params:
+                g.params[span].copy_(g.master[span])
 
     def _master_norms(self, i: int) -> torch.Tensor:
         """[segments] fp32: the L2 norm of each parameter's master."""

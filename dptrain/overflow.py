@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -104,10 +106,12 @@ class OverflowLocator:
         return ", ".join(f"{name} ({n} step{'s' if n > 1 else ''})" for name, n in self._run.most_common(MAX_NAMED))
 
 
-def first_nonfinite_layer(model: nn.Module, x: torch.Tensor) -> str:
+def first_nonfinite_layer(model: nn.Module, x: torch.Tensor,
+                          logits_of: Callable[[Any], torch.Tensor] = lambda out: out) -> str:
     """Run one forward of ``x`` and name the first leaf module, in execution order, whose output
     is not finite, and whether its own weights are. For the line of a run stopped for a
-    non-finite loss; costs one forward, on that path only."""
+    non-finite loss; costs one forward, on that path only. ``logits_of``: the logits in the model's
+    output (a tensor, or a tuple/dict for some models)."""
     found: list[str] = []
 
     def hook(name: str):
@@ -126,7 +130,7 @@ def first_nonfinite_layer(model: nn.Module, x: torch.Tensor) -> str:
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n and not any(m.children())]
     try:
         with torch.no_grad():
-            out = model(x)
+            out = logits_of(model(x))
     finally:
         for h in handles:
             h.remove()

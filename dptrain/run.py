@@ -17,6 +17,8 @@ from dptrain.distributed.comm import Communicator, agree_to_start, join_store
 from dptrain.distributed.control import StopFlag
 from dptrain.errors import ConfigError, RankFailure, UserError, first_line
 from dptrain.hostmem import apply_host_malloc
+from dptrain.models import is_import_path
+from dptrain.models import resolve as resolve_model
 from dptrain.observe.trace import Tracer
 from dptrain.snapshots import RunDir, resolve_resume
 from dptrain.topology import Topology
@@ -95,6 +97,8 @@ def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | No
     if weights_skip and not weights:
         raise ConfigError("--weights-skip names weights not to load, so it needs --weights PATH")
     topology = Topology.from_env()
+    if is_import_path(cfg.model.name):
+        resolve_model(cfg.model.name)  # a model path that does not import stops every rank before anything is written
     run_dir = RunDir(cfg.train.run_dir)
     run_dir.check_usable(writer=topology.rank == 0)
     stop = StopFlag()
@@ -129,6 +133,9 @@ def run_training(cfg: TrainConfig, *, resume: str | None = None, trace: str | No
                 raise RankFailure(comm.flight.explain(run_dir.path, first_line(e))) from e
             finally:
                 comm.close(peer_failed=peer_failed)
+    except BaseException:
+        run_dir.undo_start()  # a run that failed before writing anything leaves no run_dir behind
+        raise
     finally:
         run_dir.unlock()
     if "test_top1" in result and not result.get("stopped_by_signal"):

@@ -27,6 +27,7 @@ from torch import nn
 
 from dptrain.errors import ConfigError, SnapshotError, first_line
 from dptrain.flat import FlatParams
+from dptrain.models import is_import_path
 from dptrain.snapshots import check_snapshot, free_space, load_snapshot, load_tensors, save_atomically
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def export_snapshot(snapshot: str, out: str) -> dict[str, Any]:
     except (OSError, RuntimeError) as e:  # RuntimeError: torch's zip writer on a full disk
         raise SnapshotError(f"cannot write {out!r} ({type(e).__name__}: {first_line(e)}; "
                             f"{free_space(dst.parent)}); choose another OUT path") from e
-    names = "torchvision" if name in TORCHVISION_NAMED else "dptrain"
+    names = "torchvision" if name in TORCHVISION_NAMED else "the model's own" if is_import_path(name) else "dptrain"
     log.info("exported the model of %s (%s, iteration %d) to %s in %s names", src, name, state["iteration"], dst, names)
     return {"out": str(dst), "snapshot": str(src), "iteration": int(state["iteration"]), "model": name,
             "names": names, "tensors": len(tensors)}

@@ -28,10 +28,12 @@ import torch
 
 from dptrain.distributed.comm import Communicator, Work
 
-FIELDS = ("stop", "nonfinite_loss", "loss")
+FIELDS = ("stop", "nonfinite_loss", "loss", "unused")
 """The control vector's entries, each summed over the ranks: the loss so too, so that every rank
-sees every iteration's mean loss (for :class:`dptrain.train.health.DivergenceWatch`) without a host sync."""
-STOP, NONFINITE, LOSS = 0, 1, 2
+sees every iteration's mean loss (for :class:`dptrain.train.health.DivergenceWatch`) without a host
+sync; ``unused``: ranks that met a parameter without a gradient in the previous iteration which is not
+yet known as one (``dptrain.distributed.unused``)."""
+STOP, NONFINITE, LOSS, UNUSED = 0, 1, 2, 3
 CUDA_LAG = 2
 """Iterations between a CUDA step and the host reading its flags: the device-to-host copy of
 iteration k is long done by the end of iteration k + 2, so the read never stalls the
@@ -101,16 +103,17 @@ class ControlChannel:
         self._slot = 0
         self._pending: deque[_Pending] = deque()
 
-    def vector(self, stop: bool, loss: torch.Tensor | None = None) -> torch.Tensor:
-        """This step's device vector: the local stop request, whether ``loss`` is non-finite, and
-        ``loss`` itself. Device ops only (``fill_`` takes the host flag as a kernel argument)."""
+    def vector(self, stop: bool, loss: torch.Tensor | None = None, unused: float = 0.0) -> torch.Tensor:
+        """This step's device vector: the local stop request, whether ``loss`` is non-finite, ``loss``
+        itself and the ``unused`` flag. Device ops only (``fill_`` takes a host value as a kernel argument)."""
         v = self._vectors[self._slot]
         v[STOP].fill_(1.0 if stop else 0.0)
         if loss is None:
-            v[NONFINITE:].zero_()
+            v[NONFINITE:LOSS + 1].zero_()
         else:
             v[NONFINITE].copy_((~torch.isfinite(loss.detach())).float())
             v[LOSS].copy_(loss.detach())
+        v[UNUSED].fill_(unused)
         return v
 
     def submit(self, step: int, *, reduce: bool) -> None:

@@ -58,6 +58,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -76,6 +77,7 @@ from dptrain.distributed.buckets.plan import (
 )
 from dptrain.distributed.buckets.probe import PROBE_CAP_MB
 from dptrain.distributed.comm import AsyncAllreduce, Communicator, Work
+from dptrain.distributed.unused import UnusedParams
 from dptrain.errors import ConfigError, RankFailure
 from dptrain.flat import FlatParams
 from dptrain.observe.trace import Tracer, now_us
@@ -142,14 +144,20 @@ class Reducer:
     """Overlaps the gradient allreduce with backward; see the module docstring."""
 
     def __init__(self, flat: FlatParams, cfg: ReducerConfig, comm: Communicator, tracer: Tracer,
-                 running_stats: list[torch.Tensor] | None = None) -> None:
+                 running_stats: list[torch.Tensor] | Callable[[], list[torch.Tensor]] | None = None,
+                 unused: UnusedParams | None = None) -> None:
         self.flat, self.cfg, self.comm, self.tracer = flat, cfg, comm, tracer
-        self.running_stats = list(running_stats or [])
-        """Buffers averaged over ranks every synced iteration (BatchNorm's running mean/var)."""
-        self._stats_numels = [t.numel() for t in self.running_stats]
-        self._stats_views = [t.detach().view(-1) for t in self.running_stats]
-        """Flat views of the statistics, made once (the buffers are updated in place, as the copy-back
-        below assumes too): a step's launch concatenates them without a Python op per buffer."""
+        fixed = list(running_stats or []) if not callable(running_stats) else None
+        self._stats_source: Callable[[], list[torch.Tensor]] = running_stats if fixed is None else (lambda: fixed)
+        """The buffers averaged over ranks every synced iteration (normalisations' running mean/var),
+        read afresh at each launch: a model may reassign a buffer rather than update it in place."""
+        self.running_stats: list[torch.Tensor] = []
+        self._stats_views: list[torch.Tensor] = []
+        self._stats_numels: list[int] = []
+        self._refresh_stats_views()
+        self.unused = unused
+        """Which parameters got no gradient on any rank (``dptrain.distributed.unused``); its flags ride
+        behind the last bucket."""
         self._stats_flight: tuple[Launched, torch.Tensor] | None = None
         self._control: torch.Tensor | None = None
         self.world_size = comm.world_size
@@ -161,7 +169,6 @@ class Reducer:
         self._lock = threading.Lock()  # hooks may run on autograd device threads
         self._active = False
         self._holding = False  # an observer holds this backward's launches; wait() launches all
-        self._warned_unused = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._host_completion = flat.groups[0].grads.device.type == "cpu"
         """gloo on CPU: a collective is complete when its wait() returns; CUDA: when its event fires."""
@@ -307,6 +314,17 @@ class Reducer:
         if self.tracer.enabled and not self._host_completion and rec.bucket is not None:
             self._trace(rec, end_us)
 
+    def _refresh_stats_views(self) -> None:
+        """Flat views of the statistics, remade only when a buffer tensor changed: a step's launch then
+        concatenates them without a Python op per buffer."""
+        current = self._stats_source()
+        if len(current) == len(self._stats_views) and all(a is b for a, b in zip(current, self.running_stats,
+                                                                                  strict=True)):
+            return
+        self.running_stats = current
+        self._stats_views = [t.detach().view(-1) for t in current]
+        self._stats_numels = [t.numel() for t in current]
+
     def _has_stats(self) -> bool:
         """Whether a synced iteration sums anything besides gradients (running statistics, control flags)."""
         return bool(self.running_stats) or self._control is not None
@@ -314,6 +332,7 @@ class Reducer:
     def _launch_stats(self) -> None:
         """Start the running-statistics average (and the control vector's sum); the caller holds
         the lock and has run every forward of the iteration."""
+        self._refresh_stats_views()
         parts = self._stats_views if self._control is None else [*self._stats_views, self._control]
         stats = torch.cat(parts).float()  # one collective for all of it: the statistics, then the control vector
         start_us = now_us()
@@ -368,8 +387,12 @@ class Reducer:
         """
         if self.world_size == 1:
             self._active = False
+            if self.unused is not None:
+                self.unused.finish()
             return
         backward_end_us = self._launch_rest()
+        if self.unused is not None:  # behind the last bucket, in the same order on every rank
+            self.unused.launch(self._collective)
         for rec in self._launched:
             self._wait_bucket(rec)
         launched = self._launched + ([self._stats_flight[0]] if self._stats_flight is not None else [])
@@ -377,6 +400,8 @@ class Reducer:
         for o in self.observers:
             o.completed(launched, backward_end_us)
         self._finish_stats()
+        if self.unused is not None:
+            self.unused.finish()
         if self._replan_pending:
             self._replan()
         for o in self.observers:
@@ -390,8 +415,6 @@ class Reducer:
                                    "last backward; gradients would not be reduced")
             self._active = False
             backward_end_us = now_us()
-            if self._next_launch < len(self.plan.buckets) and not self._holding:
-                self._warn_unused()
             self._holding = False
             while self._next_launch < len(self.plan.buckets):
                 self._launch(self.plan.buckets[self._next_launch])
@@ -409,15 +432,6 @@ class Reducer:
             view.copy_(src.div_(self.world_size))  # average in fp32, then round once
         if self.tracer.enabled and self._host_completion:
             self._trace(rec, rec.end_us[0] if rec.end_us else now_us())
-
-    def _warn_unused(self) -> None:
-        if self._warned_unused:
-            return
-        self._warned_unused = True
-        missing = [s.name for g in self.flat.groups for s in g.segments if s.name not in self._seen]
-        log.warning("rank %d: %d parameter(s) got no gradient in backward (%s); buckets from %d on were "
-                    "reduced after backward instead of during it", self.comm.rank, len(missing), missing[:5],
-                    self._next_launch)
 
     # ------------------------------------------------------------------ replan
 
@@ -450,7 +464,10 @@ class Reducer:
     def state_dict(self) -> dict[str, list]:
         """The gradient-ready order a ``replan`` or auto plan laid the buffers out by, and the auto
         plan's cuts (both empty before they ran)."""
-        return {"ready_order": list(self._ready_order), "bucket_cuts": list(self._cuts or [])}
+        out: dict = {"ready_order": list(self._ready_order), "bucket_cuts": list(self._cuts or [])}
+        if self.unused is not None:
+            out["unused"] = self.unused.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, list]) -> None:
         """Re-apply a snapshot's replanned layout at once (collective), so a resumed run reduces
@@ -458,6 +475,8 @@ class Reducer:
         decide gloo's summation order with 3+ ranks, so the default plan for that one
         iteration made a resume differ in the last bits. An auto plan's cuts come back with it
         (no new probe); a snapshot taken before the auto plan was chosen leaves probing on."""
+        if self.unused is not None and "unused" in state:
+            self.unused.load_state_dict(state["unused"])  # type: ignore[arg-type]
         order = list(state.get("ready_order", []))
         cuts = list(state.get("bucket_cuts", []))
         adopt = bool(cuts) and any(o.accepts_plan for o in self.observers)

@@ -131,6 +131,15 @@ def check_same_start(comm: Communicator, iteration: int) -> None:
                             f"snapshot: use a train.run_dir all nodes share, or pass --resume PATH")
 
 
+def _check_same_model(then: dict[str, Any], now: dict[str, Any], path: Path) -> None:
+    """A snapshot resumes only the model it was written for: ``model.name`` and ``model.args`` alike."""
+    for key in ("name", "args"):
+        if then.get(key, {} if key == "args" else None) != now.get(key, {} if key == "args" else None):
+            raise SnapshotError(f"snapshot {str(path)!r} was written for model.{key} = {then.get(key)!r}, this run "
+                                f"has {now.get(key)!r}; resume with that model, or start a new run (use --weights "
+                                f"PATH to start from its weights)")
+
+
 class Snapshots:
     """Snapshots of ``run_dir`` for the solver that owns ``parts`` (module docstring)."""
 
@@ -171,6 +180,7 @@ class Snapshots:
         the snapshot (its ``iteration``, ``data`` and ``display`` are the caller's to apply).
         ``data_at(iteration)`` is this run's data setup there, compared with the snapshot's."""
         state = load_snapshot(path)
+        _check_same_model(state["config"].get("model", {}), self.config.get("model", {}), path)
         iteration = int(state["iteration"])
         check_same_start(self.comm, iteration)
         restore(self.parts, state)

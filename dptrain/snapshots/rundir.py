@@ -30,6 +30,9 @@ class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._lock_file: IO[str] | None = None
+        self._made: list[Path] = []
+        """The folders :meth:`lock` created, deepest first."""
+        self._made_lock = False
 
     @property
     def metrics(self) -> Path:
@@ -52,6 +55,12 @@ class RunDir:
         ``flock`` is released by the OS when the process dies, however it dies, so a lock
         left by a crashed run never blocks the next. The lock file names its holder.
         """
+        self._made = []
+        for p in (self.path, *self.path.parents):
+            if p.exists():
+                break
+            self._made.append(p)
+        self._made_lock = not (self.path / LOCK_NAME).exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             f = open(self.path / LOCK_NAME, "a+")
@@ -86,6 +95,21 @@ class RunDir:
         if self._lock_file is not None:
             self._lock_file.close()  # closing the descriptor drops the flock
             self._lock_file = None
+
+    def undo_start(self) -> None:
+        """A run that ended before it wrote anything (a bad model path, a folder without classes) leaves
+        nothing behind: the lock file and the folders :meth:`lock` made go, if nothing else is there."""
+        held = self._lock_file is not None
+        self.unlock()
+        if not held:
+            return
+        try:
+            if self._made_lock and [p.name for p in self.path.iterdir()] == [LOCK_NAME]:
+                (self.path / LOCK_NAME).unlink()
+            for p in self._made:  # deepest first
+                p.rmdir()
+        except OSError:  # not empty, or gone: keep what is there
+            pass
 
     def earlier_run(self) -> list[str]:
         """Files of an earlier run here: its metrics and snapshots."""

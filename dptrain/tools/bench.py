@@ -151,7 +151,7 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
     comm.close()
     if comm.rank != 0:
         return None
-    p = trainer.plan
+    p = trainer.setup
     total_s = sum(step_ms) / 1000.0
     ips = p.global_batch * steps / total_s
     rec: dict[str, Any] = {

@@ -62,6 +62,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,7 @@ from dptrain.errors import ConfigError
 from dptrain.flat import FlatParams
 from dptrain.inductor import cpu_compile_options, point_caches
 from dptrain.inductor import prepare as prepare_inductor
+from dptrain.train.outputs import split_output
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +155,7 @@ def segment_cap(model: nn.Module, bucket_mb: float | str, world_size: int, graph
 
 
 def compile_for_training(model: nn.Module, setting: CompileSetting, *, graphs: CompileGraphs = "auto", storage: str,
-                         bucket_mb: float | str, forward: Callable[[torch.Tensor], torch.Tensor],
+                         bucket_mb: float | str, forward: Callable[[torch.Tensor], Any],
                          batch_shape: tuple[int, int, int, int],
                          dtype: torch.dtype, channels_last: bool, flat: FlatParams,
                          comm: Communicator) -> CompiledModel | None:
@@ -230,7 +232,7 @@ class CompiledModel:
             else:
                 m.forward = own
 
-    def warm_up(self, forward: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, flat: FlatParams,
+    def warm_up(self, forward: Callable[[torch.Tensor], Any], batch: torch.Tensor, flat: FlatParams,
                 comm: Communicator) -> bool:
         """Compile, run ``forward`` and a backward once on ``batch`` (zeros of the training batch's
         shape, dtype and layout) and put everything back; agree with the other ranks. Whether the
@@ -250,7 +252,7 @@ class CompiledModel:
                 labels = torch.zeros(len(batch), dtype=torch.long, device=batch.device)
                 for _ in range(CUDA_GRAPH_WARMUPS if self.cuda_graphs else 1):  # record and replay, failures here
                     self.step_begins()
-                    F.cross_entropy(forward(batch).float(), labels).backward()
+                    F.cross_entropy(split_output(forward(batch))[0].float(), labels).backward()
                     flat.zero_grads()
         except ConfigError:
             raise

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from dptrain.assemble import RunSetup, build_model_and_params, input_error, nhwc_hazards, running_stats
+from dptrain.assemble import RunSetup, build_model_and_params, input_error, running_stats
 from dptrain.config import TrainConfig, config_to_dict, dump_toml
 from dptrain.data import build_source
 from dptrain.data.base import DeviceFeeder
@@ -20,8 +19,8 @@ from dptrain.distributed.comm import Communicator
 from dptrain.distributed.control import NONFINITE, ControlChannel, StopFlag
 from dptrain.distributed.reducer import Reducer
 from dptrain.distributed.straggler import StepClock, StragglerMonitor
+from dptrain.distributed.unused import UnusedParams
 from dptrain.inductor import point_caches
-from dptrain.memory_format import resolve_channels_last
 from dptrain.observe.metrics import MetricsWriter, TensorBoardWriter
 from dptrain.observe.trace import NullTracer, PhaseTimer, Tracer
 from dptrain.optimizer import MasterOptimizer
@@ -32,6 +31,7 @@ from dptrain.snapshots import RunDir, Snapshots, StateParts
 from dptrain.train.compiled import compile_for_training, eager
 from dptrain.train.display import DisplayWindow
 from dptrain.train.health import HealthWatch, check_loss_scale_floor
+from dptrain.train.outputs import check_logits, split_output, training_loss
 from dptrain.train.scoring import BAD, score, score_record, score_rounds
 from dptrain.train.stops import StopAgreed, StopProtocol
 
@@ -56,34 +56,33 @@ class Trainer:
         self.run_dir.check_usable(writer=False)
         self.source = build_source(cfg.data, num_classes=cfg.model.num_classes, seed=cfg.train.seed, device=self.device,
                                    rank=self.rank, cores=comm.topology.cores_per_process)
-        channels_last = resolve_channels_last(cfg.model.channels_last, cfg.precision.storage, self.device,
-                                              nhwc_hazards(cfg, self.source.sample_shape[2])
-                                              if self.device.type == "cpu" else None)
-        self.model, self.flat = build_model_and_params(cfg, comm, self.device, in_channels=self.source.sample_shape[2],
-                                                       channels_last=channels_last)
+        self.model, self.flat, channels_last = build_model_and_params(cfg, comm, self.device,
+                                                                      in_channels=self.source.sample_shape[2])
         self._input_ok = False
         ls_mode = cfg.precision.resolved_loss_scale_mode()
         self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
-        self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer, running_stats(self.model))
+        self.control = ControlChannel(comm, self.device)
+        self.unused = UnusedParams(self.flat, comm, mode=cfg.model.unused_parameters, lag=self.control.lag)
+        """Parameters without a gradient, agreed over the ranks (``dptrain.distributed.unused``)."""
+        self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer, running_stats(self.model), self.unused)
         self.bucket_tuner = attach_bucket_tuner(self.reducer)
         """The reducer.bucket_mb = "auto" planner watching the reducer (None for a fixed plan)."""
         multipliers = resolve_multipliers(self.model, cfg.solver.param_groups, cfg.solver.no_decay)
         self.overflow = OverflowLocator(self.flat, self.device, enabled=self.scaler.enabled)
         self.optimizer = MasterOptimizer(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor, multipliers,
-                                         locator=self.overflow)
-        self.shard = SampleOrder(self.rank, self.world_size, cfg.data.batch_size, cfg.train.seed,
+                                         locator=self.overflow, unused=self.unused)
+        self.order = SampleOrder(self.rank, self.world_size, cfg.data.batch_size, cfg.train.seed,
                                cfg.data.shuffle == "epoch")
-        self.plan = RunSetup(
+        self.setup = RunSetup(
             rank=self.rank, world_size=self.world_size, device=str(self.device), batch_size=cfg.data.batch_size,
             iter_size=cfg.solver.iter_size, global_batch=cfg.data.batch_size * self.world_size * cfg.solver.iter_size,
-            micro_steps_per_epoch=batches_per_epoch(self.source.num_train, self.shard.samples_per_step),
+            micro_steps_per_epoch=batches_per_epoch(self.source.num_train, self.order.samples_per_step),
             storage=cfg.precision.storage, loss_scale=ls_mode, channels_last=channels_last)
         self.dtype = DTYPES[cfg.precision.storage]
         self.iteration, self.lr = 0, 0.0
         self.phases = PhaseTimer(self.device, self.tracer, time_phases or self.tracer.enabled)
         self.stop = stop or StopFlag()
         self.stops = StopProtocol(self.stop)
-        self.control = ControlChannel(comm, self.device)
         self.health = HealthWatch(self.run_dir.path, rank=self.rank, world_size=self.world_size,
                                   max_nonfinite=cfg.solver.max_nonfinite, scaled=self.scaler.enabled,
                                   first_bad_layer=self._first_nonfinite_layer)
@@ -110,33 +109,44 @@ class Trainer:
 
     def _feeder_for(self, stream: Any) -> DeviceFeeder:
         return DeviceFeeder(stream, device=self.device, dtype=self.dtype, mean=self.source.mean,
-                            scale=self.source.scale, channels_last=self.plan.channels_last,
+                            scale=self.source.scale, channels_last=self.setup.channels_last,
                             mean_image=self.source.mean_image)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._feeder is None:
-            start = self.iteration * self.plan.iter_size
-            self._feeder = self._feeder_for(self.source.train_batches(self.shard, start))
+            start = self.iteration * self.setup.iter_size
+            self._feeder = self._feeder_for(self.source.train_batches(self.order, start))
         with self.phases("data_wait"):
             return next(self._feeder)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's output. If the first call fails because the model cannot take the data's
-        sample shape, a ConfigError says so (``assemble.input_error``; diagnosed only then)."""
+    def _forward(self, x: torch.Tensor) -> Any:
+        """The model's output (a tensor, tuple, list or dict: ``dptrain.train.outputs``). The first call
+        checks it: if the model cannot take the data's sample shape, or its logits are not
+        [batch, num_classes], a ConfigError says so (``assemble.input_error``; diagnosed only then)."""
         if self._input_ok:
             return self.model(x)
         try:
             out = self.model(x)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError, AssertionError) as e:
             if (why := input_error(self.cfg, self.source.sample_shape, e)) is None:
                 raise
             raise why from e
+        check_logits(split_output(out)[0], len(x), self.cfg.model.num_classes, self.cfg.model.name)
         self._input_ok = True
         return out
 
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return split_output(self._forward(x))[0]
+
+    def _observe(self, step: int, sums: torch.Tensor) -> None:
+        """What the control sums of ``step`` decide besides a stop: the run's health, and the gather of
+        parameters newly left without a gradient."""
+        self.health.observe(step, sums)
+        self.unused.observe(step, sums)
+
     def _first_nonfinite_layer(self) -> str:
         with eager():  # its forward hooks look inside the segments
-            return first_nonfinite_layer(self.model, self._next_batch()[0])
+            return first_nonfinite_layer(self.model, self._next_batch()[0], logits_of=lambda out: split_output(out)[0])
 
     # ------------------------------------------------------------------ step
 
@@ -144,7 +154,7 @@ class Trainer:
         """One iteration: iter_size micro-batches, the reduce, and the fused update."""
         self.model.train()
         self.comm.flight.iteration = self.iteration
-        n = self.plan.iter_size
+        n = self.setup.iter_size
         self._iter_loss.zero_()
         self.flat.release_grads()  # the update left the flat gradients zero: backward hands its own over
         try:
@@ -155,10 +165,11 @@ class Trainer:
                 with self.phases("forward"):
                     if self.compiled is not None:
                         self.compiled.step_begins()
-                    logits = self._forward(x).float()  # [B, num_classes]
-                    loss = F.cross_entropy(logits, y, label_smoothing=self.cfg.solver.label_smoothing) / n
+                    loss = training_loss(self._forward(x), y, label_smoothing=self.cfg.solver.label_smoothing,
+                                         aux_weight=self.cfg.model.aux_loss_weight) / n
                 self._iter_loss += loss.detach()
-                control = self.control.vector(self.stop.requested, self._iter_loss) if last else None
+                control = self.control.vector(self.stop.requested, self._iter_loss,
+                                              self.unused.control_flag()) if last else None
                 self.reducer.begin(sync=last, control=control)
                 if last and self._feeder is not None:
                     self._feeder.prefetch()  # next batch's H2D copy overlaps this backward
@@ -166,9 +177,10 @@ class Trainer:
                     self.scaler.scale_loss(loss).backward()
         except BaseException:
             self.flat.zero_grads()  # a failed step leaves no partial gradient for a retry to add to
-            raise
-        finally:
             self.flat.restore_grads()
+            raise
+        self.unused.iteration = self.iteration
+        self.unused.note(self.flat.restore_grads())
         self.clock.backward_done()
         self.window.add(self._iter_loss)
         self.clock.wait_start()
@@ -201,7 +213,7 @@ class Trainer:
         self.model.eval()
         try:
             with eager():  # rare: not worth a second compile for the evaluation graph
-                counts = score(self._forward, feeder, rounds, num_classes=self.cfg.model.num_classes, comm=self.comm,
+                counts = score(self._logits, feeder, rounds, num_classes=self.cfg.model.num_classes, comm=self.comm,
                                device=self.device, stops=self.stops)
             counts[BAD] += feeder.last_info.get("bad_records", 0)
         finally:
@@ -214,8 +226,8 @@ class Trainer:
 
     def _data_at(self, iteration: int) -> dict[str, int]:
         """The data position and setup a snapshot records (and a resume compares)."""
-        return {"micro_step": iteration * self.plan.iter_size, "world_size": self.world_size,
-                "batch_size": self.plan.batch_size, "seed": self.cfg.train.seed}
+        return {"micro_step": iteration * self.setup.iter_size, "world_size": self.world_size,
+                "batch_size": self.setup.batch_size, "seed": self.cfg.train.seed}
 
     def save(self) -> Path | None:
         """Write snapshot_iter_<iteration>.pt (rank 0 gets its path); see ``dptrain.snapshots``."""
@@ -239,9 +251,9 @@ class Trainer:
         """The display record (a host sync): loss and images/s since the last display, the
         scaler, overflow and straggler figures; warns where they call for it."""
         since = self.window.it_last
-        window, ms_per_iter = self.window.close(self.iteration, self.comm, self.plan.global_batch)
+        window, ms_per_iter = self.window.close(self.iteration, self.comm, self.setup.global_batch)
         rec = {"iter": self.iteration,
-               "epoch": round(self.iteration * self.plan.iter_size / self.plan.micro_steps_per_epoch, 4),
+               "epoch": round(self.iteration * self.setup.iter_size / self.setup.micro_steps_per_epoch, 4),
                **window, "lr": self.lr, **self.scaler.stats()}
         if self._feeder is not None and "bad_records" in self._feeder.last_info:
             rec["bad_records"] = self._feeder.last_info["bad_records"]  # skipped under data.max_bad_records
@@ -279,7 +291,7 @@ class Trainer:
         s = self.cfg.solver
         if self.rank == 0:
             self.run_dir.prepare(dump_toml(self.cfg))
-        log.info("%s", self.plan.describe())
+        log.info("%s", self.setup.describe())
         log.info("%s", self.optimizer.describe())
         if self.iteration >= s.max_iter:  # e.g. --resume auto on a finished run: its final test and snapshot exist
             log.warning("iteration %d is already at solver.max_iter = %d: nothing to train; raise solver.max_iter "
@@ -288,7 +300,7 @@ class Trainer:
         with self.stop.installed():
             try:
                 self._train_to(s.max_iter)
-                self.stops.settle(self.control, self.health.observe)
+                self.stops.settle(self.control, self._observe)
                 self.checkpoint()  # before the final test: a stop during it loses nothing
                 return {**self._last, **self._test_and_log()}
             except StopAgreed:
@@ -306,12 +318,13 @@ class Trainer:
             while self.iteration < max_iter:
                 self.train_step()
                 bar.update(1)
-                self.stops.read(self.control, self.iteration, self.health.observe)
+                self.stops.read(self.control, self.iteration, self._observe)
+                self.unused.maybe_agree(self.iteration)
                 it = self.iteration
                 if s.display and it % s.display == 0:
                     self._last = self._display()
                 if s.test_interval and it % s.test_interval == 0 and it < max_iter:
-                    self.stops.settle(self.control, self.health.observe)
+                    self.stops.settle(self.control, self._observe)
                     self.stops.vote(self.comm, self.device)
                     self._last = {**self._last, **self._test_and_log()}
                 if s.snapshot and it % s.snapshot == 0 and it < max_iter:

@@ -23,15 +23,19 @@ def test_auto_rule_and_overrides():
 def test_a_model_with_a_convolution_torch_breaks_on_in_nhwc_stays_nchw_on_the_cpu(caplog, tmp_path):
     """torch 2.13's CPU NHWC backward of a 1x1 stride-2 convolution with < 8 input channels corrupts
     the heap: ResNet-18 CIFAR at width 4 has one (its first projection shortcut), width 8 does not."""
-    from dptrain.assemble import nhwc_hazards
     from dptrain.config import load_config
+    from dptrain.models import build_model
     from dptrain.train import Trainer
 
-    narrow = nhwc_hazards(load_config(None, ["model.name=resnet18_cifar", "model.width=4"]), 3)
+    def nhwc_hazards(name: str, width: int = 64) -> list[str]:
+        with torch.device("meta"):
+            return layout.cpu_nhwc_hazards(build_model(name, num_classes=10, width=width, in_channels=3))
+
+    narrow = nhwc_hazards("resnet18_cifar", 4)
     assert narrow == ["layer2.0.downsample.0"]
     for name in ("lenet", "alexnet", "googlenet", "resnet50"):
-        assert nhwc_hazards(load_config(None, [f"model.name={name}"]), 3) == [], name
-    assert nhwc_hazards(load_config(None, ["model.name=resnet18_cifar", "model.width=8"]), 3) == []
+        assert nhwc_hazards(name) == [], name
+    assert nhwc_hazards("resnet18_cifar", 8) == []
 
     caplog.set_level("INFO", logger="dptrain.memory_format")
     assert layout.resolve_channels_last("auto", "fp32", CPU, narrow) is False
@@ -49,7 +53,7 @@ def test_a_model_with_a_convolution_torch_breaks_on_in_nhwc_stays_nchw_on_the_cp
                                  "data.image_size=16", "data.batch_size=2", f"train.run_dir=\"{tmp_path}/w{width}\""])
         t = Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cpu")))  # one process
         try:
-            assert t.plan.channels_last is nhwc, width
+            assert t.setup.channels_last is nhwc, width
             t.train_step()  # width 4 NHWC would crash here
         finally:
             t.close()
