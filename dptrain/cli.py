@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from dptrain.errors import EXIT_RANK_FAILURE, RankFailure, SetupError, UserError, first_line
 from dptrain.launcher import report_exit, say
+from dptrain.run import setup_logging
 from dptrain.topology import Topology
 
 
@@ -61,13 +62,6 @@ def error_line(e: UserError) -> str:
     if isinstance(e, RankFailure):
         return f"dptrain: error (rank {rank}): another rank failed or hung first: {first_line(e)}"
     return f"dptrain: error{f' (rank {rank})' if world > 1 else ''}: {e}"
-
-
-def setup_logging() -> None:
-    rank, world = _rank_and_world()
-    fmt = f"%(asctime)s {'rank%d ' % rank if world > 1 else ''}%(levelname).1s %(name)s: %(message)s"
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format=fmt,
-                        datefmt="%H:%M:%S", stream=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

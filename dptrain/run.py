@@ -3,21 +3,25 @@ the process group, the Trainer, and the rank-naming error line when a peer fails
 (:func:`run_training`); ``dptrain test`` shares the process setup."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from dptrain.assemble import pick_device
-from dptrain.config import TrainConfig, add_config_arguments, load_config
+from dptrain.config import TrainConfig, add_config_arguments, apply_overrides, config_to_dict, from_dict, load_config
 from dptrain.distributed.comm import Communicator, agree_to_start, join_store
 from dptrain.distributed.control import StopFlag
-from dptrain.errors import ConfigError, RankFailure, UserError, first_line
+from dptrain.errors import ConfigError, RankFailure, SetupError, UserError, first_line
 from dptrain.hostmem import apply_host_malloc
 from dptrain.models import is_import_path
+from dptrain.models import register as register_model
 from dptrain.models import resolve as resolve_model
 from dptrain.observe.trace import Tracer
 from dptrain.snapshots import RunDir, resolve_resume
@@ -163,3 +167,42 @@ def main(args: Any) -> None:
     """``dptrain train``: train this solver (:func:`run_training`)."""
     run_training(load_config(args.config, args.set), resume=args.resume, trace=args.trace, weights=args.weights,
                  weights_skip=tuple(args.weights_skip))
+
+
+def setup_logging() -> None:
+    """Log lines on stderr, with the rank where there are several: INFO from rank 0, WARNING from the others."""
+    try:
+        t = Topology.from_env()
+        rank, world = t.rank, t.world_size
+    except SetupError:  # the command itself reports an unreadable environment
+        rank, world = 0, 1
+    fmt = f"%(asctime)s {'rank%d ' % rank if world > 1 else ''}%(levelname).1s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format=fmt,
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+
+
+def fit(config: str | Path | TrainConfig | None = None, *, model: Callable[..., nn.Module] | None = None,
+        overrides: Sequence[str] = (), resume: str | None = None, weights: str | None = None,
+        weights_skip: Sequence[str] = ()) -> dict[str, Any]:
+    """Train from a script or a notebook, as ``dptrain train`` does: ``dptrain.fit("recipe.toml",
+    model=MyNet, overrides=["solver.max_iter=100"])``; the last metrics (rank 0's test top-1...).
+
+    ``config``: a TOML file, a :class:`TrainConfig`, or None (the defaults). ``model``: a callable
+    that returns an ``nn.Module`` (a class or a factory), called with ``model.args`` and
+    ``num_classes`` as for ``model.name = "package.module:callable"``; the run records that import
+    path, so ``--resume``, ``dptrain test`` and ``export`` find the model where it can be imported
+    (a script's own ``__main__`` callable only from that script: resume with ``fit(..., resume=...)``).
+    Under ``torchrun script.py`` every process calls it and becomes one solver, exactly as the
+    CLI's are; user errors raise :class:`dptrain.errors.UserError` (``dptrain train`` turns them into
+    one line and exit 2).
+    """
+    extra = list(overrides)
+    if model is not None:
+        extra.append(f"model.name={json.dumps(register_model(model))}")
+    if isinstance(config, TrainConfig):
+        cfg = from_dict(TrainConfig, apply_overrides(config_to_dict(config), extra), "")
+    else:
+        cfg = load_config(config, extra)
+    if not logging.getLogger().handlers:
+        setup_logging()
+    return run_training(cfg, resume=resume, weights=weights, weights_skip=tuple(weights_skip))

@@ -97,14 +97,16 @@ class RunDir:
             self._lock_file = None
 
     def undo_start(self) -> None:
-        """A run that ended before it wrote anything (a bad model path, a folder without classes) leaves
-        nothing behind: the lock file and the folders :meth:`lock` made go, if nothing else is there."""
+        """A run that ended before it trained (a bad model path, a model that cannot take the data, a
+        folder without classes) leaves nothing behind: the lock file it made, the config.toml it wrote
+        and the folders :meth:`lock` made go, when nothing else (metrics, snapshots) is there."""
         held = self._lock_file is not None
         self.unlock()
         if not held:
             return
         try:
-            if self._made_lock and [p.name for p in self.path.iterdir()] == [LOCK_NAME]:
+            if self._made_lock and {p.name for p in self.path.iterdir()} <= {LOCK_NAME, "config.toml"}:
+                (self.path / "config.toml").unlink(missing_ok=True)
                 (self.path / LOCK_NAME).unlink()
             for p in self._made:  # deepest first
                 p.rmdir()

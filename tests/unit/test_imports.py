@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "dptrain"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("dptrain.__main__", "dptrain.torchrun"),
+    ("dptrain", "dptrain.__main__", "dptrain.torchrun"),
     ("dptrain.cli",),
     ("dptrain.launcher",),
     ("dptrain.tools",),
@@ -34,7 +34,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dptrain.inductor",),
     ("dptrain.topology", "dptrain.observe", "dptrain.models", "dptrain.hostmem", "dptrain.csrc"),
     ("dptrain.errors",),
-    ("dptrain",),
 )
 """Components from the top layer down (STYLE.md section 1: ``train -> {distributed, solver, data,
 models} -> {precision, kernels} -> config``; only ``run`` and the tools above it import ``train``,
@@ -46,7 +45,8 @@ import components of lower layers only: not its own layer's others (so ``data`` 
 inside one component (``dptrain.data.*``) may import each other; the cycle test covers them.
 ``models`` sits below ``config`` because the config checks ``model.name`` against the zoo when
 it loads, and the zoo imports nothing but ``errors`` (STYLE: models have no distributed,
-precision or config imports)."""
+precision or config imports). The package root ``dptrain`` sits on top with the entry points: it
+forwards its public entry ``dptrain.fit`` (``dptrain.run``) on first use, and no module imports it."""
 
 DATA_LAYERS: tuple[tuple[str, ...], ...] = (
     ("dptrain.data",),
