@@ -10,7 +10,7 @@ With ``--compile [MODE]`` the (DDP-wrapped) model runs under torch.compile: the 
 The optimizer is torch.optim.SGD (momentum, weight decay; foreach on CPU, fused on CUDA).
 Data: dptrain's synthetic source and device-side normalisation, so input cost is identical.
 
-    python -m torch.distributed.run --standalone --nproc-per-node=2 benchmarks/peer.py \
+    python -m torch.distributed.run --standalone --nproc-per-node=2 -m benchmarks.throughput.peer \
         --model resnet18_cifar --width 32 --precision bf16 --batch-size 32 --image-size 32
 """
 from __future__ import annotations

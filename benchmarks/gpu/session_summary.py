@@ -5,7 +5,7 @@ Reads the session folder gpu_session.sh fills (status.tsv: stage, status, second
 so a run cut off from outside still says how far it got. Standard library only: it must work
 where the stages failed.
 
-    python benchmarks/session_summary.py gpu_out/session --stages "selfcheck tests bandwidth data resnet50"
+    python -m benchmarks.gpu.session_summary gpu_out/session --stages "selfcheck tests bandwidth data resnet50"
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def sweep_figures(work: Path) -> list[str]:
     lines = ["  sweep img/s by batch: " + ", ".join(f"{r.get('batch_size')}: {r['images_per_s']:.0f}" for r in recs)]
     points = [(int(r["batch_size"]), float(r["step_ms_median"])) for r in recs if "step_ms_median" in r]
     if len({b for b, _ in points}) >= 3:
-        from scaling_model import fit_batch_cost
+        from benchmarks.scaling.model import fit_batch_cost
 
         try:
             c = fit_batch_cost(points)

@@ -1,7 +1,7 @@
 """The `data` stage of gpu_session.sh: ResNet-50 fp16 from a Caffe LMDB of photo-like JPEGs, against synthetic data.
 
 Issue 31 item 5, on the GPU host, in one process tree:
-1. ``--images`` photo-like JPEGs of ~``--size`` px (benchmarks/photo_lmdb.py) in class folders;
+1. ``--images`` photo-like JPEGs of ~``--size`` px (benchmarks/data/photo_lmdb.py) in class folders;
 2. ``dptrain make-lmdb --encoded --shuffle`` writes them into one Caffe LMDB;
 3. ``dptrain data-bench`` at its defaults on the resnet50_imagenet recipe pointed at that LMDB;
 4. ``dptrain bench`` from that LMDB, ``--train-steps`` timed iterations after ``--train-warmup``;
@@ -12,8 +12,8 @@ record with the figures and their goals (issue 31, on the GPU host: data-bench >
 at the defaults, train-from-LMDB >= 0.95x synthetic), which session_summary.py reads.
 ``--no-train`` stops after step 3 (a CPU test runs the stage tiny that way).
 
-    python benchmarks/data_stage.py --work /tmp/data_stage
-    python benchmarks/data_stage.py --work /tmp/d --images 64 --size 256 --set data.batch_size=8 \\
+    python -m benchmarks.data.data_stage --work /tmp/data_stage
+    python -m benchmarks.data.data_stage --work /tmp/d --images 64 --size 256 --set data.batch_size=8 \\
         --bench-batches 2 --bench-warmup 1 --bench-repeats 1 --no-train
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from photo_lmdb import write_photos
+from benchmarks.data.photo_lmdb import write_photos
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "launch" / "configs" / "resnet50_imagenet.toml"
 GOALS = {"data_bench_images_per_s": 8000.0, "lmdb_over_synthetic": 0.95}
 """Issue 31's goals on the next GPU host: data-bench at the defaults, and train-from-LMDB / bench --synthetic."""

@@ -1,14 +1,14 @@
 """dptrain against its peers (torch AMP, DDP + AMP), measured in the same run.
 
-Each case runs dptrain's ``bench`` and the peer (benchmarks/peer.py) alternately,
+Each case runs dptrain's ``bench`` and the peer (benchmarks/throughput/peer.py) alternately,
 ``--repeats`` times, and reports the median images/s of each and their ratio. Results go
 to ``benchmarks/results/throughput_<hardware>_<yyyymmdd>.md`` with every raw JSON line.
 
-    python benchmarks/throughput.py                 # CPU cases (2 cores: a few minutes)
-    python benchmarks/throughput.py --suite layout  # dptrain's default layout vs DDP with and without channels_last
-    python benchmarks/throughput.py --suite buckets # reducer.bucket_mb = "auto" vs a sweep of fixed caps
-    python benchmarks/throughput.py --suite gpu     # GPU cases (one GPU)
-    python benchmarks/throughput.py --dry-run       # print the commands only
+    python -m benchmarks.throughput.throughput                 # CPU cases (2 cores: a few minutes)
+    python -m benchmarks.throughput.throughput --suite layout  # dptrain's default layout vs DDP with and without channels_last
+    python -m benchmarks.throughput.throughput --suite buckets # reducer.bucket_mb = "auto" vs a sweep of fixed caps
+    python -m benchmarks.throughput.throughput --suite gpu     # GPU cases (one GPU)
+    python -m benchmarks.throughput.throughput --dry-run       # print the commands only
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dptrain import hostmem
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASE_CONFIG = REPO / "launch" / "configs" / "resnet50_synthetic.toml"
 
 
@@ -186,7 +186,7 @@ def dptrain_cmd(c: Case, steps: int, warmup: int) -> list[str]:
 
 
 def peer_cmd(c: Case, steps: int, warmup: int) -> list[str]:
-    cmd = [*launcher(c.world_size), str(REPO / "benchmarks" / "peer.py"), f"--model={c.model}",
+    cmd = [*launcher(c.world_size), "-m", "benchmarks.throughput.peer", f"--model={c.model}",
            f"--width={c.width}", f"--num-classes={c.num_classes}", f"--precision={c.precision}",
            f"--batch-size={c.batch_size}", f"--image-size={c.image_size}", f"--steps={steps}", f"--warmup={warmup}"]
     cmd += [f"--compile={c.peer_compile}"] if c.peer_compile else []
@@ -227,7 +227,7 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
 
 PROGRESS_KEYS = ("compiled", "cuda_graphs", "compile_s", "startup_s", "peak_mem_bytes")
 """Fields of a run's record repeated in its progress line, beside images/s: what
-benchmarks/session_summary.py reads from a stage log (whether dptrain really ran compiled, and
+benchmarks/gpu/session_summary.py reads from a stage log (whether dptrain really ran compiled, and
 each side's peak memory), even when the stage is cut off before the results file is written."""
 
 

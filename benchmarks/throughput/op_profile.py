@@ -1,5 +1,5 @@
 """Where a training step's CPU time goes: dptrain's ``Trainer.train_step`` against the peer's plain
-PyTorch loop (``benchmarks/peer.py``: the same model, data, learning rate, momentum and weight
+PyTorch loop (``benchmarks/throughput/peer.py``: the same model, data, learning rate, momentum and weight
 decay, fixed rate), one process, per operator.
 
 One process only: no reducer hooks, no DDP, no collectives; so it separates the compute side of
@@ -13,10 +13,10 @@ warm-up (``torch.profiler``, CPU self time per operator). The report gives the s
 convolutions per round, then the operators by their largest median self time, with call counts
 (deterministic: a count that differs is work one side does and the other does not).
 
-    python benchmarks/op_profile.py                       # ResNet-18 CIFAR width 32, batch 32, fp32 NHWC
-    python benchmarks/op_profile.py --threads 1           # as each of 2 solvers on 2 cores
-    python benchmarks/op_profile.py --layout nchw --rounds 2
-    python benchmarks/op_profile.py --precision bf16 --threads 1   # bf16 storage vs autocast bf16
+    python -m benchmarks.throughput.op_profile                       # ResNet-18 CIFAR width 32, batch 32, fp32 NHWC
+    python -m benchmarks.throughput.op_profile --threads 1           # as each of 2 solvers on 2 cores
+    python -m benchmarks.throughput.op_profile --layout nchw --rounds 2
+    python -m benchmarks.throughput.op_profile --precision bf16 --threads 1   # bf16 storage vs autocast bf16
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONV_OPS = ("aten::convolution_backward", "aten::mkldnn_convolution")
 
 
@@ -62,9 +62,8 @@ def dptrain_step(args: argparse.Namespace, run_dir: str) -> tuple[Callable[[], N
 
 
 def peer_step(args: argparse.Namespace) -> Callable[[], None]:
-    """The peer's own step (``benchmarks/peer.py``: fp32, or autocast for bf16/fp16), in this process."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from peer import make_step
+    """The peer's own step (``benchmarks/throughput/peer.py``: fp32, or autocast for bf16/fp16), in this process."""
+    from benchmarks.throughput.peer import make_step
 
     return make_step(args.model, args.width, 10, args.precision, args.batch_size, args.image_size,
                      args.layout == "nhwc", torch.device("cpu"))

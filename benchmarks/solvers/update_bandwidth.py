@@ -33,8 +33,8 @@ copy of the same bytes, each by its own share. ``buffers_rotated`` in the record
 copies each pass used (the update moves 562 MB per call and needs none). On the CPU the same
 keeps the last-level cache out of a small ``--numel``'s times.
 
-    python benchmarks/update_bandwidth.py                     # CUDA: kernel + reference + copy
-    python benchmarks/update_bandwidth.py --device cpu --storage bf16 --numel 10000000
+    python -m benchmarks.solvers.update_bandwidth                     # CUDA: kernel + reference + copy
+    python -m benchmarks.solvers.update_bandwidth --device cpu --storage bf16 --numel 10000000
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The scaling model against published runs: fit on some rows, check on the others, out of sample.
 
-Rows come from ``benchmarks/profiles/published/*.toml``, each with its source. A row compares a
+Rows come from ``benchmarks/scaling/profiles/published/*.toml``, each with its source. A row compares a
 base run (``gpus_1`` GPUs at per-GPU batch ``batch_size_1``; by default one GPU at the row's batch)
 with a run on ``gpus`` GPUs at per-GPU batch ``batch_size``; its efficiency is the per-GPU rate of
 the second over the first. Weak-scaling rows keep the batch; strong-scaling rows (MLPerf's fixed
@@ -20,7 +20,7 @@ What is fitted, and on what:
 predicted minus the published efficiency, in percentage points. The plain overlap model (the
 2026-11-23 model: no terms, compute linear in the batch) is shown beside it.
 
-    python benchmarks/scaling_validate.py --out benchmarks/results
+    python -m benchmarks.scaling.scaling_validate --out benchmarks/results
 """
 from __future__ import annotations
 
@@ -33,8 +33,7 @@ from pathlib import Path
 
 import tomllib
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import scaling_model as sm  # noqa: E402
+import benchmarks.scaling.model as sm
 
 GOAL_PP = 5.0
 """The issue's target: every check row within 5 percentage points of efficiency."""
@@ -188,13 +187,13 @@ def prediction(row: Row, wl: sm.Workload, f: Fit) -> float:
 def report(rows: list[Row], wl: sm.Workload, sources: list[Path]) -> str:
     f = fit(rows, wl)
     out = [f"# Scaling model vs published runs ({datetime.date.today():%Y-%m-%d})", "",
-           "`python benchmarks/scaling_validate.py --out benchmarks/results`; rows: "
+           "`python -m benchmarks.scaling.scaling_validate --out benchmarks/results`; rows: "
            + ", ".join(f"`{p.relative_to(sm.PROFILES.parent.parent)}`" for p in sources) + ".", "",
            f"Fitted: jitter_cv = {f.jitter_cv:g} on the weak fit rows (the workload file holds {wl.jitter_cv:g}; "
            "each weak fit row is predicted with the value fitted without it: "
            + ", ".join(f"{v:g}" for v in f.leave_one_out.values()) + "); fixed step cost per machine on its strong "
            "fit row: " + (", ".join(f"{m} {v:.2f} ms" for m, v in f.fixed.items()) or "none") + ". Input ceilings "
-           "are the rows' input paths (`benchmarks/profiles/inputs.toml`), never fitted; a row whose path has no "
+           "are the rows' input paths (`benchmarks/scaling/profiles/inputs.toml`), never fitted; a row whose path has no "
            "rate is compute and communication only (\"-\" in the input column). Contention per machine file "
            "(assumed 0.15).", ""]
     for title, group in (("Fit rows (each fits what the lead paragraph says; not evidence of accuracy)", "fit"),

@@ -23,8 +23,8 @@ fails the run instead of measuring Pillow twice.
 Every case runs in a fresh process. Results go to
 ``benchmarks/results/data_pipeline_<hardware>_<yyyymmdd>.md`` with every raw JSON line.
 
-    python benchmarks/data_pipeline.py                      # about 5 minutes on 2 cores
-    python benchmarks/data_pipeline.py --images 200 --rounds 1   # quick look
+    python -m benchmarks.data.data_pipeline                      # about 5 minutes on 2 cores
+    python -m benchmarks.data.data_pipeline --images 200 --rounds 1   # quick look
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 JPEG_QUALITY = 90
 CROP = 224
 BATCH = 64
@@ -297,7 +297,7 @@ def main() -> int:
         dataset = build_dataset(Path(db), args.images, seed=0)
         cfg = Path(tmp) / "bench.toml"
         _config(cfg, db)
-        me = [sys.executable, str(Path(__file__).resolve()), "--db", db, "--batches", str(args.batches)]
+        me = [sys.executable, "-m", "benchmarks.data.data_pipeline", "--db", db, "--batches", str(args.batches)]
         cases = {"decode_1core": me + ["--case", "decode"]}
         for w in (0, 2):
             cases[f"dataloader_w{w}"] = me + ["--case", f"dataloader{w}"]

@@ -32,20 +32,20 @@ statistics' allreduce where it is not overlapped; jitter: the slowest of N ranks
 the input pipeline's ceilings, per node and per solver process. Weak-scaling efficiency = T_1 / T_N.
 
 The input ceilings are stated, never fitted to a scaling result: an input path
-(``benchmarks/profiles/inputs.toml``, :class:`InputPath`) gives a cited rate per node, or what
+(``benchmarks/scaling/profiles/inputs.toml``, :class:`InputPath`) gives a cited rate per node, or what
 ``dptrain data-bench`` measures (CPU ms per image, one process's ceiling), which
 :func:`input_rates` turns into a node's rate with the machine's CPU cores. A path with no rate is
 not modelled, and a prediction made with it says so (compute and communication only).
 
-Machines (``benchmarks/profiles/machines/*.toml``: GPUs per node, HBM, NVLink/NVSwitch, NIC,
-contention) and workloads (``benchmarks/profiles/workloads/*.toml``: one-GPU rate, batch,
+Machines (``benchmarks/scaling/profiles/machines/*.toml``: GPUs per node, HBM, NVLink/NVSwitch, NIC,
+contention) and workloads (``benchmarks/scaling/profiles/workloads/*.toml``: one-GPU rate, batch,
 gradient bytes, jitter, input path per machine) are data files to copy and edit for your
-cluster. ``benchmarks/scaling_validate.py`` checks the model against published tables.
+cluster. ``benchmarks/scaling/scaling_validate.py`` checks the model against published tables.
 
-    python benchmarks/scaling_model.py                       # DGX H100, reference ResNet-50 profile
-    python benchmarks/scaling_model.py --profile runs/t.rank0.json --profile-batch 32 --machines dgx-h100,dgx-a100
-    python benchmarks/scaling_model.py --calibrate           # gloo alpha/beta on this machine, 2 processes
-    python benchmarks/scaling_model.py --calibrate --measured-bench bench2.jsonl --bench-profile t.rank0.json
+    python -m benchmarks.scaling.model                     # DGX H100, reference ResNet-50 profile
+    python -m benchmarks.scaling --profile runs/t.rank0.json --profile-batch 32 --machines dgx-h100,dgx-a100
+    python -m benchmarks.scaling --calibrate           # gloo alpha/beta on this machine, 2 processes
+    python -m benchmarks.scaling --calibrate --measured-bench bench2.jsonl --bench-profile t.rank0.json
 """
 from __future__ import annotations
 
@@ -363,7 +363,7 @@ def _link(d: dict[str, Any] | None) -> Link | None:
 
 
 def load_machine(path: Path) -> Machine:
-    """A machine profile from its TOML file (see benchmarks/profiles/machines/dgx-h100.toml)."""
+    """A machine profile from its TOML file (see benchmarks/scaling/profiles/machines/dgx-h100.toml)."""
     try:
         d = tomllib.loads(path.read_text())
         return Machine(str(d["name"]), int(d["gpus_per_node"]), _link(d["nvlink"]), _link(d.get("network")),
@@ -381,7 +381,7 @@ MACHINES: dict[str, Machine] = {p.stem: load_machine(p) for p in sorted((PROFILE
 
 @dataclass(frozen=True)
 class InputPath:
-    """An input pipeline's rate, stated with its source (``benchmarks/profiles/inputs.toml``): a
+    """An input pipeline's rate, stated with its source (``benchmarks/scaling/profiles/inputs.toml``): a
     cited rate per node, or ``dptrain data-bench``'s measurement on one node (CPU ms per image over
     all its threads, and one process's own ceiling, the GIL's). Never fitted from a scaling row."""
 
@@ -619,7 +619,7 @@ def fit_alpha_beta(sizes_bytes: list[float], times_s: list[float], n: int, relat
 
 @dataclass(frozen=True)
 class Workload:
-    """A workload profile (benchmarks/profiles/workloads/*.toml): the model and, per machine, its
+    """A workload profile (benchmarks/scaling/profiles/workloads/*.toml): the model and, per machine, its
     one-GPU rate, batch, gradient bytes and input path (a name in inputs.toml), with the per-step terms."""
 
     model: str
@@ -908,11 +908,11 @@ def calibration_report(points: list[tuple[int, float]], n: int, alpha_us: float,
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--machines", default="dgx-h100", help=f"comma-separated from {sorted(MACHINES)} "
-                    "(benchmarks/profiles/machines/<key>.toml; add your own file there)")
+                    "(benchmarks/scaling/profiles/machines/<key>.toml; add your own file there)")
     ap.add_argument("--profile", help="trace (PATH.rank0.json) or profile JSON; default: the reference ResNet-50")
     ap.add_argument("--profile-batch", type=int, default=0, help="per-solver batch of --profile")
     ap.add_argument("--workload", default=str(PROFILES / "workloads" / "resnet50.toml"),
-                    help="workload profile: one-GPU rates, jitter, input ceilings (benchmarks/profiles/workloads/)")
+                    help="workload profile: one-GPU rates, jitter, input ceilings (benchmarks/scaling/profiles/workloads/)")
     ap.add_argument("--bucket-mb", type=float, help="re-bucket the profile (default: its own plan; "
                                                      f"{DEFAULT_BUCKET_MB:g} for a per-parameter profile)")
     ap.add_argument("--first-bucket-mb", type=float, default=DEFAULT_FIRST_BUCKET_MB)
@@ -957,8 +957,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     md = [f"## Scaling model predictions ({datetime.date.today():%Y-%m-%d})", "",
           "Terms beyond the overlap model: contention and host floor from the machine and workload files, "
-          f"jitter_cv {wl.jitter_cv:g} (fit, benchmarks/scaling_validate.py); the input ceilings of the machine's "
-          "input path (benchmarks/profiles/inputs.toml: stated or measured, never fitted). The validated error of "
+          f"jitter_cv {wl.jitter_cv:g} (fit, benchmarks/scaling/scaling_validate.py); the input ceilings of the machine's "
+          "input path (benchmarks/scaling/profiles/inputs.toml: stated or measured, never fitted). The validated error of "
           "these predictions is in benchmarks/results/scaling_validation_*.md.", "",
           (f"Strong scaling: step(b) = {cost.fixed_ms:.2f} ms + b x {cost.per_image_ms:.3f} ms, fitted from "
            f"{len(cost.points)} bench runs ({cost.source}; largest error {cost.max_error:.1%})" if cost else
@@ -980,8 +980,7 @@ def main(argv: list[str] | None = None) -> int:
                                      cost=cost or (None if given else wl.batch_cost(key)),
                                      input_name=f"{path.name}'s input path" if has_ceiling else "the input path"))
     if args.calibrate:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from collective_bench import measure_allreduce
+        from benchmarks.scaling.collective_bench import measure_allreduce
 
         points = measure_allreduce([int(s) for s in args.sizes.split(",")], world_size=2, iters=args.iters)
         alpha_us, busbw = fit_alpha_beta([s for s, _ in points], [t for _, t in points], 2)

@@ -8,7 +8,7 @@ gradient, a few overlapping shapes, a slight blur (lens softness) and per-pixel 
 (sensor grain), with a random aspect ratio around ``--size``. Image i depends on (seed, i)
 only, so any worker count writes the same files.
 
-    python benchmarks/photo_lmdb.py --count 1500 --size 500 --out /tmp/photos
+    python -m benchmarks.data.photo_lmdb --count 1500 --size 500 --out /tmp/photos
     dptrain make-lmdb --encoded --shuffle /tmp/photos /tmp/photos_lmdb
 """
 from __future__ import annotations

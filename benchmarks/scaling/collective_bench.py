@@ -6,7 +6,7 @@ Spawns ``world_size`` processes (torch.multiprocessing, spawn), joins them throu
 timed calls, each after a barrier so the ranks start together. Rank 0's median per size
 is returned.
 
-    python benchmarks/collective_bench.py --sizes 4096,1048576,16777216
+    python -m benchmarks.scaling.collective_bench --sizes 4096,1048576,16777216
 """
 from __future__ import annotations
 

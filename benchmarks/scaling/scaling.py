@@ -9,9 +9,9 @@ on one point only.
 Outputs in ``--out``: ``scaling_<tag>_<yyyymmdd>.{csv,md,png,jsonl}`` (CSV, markdown table
 with the machine description, plot of throughput and efficiency, raw JSON lines).
 
-    python benchmarks/scaling.py --dry-run                       # print the commands only
-    python benchmarks/scaling.py                                 # CPU: world sizes 1,2 (gloo)
-    python benchmarks/scaling.py --config launch/configs/resnet50_synthetic.toml --synthetic \
+    python -m benchmarks.scaling.scaling --dry-run                       # print the commands only
+    python -m benchmarks.scaling.scaling                                 # CPU: world sizes 1,2 (gloo)
+    python -m benchmarks.scaling.scaling --config launch/configs/resnet50_synthetic.toml --synthetic \
         --world-sizes 1,2,4,8 --mode weak                        # one DGX node
 
 Efficiency at world size N, relative to the smallest world size b of the study:
@@ -34,7 +34,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 Mode = Literal["weak", "strong"]
 PHASE_KEYS = ("data_wait_ms", "forward_ms", "backward_ms", "exposed_comm_ms", "update_ms")
 EFFICIENCY_TARGET = 0.8
@@ -329,7 +329,6 @@ def output_file(stem: Path, ext: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     args = _parse_args(argv)
-    sys.path.insert(0, str(REPO))
     from dptrain.config import load_config
     from dptrain.errors import ConfigError
 
@@ -373,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(rows, output_file(stem, ".csv"))
     output_file(stem, ".jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     md = markdown_table(rows, {**machine_description(records), "config": args.config,
-                               "command": "python benchmarks/scaling.py " + " ".join(argv or sys.argv[1:])})
+                               "command": "python -m benchmarks.scaling.scaling " + " ".join(argv or sys.argv[1:])})
     output_file(stem, ".md").write_text(md)
     plot(rows, output_file(stem, ".png"))
     print(md)

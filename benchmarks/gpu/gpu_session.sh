@@ -2,10 +2,10 @@
 # Every GPU check in one device call that fits its window, on a machine whose image already has a
 # CUDA torch and CuPy (the lent H100/H200: Python 3.12, torch 2.11 cu130, cupy-cuda13x) but no network.
 #
-#   benchmarks/gpu_session.sh                        # the default stages, limits of 8 min together (one device call)
-#   STAGES="resnet50_more" benchmarks/gpu_session.sh # a second call: bf16, CUDA graphs (5 min)
-#   STAGES="selfcheck tests" benchmarks/gpu_session.sh
-#   STAGES="sweep" LIMIT_SWEEP_S=400 benchmarks/gpu_session.sh
+#   benchmarks/gpu/gpu_session.sh                        # the default stages, limits of 8 min together (one device call)
+#   STAGES="resnet50_more" benchmarks/gpu/gpu_session.sh # a second call: bf16, CUDA graphs (5 min)
+#   STAGES="selfcheck tests" benchmarks/gpu/gpu_session.sh
+#   STAGES="sweep" LIMIT_SWEEP_S=400 benchmarks/gpu/gpu_session.sh
 #
 # A lent GPU's 15 minutes hold both calls, the second made at once (the machine stays warm for
 # ~30 s between calls; a new start costs ~30 s and needs 4 minutes left): about 30 s of start,
@@ -51,7 +51,7 @@
 # Output: three files in $OUT (default gpu_out/; the device tool brings back at most 8), rewritten
 # after every stage, so a run cut off from outside still leaves the stages so far:
 #   summary.txt           one screen: each stage's status and time, the figures against their goals
-#                         (benchmarks/session_summary.py), the exit code
+#                         (benchmarks/gpu/session_summary.py), the exit code
 #   status.tsv            stage, status, seconds, limit; one line per stage
 #   gpu_session.tar.gz    session/: env.txt, status.tsv, summary.txt, each <stage>.log, result tables
 # Everything else (the session folder while it fills, the data stage's JPEGs and LMDB) lives in a new
@@ -133,7 +133,7 @@ EOF
 
 # pack: the summary and the archive in $OUT, from what the session folder holds now.
 pack() {
-    "$PY" benchmarks/session_summary.py "$WORK" --stages "$STAGES" > "$WORK/summary.txt" 2>&1 \
+    "$PY" -m benchmarks.gpu.session_summary "$WORK" --stages "$STAGES" > "$WORK/summary.txt" 2>&1 \
         || echo "session_summary.py failed; see status.tsv" >> "$WORK/summary.txt"
     cp "$WORK/summary.txt" "$WORK/status.tsv" "$OUT/"
     tar -czf "$OUT/gpu_session.tar.gz.tmp" -C "$SCRATCH_DIR" session \
@@ -210,19 +210,19 @@ raise SystemExit(1 if why else 0)" ;;
             ${pytest_timeout[@]+"${pytest_timeout[@]}"} tests/gpu ;;
     bandwidth)
         # shellcheck disable=SC2086  # BANDWIDTH_ARGS is a list of options (the tests shrink the buffer on a CPU)
-        run_stage bandwidth "$PY" benchmarks/update_bandwidth.py ${BANDWIDTH_ARGS:-} ;;
+        run_stage bandwidth "$PY" -m benchmarks.solvers.update_bandwidth ${BANDWIDTH_ARGS:-} ;;
     data)
         # shellcheck disable=SC2086  # DATA_ARGS is a list of options
-        run_stage data "$PY" benchmarks/data_stage.py --work "$SCRATCH_DIR/data" --images "${DATA_IMAGES:-1500}" \
+        run_stage data "$PY" -m benchmarks.data.data_stage --work "$SCRATCH_DIR/data" --images "${DATA_IMAGES:-1500}" \
             --size "${DATA_SIZE:-500}" ${DATA_ARGS:-} ;;
     resnet50)
         # shellcheck disable=SC2086  # RESNET50_ARGS is a list of options
-        run_stage resnet50 "$PY" benchmarks/throughput.py --suite gpu \
+        run_stage resnet50 "$PY" -m benchmarks.throughput.throughput --suite gpu \
             ${RESNET50_ARGS:---repeats 1 --steps 30 --warmup 10} --tag fp16 --out "$WORK" \
             --only "${RESNET50_ONLY:-fp16 vs torch AMP,fp16 vs torch.compile + torch AMP}" ;;
     resnet50_more)
         # shellcheck disable=SC2086  # RESNET50_ARGS is a list of options
-        run_stage resnet50_more "$PY" benchmarks/throughput.py --suite gpu \
+        run_stage resnet50_more "$PY" -m benchmarks.throughput.throughput --suite gpu \
             ${RESNET50_ARGS:---repeats 1 --steps 30 --warmup 10} --tag more --out "$WORK" \
             --only "${RESNET50_MORE_ONLY:-bf16,reduce-overhead}" ;;
     sweep)

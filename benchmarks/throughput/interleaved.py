@@ -4,7 +4,7 @@ throughput.py alternates whole processes: dptrain's run, then the peer's, each w
 start-up. On the 2-core VM one side's run swings by up to 1.7x within a round
 (benchmarks/results/compile_cpu2_20261127.md), more than the margins being measured, because
 the host drifts on the time scale of one run. Here every rank builds both sides, dptrain's
-Trainer and the peer's step (benchmarks/peer.py: DDP + torch.amp, optionally under
+Trainer and the peer's step (benchmarks/throughput/peer.py: DDP + torch.amp, optionally under
 torch.compile), warms both up, and then times them in alternating blocks of ``--block`` steps.
 Block ``2i`` and ``2i + 1`` form pair ``i``: one block of each side, seconds apart, in the order
 dptrain-peer for even pairs and peer-dptrain for odd ones (ABBA). A pair gives one ratio,
@@ -18,8 +18,8 @@ share a process and are left out (throughput.py measures those), and so are CUDA
 (torch.compile's "reduce-overhead"): cudagraph trees are one per device and process, and two models
 replayed in turn would each end the other's step. Written and run on the CPU; not yet run on a GPU.
 
-    python benchmarks/interleaved.py --suite layout --only "model.compile=true" --pairs 16
-    python benchmarks/interleaved.py --suite gpu --only "vs torch.compile + torch AMP" --dry-run
+    python -m benchmarks.throughput.interleaved --suite layout --only "model.compile=true" --pairs 16
+    python -m benchmarks.throughput.interleaved --suite gpu --only "vs torch.compile + torch AMP" --dry-run
 
 Results: ``benchmarks/results/interleaved_<suite>_<hardware>_<yyyymmdd>[_tag].md`` with every
 block's time.
@@ -34,9 +34,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from throughput import (
+from benchmarks.throughput.throughput import (
     BASE_CONFIG,
     REPO,
     SUITES,
@@ -82,8 +81,8 @@ def worker(args: argparse.Namespace) -> int:
     """One rank (under torchrun): both sides built, warmed up and timed in interleaved blocks."""
     import torch
     import torch.distributed as dist
-    from peer import make_step
 
+    from benchmarks.throughput.peer import make_step
     from dptrain.config import load_config
     from dptrain.run import open_communicator
     from dptrain.tools.bench import device_name, versions, warm_up
@@ -144,7 +143,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def worker_cmd(c: Case, suite: str, args: argparse.Namespace) -> list[str]:
-    return [*launcher(c.world_size), str(Path(__file__).resolve()), "--worker", f"--suite={suite}", f"--case={c.name}",
+    return [*launcher(c.world_size), "-m", "benchmarks.throughput.interleaved", "--worker", f"--suite={suite}", f"--case={c.name}",
             f"--pairs={args.pairs}", f"--block={args.block}", f"--warmup={args.warmup}",
             *(["--quick"] if args.quick else [])]
 
@@ -153,7 +152,7 @@ def render(recs: list[dict], machine: str, date: str, args: argparse.Namespace) 
     out = [f"# dptrain vs peers, interleaved in the same processes ({date})", "", f"Machine: {machine}", "",
            f"Each case: one launch; both sides built in every rank, warmed up ({args.warmup} steps each), then "
            f"{args.pairs} pairs of {args.block}-step blocks, one block of each side per pair, ABBA order "
-           "(benchmarks/interleaved.py). Ratio: dptrain's images/s over the peer's within a pair; median and "
+           "(benchmarks/throughput/interleaved.py). Ratio: dptrain's images/s over the peer's within a pair; median and "
            "quartiles over the pairs. Typical step: the peer's median step time over dptrain's, all steps pooled "
            "(CPU only: steps are not synchronised one by one on a GPU).", "",
            "| case | dptrain compiled | dptrain img/s | peer img/s | ratio (median) | quartiles | pairs won | "

@@ -33,8 +33,8 @@ step time and exposed communication with ``scaling_model.simulate_step`` and
 Check runs (caps 5 and 100 MB) use nothing of their own but their bucket sizes (a function of the
 cap and the model, read off their traces); their errors are the calibration's.
 
-    python benchmarks/scaling_calibrate.py --run --dir runs/calib --repeats 10 --steps 30 --phase-steps 24  # ~50 min, alone
-    python benchmarks/scaling_calibrate.py --report --dir runs/calib --out benchmarks/results
+    python -m benchmarks.scaling.scaling_calibrate --run --dir runs/calib --repeats 10 --steps 30 --phase-steps 24  # ~50 min, alone
+    python -m benchmarks.scaling.scaling_calibrate --report --dir runs/calib --out benchmarks/results
 """
 from __future__ import annotations
 
@@ -51,12 +51,10 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import scaling_model as sm  # noqa: E402
+import benchmarks.scaling.model as sm
+from dptrain.distributed.buckets.planner import LinearCost, fit_linear_cost
 
-from dptrain.distributed.buckets.planner import LinearCost, fit_linear_cost  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CAPS_MB = (1.0, 5.0, 25.0, 100.0)
 FIT_CAP_MB = 25.0
 """The profile runs use the default cap."""
@@ -95,7 +93,7 @@ def run(out: Path, repeats: int, steps: int = TIMED_STEPS, phase_steps: int = PH
     """Measure the matrix, round-robin over the repeats; append JSON lines to out/runs.jsonl (a
     later call adds repeats after the ones there)."""
     out.mkdir(parents=True, exist_ok=True)
-    from collective_bench import measure_allreduce
+    from benchmarks.scaling.collective_bench import measure_allreduce
 
     earlier = _read_jsonl(out / "runs.jsonl")
     windows = {_window(r) for r in earlier}
@@ -255,7 +253,7 @@ def report(d: Path) -> str:
             err(w, k, rates[w], cv, scales[w], ("step",)) for w in (2, 3)))
     costs = {w: (_scaled(c, *scales[w]) if w in scales else c) for w, c in costs.items()}
     out = [f"# Scaling model on measured gloo runs ({datetime.date.today():%Y-%m-%d})", "",
-           f"`python benchmarks/scaling_calibrate.py --run --dir {d} --repeats N --steps {steps} "
+           f"`python -m benchmarks.scaling.scaling_calibrate --run --dir {d} --repeats N --steps {steps} "
            f"--phase-steps {phase_steps}` then `--report`. ResNet-18 CIFAR "
            f"width 32, batch 32 per solver, fp32, synthetic data, `dptrain bench` ({steps} timed steps, "
            f"{phase_steps} phase-timed steps), median over {max(v['n'] for v in med.values())} round-robin repeats; 2-core VM.",

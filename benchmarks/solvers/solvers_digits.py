@@ -11,8 +11,8 @@ from ``solver.lr_policy``. It writes test top-1 of both and their difference to
 torch.optim has no LAMB; :class:`TorchLamb` is the stand-in: the LAMB paper's algorithm with
 Adam's bias correction (Apex FusedLAMB's default), one parameter at a time in plain torch ops.
 
-    python benchmarks/solvers_digits.py            # about 2 minutes on 2 cores
-    python benchmarks/solvers_digits.py --only adamw lamb
+    python -m benchmarks.solvers.solvers_digits            # about 2 minutes on 2 cores
+    python -m benchmarks.solvers.solvers_digits --only adamw lamb
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from dptrain.tools.bench import device_name, git_commit, versions
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = {"sgd": "digits.toml", "nesterov": "digits_nesterov.toml", "adam": "digits_adam.toml",
            "adamw": "digits_adamw.toml", "rmsprop": "digits_rmsprop.toml", "lamb": "digits_lamb.toml"}
 """solver.type -> its digits recipe in launch/configs."""
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     today = datetime.date.today().strftime("%Y%m%d")
     out = Path(args.out) / f"solvers_digits_{today}.md"
     text = [f"# dptrain solvers vs torch.optim on the digits demo ({today})", "",
-            "`python benchmarks/solvers_digits.py`: LeNet, fp32, one CPU process, each recipe's schedule "
+            "`python -m benchmarks.solvers.solvers_digits`: LeNet, fp32, one CPU process, each recipe's schedule "
             "(400 iterations of 32 images, poly lr with 20 warmup iterations); the same init, batches and test set "
             "for both; the torch side is torch.optim (LAMB: `TorchLamb` in the script, torch.optim has none).", "",
             f"Device: {device_name(torch.device('cpu'))}; git {git_commit()}; versions {json.dumps(versions())}", "",
