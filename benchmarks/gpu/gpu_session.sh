@@ -44,7 +44,7 @@
 #   sweep     480 s   ResNet-50 fp16 `dptrain bench --synthetic` at each batch of SWEEP_BATCHES (32 64 128 256),
 #                     compiled as dptrain's CUDA default is (a compile per batch):
 #                     the step time in the batch, step(b) = fixed + b x per_image, fitted in the summary; the
-#                     scaling model's strong scaling takes sweep.log (scaling_model.py --batch-points)
+#                     scaling model's strong scaling takes sweep.log (benchmarks.scaling --batch-points)
 #   sleep             sleeps GPU_SESSION_TEST_SLEEP_S seconds in a child process, under LIMIT_SLEEP_S (default 2):
 #                     only for tests of the limits (tests/unit/test_gpu_session.py); unknown unless that is set
 #

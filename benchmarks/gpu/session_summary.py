@@ -150,19 +150,19 @@ def resnet50_figures(work: Path) -> list[str]:
 
 
 def sweep_figures(work: Path) -> list[str]:
-    """images/s per batch size, and the step time fitted in the batch (scaling_model.fit_batch_cost)."""
+    """images/s per batch size, and the step time fitted in the batch (benchmarks.scaling.fit_batch_cost)."""
     recs = [r for r in _json_lines(work / "sweep.log") if "images_per_s" in r]
     if not recs:
         return []
     lines = ["  sweep img/s by batch: " + ", ".join(f"{r.get('batch_size')}: {r['images_per_s']:.0f}" for r in recs)]
     points = [(int(r["batch_size"]), float(r["step_ms_median"])) for r in recs if "step_ms_median" in r]
     if len({b for b, _ in points}) >= 3:
-        from benchmarks.scaling.model import fit_batch_cost
+        from benchmarks.scaling import fit_batch_cost
 
         try:
             c = fit_batch_cost(points)
             lines.append(f"  step(b) = {c.fixed_ms:.2f} ms + b x {c.per_image_ms:.4f} ms "
-                         f"(largest error {c.max_error:.1%}; scaling_model.py --batch-points sweep.log)")
+                         f"(largest error {c.max_error:.1%}; python -m benchmarks.scaling --batch-points sweep.log)")
         except ValueError as e:
             lines.append(f"  step(b): no fit ({e})")
     return lines

@@ -1,4 +1,4 @@
-"""Allreduce timing over message sizes on local gloo processes, for calibrating scaling_model.py.
+"""Allreduce timing over message sizes on local gloo processes, for calibrating the scaling model (benchmarks.scaling).
 
 Spawns ``world_size`` processes (torch.multiprocessing, spawn), joins them through a
 ``file://`` rendezvous in a temporary directory (nothing listens on the network), and times

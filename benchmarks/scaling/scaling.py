@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 Mode = Literal["weak", "strong"]
 PHASE_KEYS = ("data_wait_ms", "forward_ms", "backward_ms", "exposed_comm_ms", "update_ms")
 EFFICIENCY_TARGET = 0.8
-"""Drawn on the efficiency plot; below it we call scaling broken (as in scaling_model.py)."""
+"""Drawn on the efficiency plot; below it we call scaling broken (as in the scaling model's report, benchmarks.scaling.EFFICIENCY_FLOOR)."""
 
 log = logging.getLogger("scaling")
 

@@ -4,14 +4,14 @@
 (ResNet-18 CIFAR width 32, batch 32 per solver, fp32, synthetic data), round-robin over
 ``--repeats``, plus the gloo allreduce alone (``collective_bench``) at 2 and 3 processes.
 Everything lands in ``--dir`` (JSON lines and traces). ``--report`` then predicts each run's
-step time and exposed communication with ``scaling_model.simulate_step`` and
+step time and exposed communication with ``benchmarks.scaling.simulate_step`` and
 ``dptrain.distributed.buckets.planner``'s overlap model, from:
 
 - the solver's compute profile (forward, backward, update, gradient-ready curve) at that
   world size, taken from the trace of the profile run (cap ``KAPPA_CAP_MB``: the finest
   buckets, so the most points on the gradient-ready curve), with the contention its own
   overlap added taken back out of backward; each run's own bucket sizes (fixed by its cap)
-  cut that curve (``scaling_model.recut``);
+  cut that curve (``benchmarks.scaling.recut``);
 - alpha + beta * bytes of one allreduce, fitted on ``collective_bench`` at that world size
   (ranks started together by a barrier), its alpha and beta each times a factor: the same
   allreduce inside a training step, where the solvers' other threads share the cores (with 3
@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-import benchmarks.scaling.model as sm
+import benchmarks.scaling as sm
 from dptrain.distributed.buckets.planner import LinearCost, fit_linear_cost
 
 REPO = Path(__file__).resolve().parents[2]

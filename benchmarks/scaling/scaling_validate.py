@@ -10,7 +10,7 @@ What is fitted, and on what:
 - ``jitter_cv`` (the straggler term), least squares over the weak "fit" rows; each of those rows is
   itself predicted with the value fitted on the other fit rows (leave one out), so no row's
   straggler term comes from that row.
-- a machine's fixed step cost (``scaling_model.BatchCost.fixed_ms``: what a step pays whatever its
+- a machine's fixed step cost (``benchmarks.scaling.BatchCost.fixed_ms``: what a step pays whatever its
   batch), on that machine's strong "fit" rows; the per-image part follows from the base run's rate.
 - nothing else: the input ceiling is the row's input path (``profiles/inputs.toml``), stated or
   measured, never fitted; a path with no rate leaves the row compute and communication only, and
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import tomllib
 
-import benchmarks.scaling.model as sm
+import benchmarks.scaling as sm
 
 GOAL_PP = 5.0
 """The issue's target: every check row within 5 percentage points of efficiency."""

@@ -58,7 +58,7 @@ def test_single_solver_trace_has_bucket_ready_events(tmp_path, capsys):
     events = json.loads((tmp_path / "t.rank0.json").read_text())["traceEvents"]
     ready = [e["args"]["bucket"] for e in events if e["name"] == "bucket_ready"]
     assert sorted(ready) == list(range(len(ready))) and len(ready) >= 3  # the profile the scaling model reads
-    from benchmarks.scaling.model import profile_from_trace
+    from benchmarks.scaling import profile_from_trace
 
     profile = profile_from_trace(json.loads((tmp_path / "t.rank0.json").read_text()), batch_size=4)
     assert len(profile.buckets) == len(ready)

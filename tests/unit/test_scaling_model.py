@@ -1,4 +1,4 @@
-"""benchmarks/scaling/model.py: collective costs, overlap simulation, re-bucketing, trace profile, α-β fit.
+"""benchmarks/scaling/ (the scaling model): collective costs, overlap simulation, re-bucketing, trace profile, α-β fit.
 
 Expected values are worked out by hand in the comments. One test spawns 2 gloo processes
 (tiny messages, ~2 s) to check the calibration measurement end to end.
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import benchmarks.scaling.model as sm
+import benchmarks.scaling as sm
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
