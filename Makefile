@@ -51,9 +51,9 @@ test-slurm: setup
 	launch/test-slurm.sh
 
 bench: setup
-	$(PY) benchmarks/throughput.py
+	$(PY) -m benchmarks.throughput.throughput
 
-# The wheels benchmarks/gpu_session.sh installs on a lent GPU machine, which has no network and whose
+# The wheels benchmarks/gpu/gpu_session.sh installs on a lent GPU machine, which has no network and whose
 # image lacks them: lmdb (the data stage and tests/gpu/test_data_gpu.py) and pytest-timeout, for the
 # image's Python (GPU_PYTHON, 3.12). Carry .whl/ with the device call (carry: [".whl"]).
 GPU_PYTHON ?= 3.12

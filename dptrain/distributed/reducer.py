@@ -181,7 +181,7 @@ class Reducer:
         self._replan_pending = cfg.replan and self.world_size > 1 and cfg.bucket_mb != "auto"
         self._ready_order: list[str] = []
         # One solver reduces nothing, but a traced run still records when each bucket would be
-        # ready: that single-solver profile is what benchmarks/scaling_model.py extrapolates from.
+        # ready: that single-solver profile is what the scaling model (benchmarks/scaling/) extrapolates from.
         self._hooked = self.world_size > 1 or tracer.enabled
         if self._hooked:
             for g in flat.groups:

@@ -1,17 +1,20 @@
-"""benchmarks/interleaved.py: both sides in the same 2 gloo processes, timed in paired blocks."""
+"""benchmarks/throughput/interleaved.py: both sides in the same 2 gloo processes, timed in paired blocks."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
-from tests.benchmark_scripts import BENCHMARKS, load_benchmark
+from benchmarks.throughput import interleaved as il
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_two_gloo_ranks_time_both_sides_in_abba_pairs_and_write_the_report(tmp_path):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "interleaved.py"), "--suite", "cpu", "--quick",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.throughput.interleaved", "--suite", "cpu", "--quick",
                            "--only", "fp32 vs DDP fp32", "--pairs", "2", "--block", "2", "--warmup", "1",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = next(tmp_path.glob("interleaved_cpu_cpu*_*.md")).read_text()
     assert "| 2 solvers, fp32 vs DDP fp32 | no |" in report
@@ -25,7 +28,6 @@ def test_two_gloo_ranks_time_both_sides_in_abba_pairs_and_write_the_report(tmp_p
 
 
 def test_pair_stats_are_per_pair_ratios_of_images_per_s():
-    il = load_benchmark("interleaved")
     blocks = [{"pair": 0, "side": "dptrain", "s": 1.0, "steps_s": [0.5, 0.5]},
               {"pair": 0, "side": "peer", "s": 2.0, "steps_s": [0.6, 1.4]},
               {"pair": 1, "side": "peer", "s": 1.0, "steps_s": [0.5, 0.5]},
@@ -40,7 +42,6 @@ def test_pair_stats_are_per_pair_ratios_of_images_per_s():
 
 
 def test_cases_whose_sides_need_their_own_environment_are_left_out(capsys):
-    il = load_benchmark("interleaved")
     sys_argv = sys.argv
     try:
         sys.argv = ["interleaved.py", "--suite", "layout", "--only", "malloc settings,DPTRAIN_KERNELS", "--dry-run",
@@ -53,7 +54,6 @@ def test_cases_whose_sides_need_their_own_environment_are_left_out(capsys):
 
 
 def test_cuda_graph_cases_are_left_out_and_the_others_of_the_gpu_suite_are_not():
-    il = load_benchmark("interleaved")
     kept = [c.name for c in il.SUITES["gpu"](False) if il.interleavable(c)]
     assert kept and not any("reduce-overhead" in name for name in kept)
     assert any(c.peer_compile == "default" for c in il.SUITES["gpu"](False) if il.interleavable(c))

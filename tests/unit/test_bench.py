@@ -58,8 +58,7 @@ def test_single_solver_trace_has_bucket_ready_events(tmp_path, capsys):
     events = json.loads((tmp_path / "t.rank0.json").read_text())["traceEvents"]
     ready = [e["args"]["bucket"] for e in events if e["name"] == "bucket_ready"]
     assert sorted(ready) == list(range(len(ready))) and len(ready) >= 3  # the profile the scaling model reads
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from scaling_model import profile_from_trace
+    from benchmarks.scaling import profile_from_trace
 
     profile = profile_from_trace(json.loads((tmp_path / "t.rank0.json").read_text()), batch_size=4)
     assert len(profile.buckets) == len(ready)
@@ -68,18 +67,19 @@ def test_single_solver_trace_has_bucket_ready_events(tmp_path, capsys):
 def test_throughput_dry_run_lists_every_case_and_its_peer():
     import subprocess
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput.py"
-    out = subprocess.run([sys.executable, str(script), "--dry-run", "--allow-slow-dtypes"],
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    repo = Path(__file__).resolve().parents[2]
+    script = [sys.executable, "-m", "benchmarks.throughput.throughput"]
+    out = subprocess.run([*script, "--dry-run", "--allow-slow-dtypes"],
+                         capture_output=True, text=True, check=True, cwd=repo).stdout.splitlines()
     ours = [ln for ln in out if " -m dptrain bench " in ln]
-    peers = [ln for ln in out if "peer.py" in ln]
+    peers = [ln for ln in out if " -m benchmarks.throughput.peer " in ln]
     assert len(ours) == 8 and len(peers) == 4  # 4 peer cases + 4 bucket sizes
     assert all("--nproc-per-node=2" in ln for ln in peers[2:])
-    sweep = subprocess.run([sys.executable, str(script), "--dry-run", "--allow-slow-dtypes", "--only", "bucket sweep"],
-                           capture_output=True, text=True, check=True).stdout.splitlines()
+    sweep = subprocess.run([*script, "--dry-run", "--allow-slow-dtypes", "--only", "bucket sweep"],
+                           capture_output=True, text=True, check=True, cwd=repo).stdout.splitlines()
     assert [ln.split("reducer.bucket_mb=")[1].split()[0] for ln in sweep] == ["1", "5", "25", "100"]
-    buckets = subprocess.run([sys.executable, str(script), "--dry-run", "--suite", "buckets", "--warmup", "2"],
-                             capture_output=True, text=True, check=True).stdout.splitlines()
+    buckets = subprocess.run([*script, "--dry-run", "--suite", "buckets", "--warmup", "2"],
+                             capture_output=True, text=True, check=True, cwd=repo).stdout.splitlines()
     from dptrain.distributed.buckets.probe import (
         AUTO_DONE_ITER,  # every case warms up as long as auto's probe and check
     )
@@ -91,17 +91,15 @@ def test_a_failed_run_costs_its_own_figure_not_the_others(tmp_path, monkeypatch,
     """throughput.py --suite gpu with the compiled peer's run failing: the other runs still run and
     print their progress lines (with what session_summary.py reads: compiled, peak memory), the table
     shows "-" for the missing side, and the exit code is 1."""
-    from benchmark_scripts import load_benchmark
-
-    throughput = load_benchmark("throughput")
+    from benchmarks.throughput import throughput
 
     runs = []
 
     def fake_run(argv, env=None):
         runs.append(argv)
         if "--compile=default" in argv:
-            raise RuntimeError("peer.py failed (1):\nRuntimeError: CUDA out of memory")
-        if "peer.py" in " ".join(argv):
+            raise RuntimeError("benchmarks.throughput.peer failed (1):\nRuntimeError: CUDA out of memory")
+        if "benchmarks.throughput.peer" in argv:
             return {"images_per_s": 6000.0, "peer": "autocast fp16", "peak_mem_bytes": 11e9}
         return {"images_per_s": 7000.0, "exposed_comm_ms": 0.0, "compiled": True, "cuda_graphs": False,
                 "peak_mem_bytes": 10e9, "device": "NVIDIA H200", "versions": {"torch": "2.11.0"}}
@@ -122,7 +120,7 @@ def test_a_failed_run_costs_its_own_figure_not_the_others(tmp_path, monkeypatch,
 
     def dptrain_fails(argv, env=None):  # the run both cases share fails: once, reported for each
         runs.append(argv)
-        if "peer.py" in " ".join(argv):
+        if "benchmarks.throughput.peer" in argv:
             return {"images_per_s": 6000.0, "peer": "autocast fp16"}
         raise RuntimeError("bench failed (1):\nSetupError: no GPU")
 
@@ -154,9 +152,7 @@ def test_p90_is_the_nearest_rank_percentile():
 
 
 def test_op_profile_profiles_both_sides_doing_the_same_convolutions(capsys):
-    from benchmark_scripts import load_benchmark
-
-    op_profile = load_benchmark("op_profile")
+    from benchmarks.throughput import op_profile
     assert op_profile.main(["--model", "lenet", "--width", "8", "--rounds", "2", "--steps", "1", "--warmup", "1",
                             "--top", "60"]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_session.sh on the CPU: stage limits, the exit code (a lent GPU's only verdict), summary, archive."""
+"""benchmarks/gpu/gpu_session.sh on the CPU: stage limits, the exit code (a lent GPU's only verdict), summary, archive."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +12,8 @@ import tarfile
 import time
 from pathlib import Path
 
-from benchmark_scripts import load_benchmark
+from benchmarks.gpu import session_summary
+from benchmarks.throughput import throughput
 
 REPO = Path(__file__).resolve().parents[2]
 OUT_FILES = {"summary.txt", "status.tsv", "gpu_session.tar.gz"}
@@ -26,7 +27,7 @@ def _env(tmp_path: Path, stages: str, **env: str) -> dict[str, str]:
 
 
 def _run(tmp_path: Path, stages: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh")], cwd=REPO,
+    return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu" / "gpu_session.sh")], cwd=REPO,
                           env=_env(tmp_path, stages, **env), capture_output=True, text=True, timeout=300)
 
 
@@ -107,7 +108,7 @@ def _started_child(tmp_path: Path, timeout_s: float) -> int | None:
 
 
 def test_a_signal_to_the_session_ends_the_running_stage_and_packs_what_is_done(tmp_path):
-    proc = subprocess.Popen(["bash", str(REPO / "benchmarks" / "gpu_session.sh")], cwd=REPO, text=True,
+    proc = subprocess.Popen(["bash", str(REPO / "benchmarks" / "gpu" / "gpu_session.sh")], cwd=REPO, text=True,
                             env=_env(tmp_path, "sleep", GPU_SESSION_TEST_SLEEP_S="120", LIMIT_SLEEP_S="100"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -130,7 +131,7 @@ def test_a_signal_to_the_session_ends_the_running_stage_and_packs_what_is_done(t
 def test_the_default_stages_fit_in_eight_minutes_in_the_issue_order():
     """Issue 32: the default stages take <= 8 minutes together, in order self-check, tests, bandwidth, data,
     resnet50; read from the script's own defaults, so a raised limit fails here."""
-    script = (REPO / "benchmarks" / "gpu_session.sh").read_text()
+    script = (REPO / "benchmarks" / "gpu" / "gpu_session.sh").read_text()
     default = re.search(r'^STAGES=\$\{STAGES:-"([^"]+)"\}', script, re.M).group(1).split()
     limits = dict(re.findall(r"\[(\w+)\]=(\d+)", re.search(r"^declare -A LIMIT=\(([^)]*)\)", script, re.M).group(1)))
     assert default == ["selfcheck", "tests", "bandwidth", "data", "resnet50"]
@@ -158,7 +159,7 @@ def test_the_summary_tells_a_cut_off_test_run_a_failed_run_a_fallback_and_peak_m
         {"case": compiled, "dptrain": 5000.0, "compiled": False, "peak_mem_bytes": 12e9},
         {"case": compiled, "peer": None, "error": "RuntimeError: CUDA out of memory"},
         {"case": compiled, "peer": 6800.0, "peak_mem_bytes": 9.5e9})) + "\n")
-    lines = load_benchmark("session_summary").render(tmp_path, ["tests", "resnet50"]).splitlines()
+    lines = session_summary.render(tmp_path, ["tests", "resnet50"]).splitlines()
     tests = next(line for line in lines if line.strip().startswith("tests"))
     assert tests.split()[1] == "timeout" and "no pytest summary (cut off); so far 2 passed, 1 failed" in tests
     at = next(i for i, line in enumerate(lines) if "fp16: dptrain / compiled peer" in line)
@@ -214,7 +215,7 @@ def test_the_summary_puts_each_figure_against_its_goal(tmp_path):
     (tmp_path / "resnet50.log").write_text("\n".join(json.dumps(r) for r in (
         {"case": case, "dptrain": 5900.0}, {"case": case, "peer": 6000.0},
         {"case": "ResNet-50 bf16 vs torch autocast bf16", "dptrain": 4600.0})) + "\n")  # cut off before its peer
-    lines = load_benchmark("session_summary").render(tmp_path, "selfcheck tests bandwidth data resnet50".split())
+    lines = session_summary.render(tmp_path, "selfcheck tests bandwidth data resnet50".split())
     lines = lines.splitlines()
     assert len(lines) <= 24  # one screen
 
@@ -236,7 +237,7 @@ def test_the_sweep_stage_fits_the_step_time_in_the_batch(tmp_path):
     (tmp_path / "sweep.log").write_text("\n".join(json.dumps(
         {"batch_size": b, "images_per_s": b / (0.01 + b * 0.0004), "step_ms_median": 10.0 + 0.4 * b})
         for b in (32, 64, 128, 256)) + "\n")
-    lines = load_benchmark("session_summary").render(tmp_path, ["sweep"]).splitlines()
+    lines = session_summary.render(tmp_path, ["sweep"]).splitlines()
     fit = next(line for line in lines if "step(b)" in line)
     assert "step(b) = 10.00 ms + b x 0.4000 ms (largest error 0.0%" in fit
 
@@ -244,9 +245,8 @@ def test_the_sweep_stage_fits_the_step_time_in_the_batch(tmp_path):
 def test_each_resnet50_case_is_graded_against_its_own_goal():
     """The compiled peer's goal for the default cut; no goal for CUDA graphs or the segment cut
     measured on one GPU (diagnostics, reported without a verdict)."""
-    goal = load_benchmark("session_summary").resnet50_goal
-    load = load_benchmark("throughput")
-    names = [c.name for c in load.gpu_cases()]
+    goal = session_summary.resnet50_goal
+    names = [c.name for c in throughput.gpu_cases()]
     assert goal("ResNet-50 fp16 vs torch AMP (autocast + GradScaler)") == 1.25
     assert goal("ResNet-50 fp16 vs torch.compile + torch AMP (autocast + GradScaler)") == 1.05
     assert [n for n in names if goal(n) is None] == [

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmark_scripts import load_benchmark
+from benchmarks.solvers import update_bandwidth
 from dptrain import kernels
 from dptrain.errors import ConfigError, SetupError
 from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, native, reference
@@ -357,22 +357,21 @@ def test_cuda_source_exists_with_every_name_expression():
 
 
 def test_bandwidth_peak_table_and_bytes():
-    bench = load_benchmark("update_bandwidth")
-    assert bench.peak_bandwidth("NVIDIA H100 80GB HBM3")[0] == 3.35e12  # SXM
-    assert bench.peak_bandwidth("NVIDIA H100 PCIe")[0] == 2.0e12
-    assert bench.peak_bandwidth("NVIDIA H200")[0] == 4.8e12
-    assert bench.peak_bandwidth("NVIDIA A100-SXM4-80GB")[0] == 2.039e12
-    assert bench.peak_bandwidth("NVIDIA A100-SXM4-40GB")[0] == 1.555e12
-    assert bench.peak_bandwidth("Some Future GPU") is None
+    assert update_bandwidth.peak_bandwidth("NVIDIA H100 80GB HBM3")[0] == 3.35e12  # SXM
+    assert update_bandwidth.peak_bandwidth("NVIDIA H100 PCIe")[0] == 2.0e12
+    assert update_bandwidth.peak_bandwidth("NVIDIA H200")[0] == 4.8e12
+    assert update_bandwidth.peak_bandwidth("NVIDIA A100-SXM4-80GB")[0] == 2.039e12
+    assert update_bandwidth.peak_bandwidth("NVIDIA A100-SXM4-40GB")[0] == 1.555e12
+    assert update_bandwidth.peak_bandwidth("Some Future GPU") is None
     # fp16 storage: read g 2 + master 4 + momentum 4; write master 4 + momentum 4 + params 2 + g 2
-    assert bench.update_bytes_per_elem(torch.float16, torch.float32, larc=False) == 22
+    assert update_bandwidth.update_bytes_per_elem(torch.float16, torch.float32, larc=False) == 22
     # fp32 storage: the weights are the masters, written once
-    assert bench.update_bytes_per_elem(torch.float32, torch.float32, larc=False) == 24
-    assert bench.update_bytes_per_elem(torch.float16, torch.float16, larc=True) == 22
+    assert update_bandwidth.update_bytes_per_elem(torch.float32, torch.float32, larc=False) == 24
+    assert update_bandwidth.update_bytes_per_elem(torch.float16, torch.float16, larc=True) == 22
 
 
 def test_bandwidth_benchmark_on_cpu_reports_the_host_kernel_the_fallback_and_the_reference(capsys):
-    record = load_benchmark("update_bandwidth").main(["--numel", "4096", "--iters", "1", "--repeats", "1", "--warmup", "0",
+    record = update_bandwidth.main(["--numel", "4096", "--iters", "1", "--repeats", "1", "--warmup", "0",
                                    "--device", "cpu"])
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line == json.loads(json.dumps(record))
@@ -393,7 +392,7 @@ def test_bandwidth_benchmark_on_cpu_reports_the_host_kernel_the_fallback_and_the
 
 
 def test_bandwidth_passes_rotate_over_copies_that_span_more_than_the_l2():
-    copies = load_benchmark("update_bandwidth").copies_for
+    copies = update_bandwidth.copies_for
     mb = 2**20
     assert copies(25_557_032 * 2, 256 * mb) == 6  # the ResNet-50 norm's 51 MB: 6 copies, 307 MB
     assert copies(25_557_032 * 22, 256 * mb) == 1  # the update's 562 MB already spans it
@@ -401,7 +400,7 @@ def test_bandwidth_passes_rotate_over_copies_that_span_more_than_the_l2():
 
 
 def test_bandwidth_fractions_come_from_kernel_time_where_there_is_one():
-    timing = load_benchmark("update_bandwidth").Timing
+    timing = update_bandwidth.Timing
     gb = 10**9
     copy = timing(nbytes=gb, wall_ms=2000.0, kernel_ms=1000.0, dispatch_hidden=True)  # 1 GB/s by kernel time
     # host-bound: 4 s per call by wall clock, 1.25 s of kernel time: 0.8 of the copy, and of a 1 GB/s peak

@@ -1,14 +1,13 @@
-"""benchmarks/photo_lmdb.py: photo-like JPEGs that depend on (seed, index) alone, in class folders for make-lmdb."""
+"""benchmarks/data/photo_lmdb.py: photo-like JPEGs that depend on (seed, index) alone, in class folders for make-lmdb."""
 from __future__ import annotations
 
 import pytest
 from PIL import Image
 
-from benchmark_scripts import load_benchmark
+from benchmarks.data import photo_lmdb
 
 
 def test_photos_are_the_same_whatever_the_worker_count_and_sized_as_asked(tmp_path):
-    photo_lmdb = load_benchmark("photo_lmdb")
     one = photo_lmdb.write_photos(5, 96, tmp_path / "one", classes=2, seed=3, workers=1)
     two = photo_lmdb.write_photos(5, 96, tmp_path / "two", classes=2, seed=3, workers=2)
     assert one == two and one["images"] == 5 and one["classes"] == 2
@@ -24,4 +23,4 @@ def test_photos_are_the_same_whatever_the_worker_count_and_sized_as_asked(tmp_pa
 
 def test_bad_sizes_are_refused(tmp_path):
     with pytest.raises(ValueError, match="need count >= 1, size >= 8 and classes >= 1, got 0, 96, 2"):
-        load_benchmark("photo_lmdb").write_photos(0, 96, tmp_path, classes=2, seed=0, workers=1)
+        photo_lmdb.write_photos(0, 96, tmp_path, classes=2, seed=0, workers=1)

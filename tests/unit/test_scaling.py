@@ -1,17 +1,15 @@
-"""benchmarks/scaling.py: run planning, JSON parsing, efficiency, table and plot. No torchrun is started."""
+"""benchmarks/scaling/scaling.py: run planning, JSON parsing, efficiency, table and plot. No torchrun is started."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.scaling import scaling
+
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import scaling  # noqa: E402
 
 
 def _rec(world_size: int, ips: float, batch: int = 32, **extra: object) -> dict[str, object]:

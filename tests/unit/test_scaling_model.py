@@ -1,4 +1,4 @@
-"""benchmarks/scaling_model.py: collective costs, overlap simulation, re-bucketing, trace profile, α-β fit.
+"""benchmarks/scaling/ (the scaling model): collective costs, overlap simulation, re-bucketing, trace profile, α-β fit.
 
 Expected values are worked out by hand in the comments. One test spawns 2 gloo processes
 (tiny messages, ~2 s) to check the calibration measurement end to end.
@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import benchmarks.scaling as sm
+
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import scaling_model as sm  # noqa: E402
 
 MIB = 1024 * 1024
 # A toy machine: 4 GPUs per node; NVLink 10 GB/s busbw, 5 us per hop; network 2 GB/s per node, 20 us per hop.
@@ -190,7 +188,7 @@ def test_main_writes_a_report_with_predictions_and_breakdown(tmp_path, capsys):
 
 
 def test_gloo_calibration_measures_two_processes():
-    from collective_bench import measure_allreduce
+    from benchmarks.scaling.collective_bench import measure_allreduce
 
     points = measure_allreduce([4096, 65536], world_size=2, iters=3, warmup=1)
     assert [s for s, _ in points] == [4096, 65536]
@@ -242,7 +240,7 @@ def test_auto_plan_is_never_worse_than_a_fixed_cap():
 
 
 def test_validation_fits_nothing_on_a_check_row_and_states_every_error(capsys):
-    import scaling_validate as sv
+    from benchmarks.scaling import scaling_validate as sv
 
     rows = sv.load_rows(*sorted((sm.PROFILES / "published").glob("*.toml")))
     wl = sm.load_workload()
@@ -271,7 +269,7 @@ def test_validation_fits_nothing_on_a_check_row_and_states_every_error(capsys):
 
 
 def test_a_row_s_efficiency_is_per_gpu_against_its_base_run():
-    import scaling_validate as sv
+    from benchmarks.scaling import scaling_validate as sv
 
     r = sv.Row(label="x", machine="dgx-h100", gpus=64, batch_size=50, images_per_s_1=56076.0,
                images_per_s_n=294792.0, role="check", source="s", gpus_1=8, batch_size_1=400)
@@ -285,7 +283,7 @@ def test_a_row_s_efficiency_is_per_gpu_against_its_base_run():
 
 
 def test_bad_workload_and_rows_are_named(tmp_path):
-    import scaling_validate as sv
+    from benchmarks.scaling import scaling_validate as sv
 
     wl = tmp_path / "w.toml"
     wl.write_text('model = "resnet50"\n')
@@ -375,7 +373,7 @@ def _waits_trace(path: Path, waits_ms: list[float]) -> None:
 
 
 def test_least_waits_line_up_the_ranks_step_by_step(tmp_path):
-    import scaling_calibrate as sc
+    from benchmarks.scaling import scaling_calibrate as sc
 
     # rank 0 waits 5, 2, 9 ms; rank 1 waits 3, 4, 1: the rank that ended backward last waits least
     _waits_trace(tmp_path / "t.rank0.json", [5.0, 2.0, 9.0])
@@ -392,7 +390,7 @@ def test_least_waits_line_up_the_ranks_step_by_step(tmp_path):
 
 
 def test_repeat_bootstrap_resamples_whole_runs():
-    import scaling_calibrate as sc
+    from benchmarks.scaling import scaling_calibrate as sc
 
     assert sc.repeat_bootstrap([[2.0, 2.0]] * 3) == (2.0, 2.0)  # no spread: a point
     assert all(math.isnan(x) for x in sc.repeat_bootstrap([[2.0, 2.0], [3.0, 3.0]]))  # two runs: no interval

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmark_scripts import load_benchmark
+from benchmarks.solvers import solvers_digits
 from dptrain.config import LossScaleConfig, ParamGroup, PrecisionConfig, SolverConfig, dump_toml, load_config
 from dptrain.errors import ConfigError, SnapshotError
 from dptrain.flat import FlatParams
@@ -134,11 +134,10 @@ def _dptrain_run(cfg: SolverConfig, *, reorder_at: int | None = None) -> dict[st
 
 
 def _torch_run(cfg: SolverConfig) -> dict[str, torch.Tensor]:
-    bench = load_benchmark("solvers_digits")
     net = _net()
-    opt = bench.torch_optimizer(cfg, net, resolve_multipliers(net, cfg.param_groups, cfg.no_decay))
+    opt = solvers_digits.torch_optimizer(cfg, net, resolve_multipliers(net, cfg.param_groups, cfg.no_decay))
     for it, (x, y) in enumerate(_batches()):
-        bench.set_lr(opt, cfg, it)
+        solvers_digits.set_lr(opt, cfg, it)
         nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
         opt.zero_grad()

@@ -1,5 +1,5 @@
 """Bucket cost model and planner: the one implementation behind ``reducer.bucket_mb = "auto"``
-and ``benchmarks/scaling_model.py``. Pure: no torch, no process group. Times in ms, sizes in bytes.
+and the scaling model in ``benchmarks/scaling/``. Pure: no torch, no process group. Times in ms, sizes in bytes.
 
 Overlap model (one communication channel; buckets launch strictly in plan order, as the
 Reducer launches them):
