@@ -102,18 +102,28 @@ class ModelConfig:
         _positive("model.aux_loss_weight", self.aux_loss_weight, allow_zero=True)
 
 
+RECORD_SOURCES = ("lmdb", "folder", "list")
+"""``data.source`` values read by the threaded record pipeline (``dptrain.data.sources.records``)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: Literal["digits", "synthetic", "lmdb"] = "digits"
-    """Where samples come from: the built-in digits, a fixed synthetic set, or a Caffe LMDB."""
+    source: Literal["digits", "synthetic", "lmdb", "folder", "list"] = "digits"
+    """Where samples come from: the built-in digits, a fixed synthetic set, a Caffe LMDB, an image
+    folder (torchvision's ImageFolder layout: one subfolder per class, labels by sorted folder name)
+    or a list file of ``path label`` lines (Caffe's ImageData, DALI's file_list)."""
     batch_size: int = 64
     """Samples per solver per micro-batch. The global batch is batch_size x world_size x iter_size."""
     test_batch_size: int = 100
     """Samples per solver per test batch."""
     path: str = ""
-    """Training LMDB directory (source = "lmdb")."""
+    """Training data: the LMDB directory (source = "lmdb"), the image folder ("folder") or the list
+    file ("list")."""
     test_path: str = ""
-    """Test LMDB directory (source = "lmdb"); empty means no test phase."""
+    """Test data, as ``path``; empty means no test phase."""
+    root: str = ""
+    """source = "list": the folder the lists' relative paths are taken from (both lists); empty: each
+    list file's own folder."""
     shuffle: Literal["epoch", "none"] = "epoch"
     """"epoch": a new seeded permutation each epoch; "none": record order."""
     image_size: int = 224
@@ -161,8 +171,11 @@ class DataConfig:
         _positive("data.crop_size", self.crop_size, allow_zero=True)
         _positive("data.max_bad_records", self.max_bad_records, allow_zero=True)
         _positive("data.scale", self.scale)
-        if self.source == "lmdb" and not self.path:
-            raise ConfigError("data.path must name a training LMDB when data.source = \"lmdb\"")
+        if self.source in RECORD_SOURCES and not self.path:
+            what = {"lmdb": "a training LMDB", "folder": "a training image folder", "list": "a training list file"}
+            raise ConfigError(f"data.path must name {what[self.source]} when data.source = \"{self.source}\"")
+        if self.root and self.source != "list":
+            raise ConfigError(f"data.root applies to data.source = \"list\" (got \"{self.source}\"); remove it")
         if self.resize and (len(self.resize) != 2 or min(self.resize) <= 0):
             raise ConfigError(f"data.resize must be [H, W] with positive sides, got {self.resize}")
         if self.random_resized_crop and self.crop_size <= 0:

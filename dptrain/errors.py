@@ -27,22 +27,25 @@ class ConfigError(UserError, ValueError):
 
 
 class DataError(UserError, ValueError):
-    """A bad input record or data path; the message names the rank, the LMDB and the key.
+    """A bad input record or data path; the message names the rank, the LMDB (or image folder or
+    list file) and the key (or file).
 
     Codec and transform code raises it with the ``reason`` only; the thread that knows
     the record adds the place with :meth:`located`.
     """
 
-    def __init__(self, reason: str, *, path: str = "", key: bytes | str = b"", rank: int = 0) -> None:
-        self.reason, self.path, self.rank = reason, path, rank
+    def __init__(self, reason: str, *, path: str = "", key: bytes | str = b"", rank: int = 0,
+                 kind: str = "LMDB") -> None:
+        self.reason, self.path, self.rank, self.kind = reason, path, rank, kind
         self.key = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-        where = f"LMDB {path!r}" if path else "data"
-        at = f" key {self.key!r}" if self.key else ""
+        where = f"{kind} {path!r}" if path else "data"
+        at = f" {'key' if kind == 'LMDB' else 'file'} {self.key!r}" if self.key else ""
         super().__init__(f"rank {rank}: {where}{at}: {reason}")
 
-    def located(self, *, path: str, key: bytes | str, rank: int) -> DataError:
-        """The same reason, with the LMDB path, record key and rank filled in."""
-        e = DataError(self.reason, path=path, key=key, rank=rank)
+    def located(self, *, path: str, key: bytes | str, rank: int, kind: str = "LMDB") -> DataError:
+        """The same reason, with the source (``kind``: "LMDB", "image folder", "list file"), its path,
+        the record's key (an LMDB key, or the image file's path) and the rank filled in."""
+        e = DataError(self.reason, path=path, key=key, rank=rank, kind=kind)
         e.__cause__ = self.__cause__
         return e
 

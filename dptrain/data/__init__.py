@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from dptrain.config import DataConfig
+from dptrain.config import RECORD_SOURCES, DataConfig
 from dptrain.data.base import DataSource
 from dptrain.data.sources.builtin import digits_source, synthetic_source
+from dptrain.data.sources.files import FolderSource, ListSource
+from dptrain.data.sources.records import RecordSource
+from dptrain.data.transforms.render import DEFAULT_RENDER, RenderOptions
+from dptrain.errors import ConfigError
 
 
 def build_source(cfg: DataConfig, *, num_classes: int, seed: int, device: torch.device, rank: int = 0,
@@ -23,6 +27,21 @@ def build_source(cfg: DataConfig, *, num_classes: int, seed: int, device: torch.
         return digits_source(num_classes)
     if cfg.source == "synthetic":
         return synthetic_source(num_classes, cfg.image_size, cfg.synthetic_samples, seed, device)
-    from dptrain.data.sources.caffe_lmdb import LmdbSource
+    return open_records(cfg, num_classes=num_classes, seed=seed, rank=rank, cores=cores,
+                        pin_memory=device.type == "cuda")
 
-    return LmdbSource(cfg, num_classes=num_classes, seed=seed, rank=rank, cores=cores, pin_memory=device.type == "cuda")
+
+def open_records(cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0, cores: int = 1,
+                 render: RenderOptions = DEFAULT_RENDER, pin_memory: bool = False) -> RecordSource:
+    """The threaded record source of ``data.source`` (an LMDB, an image folder or a list file)."""
+    if cfg.source == "lmdb":
+        from dptrain.data.sources.caffe_lmdb import LmdbSource
+
+        kind: type[RecordSource] = LmdbSource
+    elif cfg.source == "folder":
+        kind = FolderSource
+    elif cfg.source == "list":
+        kind = ListSource
+    else:
+        raise ConfigError(f"data.source = \"{cfg.source}\" is not read from records; use one of {RECORD_SOURCES}")
+    return kind(cfg, num_classes=num_classes, seed=seed, rank=rank, cores=cores, render=render, pin_memory=pin_memory)

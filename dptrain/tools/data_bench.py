@@ -1,4 +1,4 @@
-"""``dptrain data-bench``: the LMDB input pipeline alone (read + decode + augment + batch, no model).
+"""``dptrain data-bench``: the record input pipeline alone (an LMDB, an image folder or a list file) (read + decode + augment + batch, no model).
 
 The consumer takes each batch and releases it at once, like a trainer whose step is
 free, so the number is the pipeline's ceiling on this machine. It prints one JSON line.
@@ -29,9 +29,10 @@ from typing import Any
 
 import PIL
 
-from dptrain.config import DataConfig, config_to_dict, load_config
+from dptrain.config import RECORD_SOURCES, DataConfig, config_to_dict, load_config
+from dptrain.data import open_records
 from dptrain.data.sampling import SampleOrder
-from dptrain.data.sources.caffe_lmdb import LmdbSource
+from dptrain.data.sources.records import RecordSource
 from dptrain.data.transforms import jpeg_crop
 from dptrain.data.transforms.render import DEFAULT_RENDER, RenderOptions
 from dptrain.errors import ConfigError
@@ -55,7 +56,7 @@ class _CallCounter:
         return next(self.count)
 
 
-def count_python_calls(src: LmdbSource, plan: SampleOrder, *, batches: int, warmup: int) -> float:
+def count_python_calls(src: RecordSource, plan: SampleOrder, *, batches: int, warmup: int) -> float:
     """Python calls per image of a fresh stream of ``src`` over ``batches`` batches after ``warmup``."""
     counter = _CallCounter()
     threading.setprofile(counter)  # the stream's threads start with the hook
@@ -87,8 +88,8 @@ def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: i
     """
     topology = Topology.from_env()
     cfg = dataclasses.replace(cfg, test_path="")  # the training stream alone: the test DB need not exist here
-    src = LmdbSource(cfg, num_classes=num_classes, seed=seed, render=render, rank=topology.rank,
-                     cores=topology.cores_per_process)
+    src = open_records(cfg, num_classes=num_classes, seed=seed, render=render, rank=topology.rank,
+                       cores=topology.cores_per_process)
     plan = SampleOrder(0, 1, cfg.batch_size, seed, cfg.shuffle == "epoch")
     stream = src.train_batches(plan, 0)
     rates, cpu_ms = [], []
@@ -120,8 +121,9 @@ def measure_pipeline(cfg: DataConfig, *, num_classes: int, seed: int, batches: i
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``dptrain data-bench``."""
-    p.description = "Measure the LMDB input pipeline alone and print one JSON line with images_per_s."
-    p.add_argument("--config", required=True, help="TOML recipe with data.source = \"lmdb\"")
+    p.description = ("Measure the input pipeline alone (an LMDB, an image folder or a list file) and print one "
+                     "JSON line with images_per_s.")
+    p.add_argument("--config", required=True, help="TOML recipe with data.source = \"lmdb\", \"folder\" or \"list\"")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. data.transformer_threads=2; repeatable")
     p.add_argument("--batches", type=int, default=20, help="batches per timed window (default 20)")
@@ -139,9 +141,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Entry of ``dptrain data-bench``: measure; return the record (the CLI prints it as one JSON line)."""
     cfg = load_config(args.config, args.set)
-    if cfg.data.source != "lmdb":
-        raise ConfigError(f"data-bench measures the LMDB pipeline; data.source is {cfg.data.source!r}, "
-                          f"set data.source = \"lmdb\"")
+    if cfg.data.source not in RECORD_SOURCES:
+        raise ConfigError(f"data-bench measures the record pipeline (data.source one of {RECORD_SOURCES}); "
+                          f"data.source is {cfg.data.source!r}")
     for name in ("batches", "warmup", "repeats"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise ConfigError(f"--{name} must be positive, got {getattr(args, name)}")

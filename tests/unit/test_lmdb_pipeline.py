@@ -18,7 +18,8 @@ from PIL import Image
 from dptrain.config import DataConfig
 from dptrain.data.caffe.datum import encode_blob, encode_datum
 from dptrain.data.sampling import SampleOrder, batches_per_epoch, epoch_permutation, rank_batch_indices
-from dptrain.data.sources.caffe_lmdb import LmdbSource, default_threads
+from dptrain.data.sources.caffe_lmdb import LmdbSource
+from dptrain.data.sources.records import default_threads
 from dptrain.data.transforms.render import RenderOptions
 from dptrain.errors import ConfigError, DataError
 from dptrain.topology import Topology
@@ -220,6 +221,9 @@ def test_default_threads_follow_cores_and_local_world_size(monkeypatch):
     assert default_threads(DataConfig(parser_threads=1, transformer_threads=3), cores) == (1, 3)
     cores = Topology.from_env({"RANK": "0", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "16"}).cores_per_process
     assert default_threads(DataConfig(), cores) == (1, 1)
+    # batches for a GPU: the solver's own thread (every kernel launch) and the readers keep their cores
+    assert default_threads(DataConfig(), 16, training_on_cuda=True) == (3, 12)
+    assert default_threads(DataConfig(), 2, training_on_cuda=True) == (1, 1)
 
 
 # --------------------------------------------------------------------------- bad input

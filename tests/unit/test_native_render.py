@@ -177,7 +177,7 @@ def test_batches_do_not_depend_on_the_chunk_size_or_thread_counts(lib, tmp_path,
     path = write_db(tmp_path / "db", [_jpeg_record(i) for i in range(14)])
     ref = collect(LmdbSource(make_cfg(path, batch_size=5, crop_size=24, random_resized_crop=True, mirror=True),
                              num_classes=NUM_CLASSES, seed=2).train_batches(SampleOrder(0, 1, 5, seed=2), 0), 5)
-    monkeypatch.setattr("dptrain.data.sources.caffe_lmdb.CHUNK_ROWS_MAX", chunk_rows)
+    monkeypatch.setattr("dptrain.data.sources.records.CHUNK_ROWS_MAX", chunk_rows)
     cfg = make_cfg(path, batch_size=5, crop_size=24, random_resized_crop=True, mirror=True, parser_threads=2,
                    transformer_threads=3)
     out = collect(LmdbSource(cfg, num_classes=NUM_CLASSES, seed=2).train_batches(SampleOrder(0, 1, 5, seed=2), 0), 5)

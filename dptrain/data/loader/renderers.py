@@ -26,16 +26,17 @@ from dptrain.errors import DataError
 
 
 def parse_value(key: bytes, value: bytes, *, pos: int, epoch: int, index: int, num_classes: int, path: str,
-                rank: int) -> ParsedRecord:
-    """Parse a record a reader read (the Python path: substitutes, and records the native path leaves); a bad one comes back with ``error`` set (located at its key)."""
+                rank: int, kind: str = "LMDB") -> ParsedRecord:
+    """Parse a record a reader read (the Python path: substitutes, and records the native path
+    leaves); a bad one comes back with ``error`` set (located at its key)."""
     try:
         d = parse_datum(value)
         if not 0 <= d.label < num_classes:
             raise DataError(f"label {d.label} is outside [0, {num_classes}); "
-                            f"fix the DB or set model.num_classes")
+                            f"fix the data or set model.num_classes")
         return ParsedRecord(pos, epoch, index, key, d)
     except DataError as e:
-        return ParsedRecord(pos, epoch, index, key, None, e.located(path=path, key=key, rank=rank))
+        return ParsedRecord(pos, epoch, index, key, None, e.located(path=path, key=key, rank=rank, kind=kind))
 
 
 def parse_record(handle: RecordHandle, *, pos: int, epoch: int, index: int,
@@ -45,8 +46,9 @@ def parse_record(handle: RecordHandle, *, pos: int, epoch: int, index: int,
         key, value = handle.get(index)
     except DataError as e:
         key = f"#{index}".encode()
-        return ParsedRecord(pos, epoch, index, key, None, e.located(path=handle.path, key=key, rank=rank))
+        return ParsedRecord(pos, epoch, index, key, None, e.located(path=handle.path, key=key, rank=rank, kind=handle.kind))
     return parse_value(key, value, pos=pos, epoch=epoch, index=index, num_classes=num_classes, path=handle.path,
+                       kind=handle.kind,
                        rank=rank)
 
 
@@ -76,14 +78,14 @@ def _fill_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, par
                                 parts.channels, dst, parts.render, window)
                 return rec.datum.label, bad
             except DataError as e:
-                rec.error = e.located(path=parts.reader.path, key=rec.key, rank=parts.rank)
+                rec.error = e.located(path=parts.reader.path, key=rec.key, rank=parts.rank, kind=parts.reader.kind)
                 if parts.drop_bad:
                     return _drop_row(rec, dst, window, parts)
         assert rec.error is not None, "a record without a datum must carry its error"
         bad += 1
         parts.budget.spend(rec.index, rec.error, rec.pos, attempt)
     raise DataError(f"all {parts.sequence.span} records of this solver's shard are bad",
-                    path=parts.reader.path, rank=parts.rank)
+                    path=parts.reader.path, rank=parts.rank, kind=parts.reader.kind)
 
 
 def _drop_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, parts: StreamParts) -> tuple[int, int]:
@@ -149,10 +151,12 @@ def _python_rows(chunk: ParsedChunk, rows: list[int], row0: int, slot: tuple[np.
         error = chunk.errors.get(i)
         if error is not None:
             rec = ParsedRecord(pos, chunk.epoch, index, chunk.keys[i], None,
-                               error.located(path=parts.reader.path, key=chunk.keys[i], rank=parts.rank))
+                               error.located(path=parts.reader.path, key=chunk.keys[i], rank=parts.rank,
+                                             kind=parts.reader.kind))
         else:
             rec = parse_value(chunk.keys[i], chunk.values[i], pos=pos, epoch=chunk.epoch, index=index,
-                              num_classes=parts.num_classes, path=parts.reader.path, rank=parts.rank)
+                              num_classes=parts.num_classes, path=parts.reader.path, rank=parts.rank,
+                              kind=parts.reader.kind)
         labels[row], n_bad = _fill_row(rec, images[row], windows[row] if parts.windows else None, parts, subs)
         bad += n_bad
     return bad

@@ -39,9 +39,12 @@ log = logging.getLogger(__name__)
 
 
 class RecordHandle(Protocol):
-    """One thread's read transaction on an LMDB (see ``sources.caffe_lmdb.LmdbReader.handle``)."""
+    """One thread's read handle: a read transaction on an LMDB (``sources.caffe_lmdb.LmdbReader.handle``),
+    or a reader of image files (``sources.files.FileReader.handle``)."""
 
     path: str
+    kind: str
+    """What ``path`` is, for error lines: "LMDB", "image folder", "list file"."""
 
     def get(self, index: int) -> tuple[bytes, bytes]: ...
     def get_many(self, indices: list[int]) -> tuple[list[bytes], list[bytes], dict[int, DataError]]: ...
@@ -79,9 +82,11 @@ class ParsedChunk:
 
 
 class RecordReader(Protocol):
-    """A DB opened for reading by record index (``sources.caffe_lmdb.LmdbReader``); each thread takes its own handle."""
+    """Records opened for reading by index (``sources.caffe_lmdb.LmdbReader``, ``sources.files.FileReader``);
+    each thread takes its own handle."""
 
     path: str
+    kind: str
 
     def handle(self) -> RecordHandle: ...
 
@@ -176,7 +181,7 @@ class BadRecordBudget:
                 if self.limit:
                     fail_error = DataError(f"{fail_error.reason}; {self.limit + 1} bad records exceed "
                                            f"data.max_bad_records = {self.limit}", path=fail_error.path,
-                                           key=fail_error.key, rank=fail_error.rank)
+                                           key=fail_error.key, rank=fail_error.rank, kind=fail_error.kind)
                 self._failure = (fail_pos, fail_error)
         if first and self.limit:
             log.warning("rank %d: skipping bad record (%d met, %d allowed), %s: %s", self.rank, count, self.limit,

@@ -1,11 +1,28 @@
-"""Image files named by a folder or a list: torchvision's ImageFolder layout (one subfolder per class,
-labels by sorted folder name) and Caffe ``ImageData`` / DALI ``file_list`` lines of ``path label``.
+"""Image files named by a folder or a list, trained from without converting them first.
+
+* ``data.source = "folder"``: torchvision's ImageFolder layout, ``data.path/<class>/<image>``, labels by
+  the sorted class folder names (:func:`list_image_folder`); the test folder's classes are mapped by
+  name onto the training folder's, so a class missing from it shifts nothing.
+* ``data.source = "list"``: Caffe ``ImageData`` / DALI ``file_list`` lines of ``path label`` in the file
+  ``data.path`` (and ``data.test_path``); a relative path is taken from ``data.root`` (else from the
+  list file's folder).
+
+Both go through the same reader and renderer threads, native render path, queue sets, sample order,
+per-epoch shuffle and bad-record budget as an LMDB (:class:`~dptrain.data.sources.records.RecordSource`):
+a reader thread reads each file's bytes and hands them on as an encoded Caffe Datum with its label
+(:func:`datum_of`: a few header bytes before the file's own), which the renderers decode as they
+decode an LMDB's encoded records. A file that cannot be read or decoded is a bad record named by its
+path. ``dptrain make-lmdb`` stays the way to an LMDB.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from dptrain.errors import InputError
+from dptrain.config import DataConfig
+from dptrain.data.sources.records import RecordSource
+from dptrain.data.transforms.render import DEFAULT_RENDER, RenderOptions
+from dptrain.errors import ConfigError, DataError, InputError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 """File names an image folder's class subfolders are searched for (case-insensitive)."""
@@ -36,6 +53,11 @@ def list_image_folder(root: str | Path) -> tuple[list[tuple[str, int]], list[str
 
 def read_list_file(path: str | Path) -> list[tuple[str, int]]:
     """[(path, label)] from ``path label`` lines; blank lines are skipped."""
+    return [(p, label) for p, label, _ in read_list_lines(path)]
+
+
+def read_list_lines(path: str | Path) -> list[tuple[str, int, int]]:
+    """[(path, label, line number)] from ``path label`` lines; blank lines are skipped."""
     p = Path(path)
     if not p.is_file():
         what = "is not a regular file" if p.exists() else "does not exist"
@@ -52,7 +74,125 @@ def read_list_file(path: str | Path) -> list[tuple[str, int]]:
         parts = line.rsplit(maxsplit=1)
         if len(parts) != 2 or not (parts[1].isascii() and parts[1].isdigit()):
             raise InputError(f"{p}:{n}: expected 'path label' with an integer label >= 0, got {line!r}")
-        items.append((parts[0], int(parts[1])))
+        items.append((parts[0], int(parts[1]), n))
     if not items:
         raise InputError(f"list file {str(p)!r} lists no images")
     return items
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def label_tail(label: int) -> bytes:
+    """A Datum's ``label`` (field 5) and ``encoded = true`` (field 7), as protobuf writes them."""
+    return b"\x28" + _varint(label) + b"\x38\x01"
+
+
+def datum_of(data: bytes, tail: bytes) -> bytes:
+    """An encoded Caffe Datum of an image file's bytes: ``data`` (field 4) then :func:`label_tail`'s bytes."""
+    return b"".join((b"\x22", _varint(len(data)), data, tail))
+
+
+class FileReader:
+    """Image files by record index: ``items[i]`` is (path under ``root``, label)."""
+
+    def __init__(self, items: list[tuple[str, int]], root: Path, *, path: str, kind: str) -> None:
+        self.path, self.kind, self.root = path, kind, root
+        self._files = [os.path.join(root, p) for p, _ in items]
+        self._keys = [os.fsencode(p) for p, _ in items]
+        self._tails = [label_tail(label) for _, label in items]
+        self.num_records = len(items)
+
+    def __len__(self) -> int:
+        return self.num_records
+
+    def handle(self) -> _FileHandle:
+        return _FileHandle(self)
+
+
+class _FileHandle:
+    """One reader thread's access to the files (the OS reads them; Python's file read releases the GIL)."""
+
+    def __init__(self, reader: FileReader) -> None:
+        self.path, self.kind, self._r = reader.path, reader.kind, reader
+
+    def get(self, index: int) -> tuple[bytes, bytes]:
+        keys, values, errors = self.get_many([index])
+        if errors:
+            raise errors[0]
+        return keys[0], values[0]
+
+    def get_many(self, indices: list[int]) -> tuple[list[bytes], list[bytes], dict[int, DataError]]:
+        """(keys, values, errors) of records ``indices``, as ``LmdbReader``'s handle gives them: the key is
+        the file's path as listed, the value its encoded Datum; a file that cannot be read has value b""
+        and its DataError under its place in the list."""
+        r = self._r
+        keys, values, errors = [], [], {}
+        for i in indices:
+            keys.append(r._keys[i])
+            try:
+                with open(r._files[i], "rb") as f:
+                    values.append(datum_of(f.read(), r._tails[i]))
+            except OSError as e:
+                errors[len(values)] = DataError(f"cannot read the image file ({e.strerror or e})")
+                values.append(b"")
+        return keys, values, errors
+
+    def close(self) -> None:
+        pass
+
+
+class FolderSource(RecordSource):
+    """``data.source = "folder"``: ImageFolder layouts at ``data.path`` and ``data.test_path``."""
+
+    kind = "image folder"
+
+    def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0, cores: int = 1,
+                 render: RenderOptions = DEFAULT_RENDER, pin_memory: bool = False) -> None:
+        items, classes = list_image_folder(cfg.path)
+        if len(classes) > num_classes:
+            raise ConfigError(f"data.path {cfg.path!r} has {len(classes)} class folders ({classes[0]!r} ... "
+                              f"{classes[-1]!r}) but model.num_classes = {num_classes}; set model.num_classes = "
+                              f"{len(classes)}")
+        self.classes = classes
+        """The class names, in label order (the sorted folder names)."""
+        test = None
+        if cfg.test_path:
+            test_items, test_classes = list_image_folder(cfg.test_path)
+            label_of = {c: i for i, c in enumerate(classes)}
+            unknown = [c for c in test_classes if c not in label_of]
+            if unknown:
+                raise ConfigError(f"data.test_path {cfg.test_path!r} has class folders the training folder lacks: "
+                                  f"{unknown[:5]}; the test classes must be among data.path's")
+            test_items = [(p, label_of[test_classes[label]]) for p, label in test_items]
+            test = FileReader(test_items, Path(cfg.test_path), path=cfg.test_path, kind=self.kind)
+        super().__init__(cfg, FileReader(items, Path(cfg.path), path=cfg.path, kind=self.kind), test,
+                         num_classes=num_classes, seed=seed, rank=rank, cores=cores, render=render,
+                         pin_memory=pin_memory)
+
+
+class ListSource(RecordSource):
+    """``data.source = "list"``: ``path label`` list files at ``data.path`` and ``data.test_path``."""
+
+    kind = "list file"
+
+    def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0, cores: int = 1,
+                 render: RenderOptions = DEFAULT_RENDER, pin_memory: bool = False) -> None:
+        readers = [self._reader(path, cfg.root, num_classes) if path else None for path in (cfg.path, cfg.test_path)]
+        super().__init__(cfg, readers[0], readers[1], num_classes=num_classes, seed=seed, rank=rank, cores=cores,
+                         render=render, pin_memory=pin_memory)
+
+    def _reader(self, path: str, root: str, num_classes: int) -> FileReader:
+        lines = read_list_lines(path)
+        bad = next(((p, label, n) for p, label, n in lines if label >= num_classes), None)
+        if bad is not None:
+            raise ConfigError(f"{path}:{bad[2]}: label {bad[1]} of {bad[0]!r} is outside [0, {num_classes}); fix "
+                              f"the list or set model.num_classes")
+        base = Path(root) if root else Path(path).parent
+        return FileReader([(p, label) for p, label, _ in lines], base, path=path, kind=self.kind)
