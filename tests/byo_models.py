@@ -166,3 +166,49 @@ class FixedSize(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.conv(x).flatten(1))
+
+
+class TvEncoderBlock(nn.Module):
+    """torchvision's ViT block: pre-norm attention (nn.MultiheadAttention) and an MLP that is a Sequential."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.self_attention = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln_1(x)
+        x = x + self.self_attention(y, y, y, need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class TvEncoder(nn.Module):
+    """torchvision's ViT Encoder: its own forward (position embedding, dropout) around a Sequential of blocks."""
+
+    def __init__(self, dim: int, depth: int, tokens: int) -> None:
+        super().__init__()
+        self.pos_embedding = nn.Parameter(torch.zeros(1, tokens, dim))
+        self.layers = nn.Sequential(collections.OrderedDict(
+            (f"encoder_layer_{i}", TvEncoderBlock(dim)) for i in range(depth)))
+        self.ln = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.layers(x + self.pos_embedding))
+
+
+class TvViT(nn.Module):
+    """The module tree of torchvision's VisionTransformer, small: conv_proj, class_token, encoder, heads."""
+
+    def __init__(self, num_classes: int, dim: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.conv_proj = nn.Conv2d(3, dim, 8, stride=8)
+        self.class_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.encoder = TvEncoder(dim, depth, 17)
+        self.heads = nn.Sequential(collections.OrderedDict(head=nn.Linear(dim, num_classes)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv_proj(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.class_token.expand(len(x), -1, -1), x], dim=1)
+        return self.heads(self.encoder(x)[:, 0])

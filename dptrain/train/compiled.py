@@ -61,6 +61,7 @@ import logging
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -116,13 +117,29 @@ CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 """Modules whose forward only chains their children: splitting one costs no fusion."""
 
 
+def repeats_blocks(m: nn.Module) -> bool:
+    """Whether ``m`` holds a stack of blocks: a container child (:data:`CONTAINERS`) with two or more
+    children of one block class, a module with its own forward and layers of its own (a ResNet
+    stage's blocks, a transformer's encoder layers; not an MLP's Linear layers, nor a branch of
+    Sequentials)."""
+    for child in m.children():
+        if isinstance(child, CONTAINERS):
+            kinds = Counter(type(c) for c in child.children()
+                            if not isinstance(c, CONTAINERS) and any(True for _ in c.children()))
+            if any(n >= 2 for n in kinds.values()):
+                return True
+    return False
+
+
 def segments(model: nn.Module, cap_bytes: float) -> list[tuple[str, nn.Module]]:
     """The modules compiled one by one (module docstring): the largest whose parameters fit in
-    ``cap_bytes``; one that does not is split into its children only if it is the root or a
-    container (:data:`CONTAINERS`), so a block with its own forward (a ResNet block's residual add
-    and ReLUs) stays one segment even past the cap: split into its layers, it would lose the fusions
-    compile is for (a batch norm and the ReLU after it) and run its glue eagerly. Modules without
-    parameters between segments stay eager. In forward order of registration; the root's name is ""."""
+    ``cap_bytes``. One that does not is split into its children if it is the root, a container
+    (:data:`CONTAINERS`), or a module that holds a stack of blocks (:func:`repeats_blocks`: a
+    transformer's encoder, whose own forward is only glue around its layers). A block with its own
+    forward and no stack inside (a ResNet block's residual add and ReLUs, a transformer block's
+    attention and MLP) stays one segment even past the cap: split into its layers, it would lose
+    the fusions compile is for and run its glue eagerly. Modules without parameters between segments
+    stay eager. In forward order of registration; the root's name is ""."""
     out: list[tuple[str, nn.Module]] = []
 
     def visit(name: str, m: nn.Module) -> None:
@@ -130,7 +147,8 @@ def segments(model: nn.Module, cap_bytes: float) -> list[tuple[str, nn.Module]]:
         children = list(m.named_children())
         if size == 0:
             return
-        if size <= cap_bytes or not children or (name and not isinstance(m, CONTAINERS)):
+        splittable = not name or isinstance(m, CONTAINERS) or repeats_blocks(m)
+        if size <= cap_bytes or not children or not splittable:
             out.append((name, m))
             return
         for child, c in children:

@@ -67,6 +67,23 @@ def test_a_block_past_the_cap_stays_whole_and_only_containers_split():
     assert names == ["stem", "layer1", "layer2", "layer3", "layer4.0", "layer4.1", "fc"]  # not layer4.0.conv1, ...
 
 
+def test_a_transformer_splits_at_its_blocks_through_an_encoder_with_its_own_forward():
+    """torchvision's ViT tree: the encoder's own forward is glue around a Sequential of blocks, so it is
+    split; a block (attention, and an MLP that is a Sequential) is not, nor the GoogLeNet branches."""
+    import byo_models
+
+    model = byo_models.TvViT(10, dim=32, depth=4)
+    block = sum(p.numel() * 4 for p in model.encoder.layers[0].parameters())
+    names = [n for n, _ in segments(model, 1.5 * block)]
+    assert names == ["conv_proj", "encoder.layers.encoder_layer_0", "encoder.layers.encoder_layer_1",
+                     "encoder.layers.encoder_layer_2", "encoder.layers.encoder_layer_3", "encoder.ln", "heads"], names
+    vit = build_model("examples.vit:VisionTransformer", num_classes=10, args={"depth": 3})
+    names = [n for n, _ in segments(vit, segment_cap(vit, 25.0, world_size=2))]
+    assert names[-3:] == ["blocks.2", "norm", "head"] and "blocks.0" in names, names
+    googlenet = build_model("googlenet", num_classes=1000)
+    assert all(n.count(".") == 1 for n, _ in segments(googlenet, 0.2 * MB) if n.startswith("inception"))  # whole
+
+
 def test_auto_compiles_on_cuda_in_16_bits_and_on_the_cpu_as_measured():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert resolve_compile("auto", "fp16", cuda) and resolve_compile("auto", "bf16", cuda)
