@@ -287,7 +287,7 @@ class SolverConfig:
     C++ compiler) instead of the default, update.cu's rules built for the host
     (``dptrain.kernels.native``, ~3 s to build once per machine, cached). Slower than that
     default, though faster than the in-place passes the default falls back to without a C++
-    compiler (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#config).
+    compiler (measurements: docs/measurements.md#compiled-update).
     The first step pays a compile of about ten seconds (a few seconds from inductor's on-disk
     cache in later runs). No effect on CUDA (the CuPy kernel is fused)."""
 

@@ -64,8 +64,8 @@ def _resample_torch(crop: Image.Image, out_w: int, out_h: int, dst: np.ndarray) 
     """Antialiased bilinear resize of a whole-pixel crop (an RGB or L image) into ``dst`` [H, W, C].
 
     torch's uint8 antialiased bilinear kernel is vectorised for channels-last input and
-    takes a fraction of Pillow's time on a random-resized crop (measurements:
-    benchmarks/results/design_measurements_cpu2_20261127.md#data-render); the op releases the GIL.
+    takes a fraction of Pillow's time on a random-resized crop
+    (measurements: docs/measurements.md#resize-in-torch); the op releases the GIL.
     Its output equals Pillow's crop-then-BILINEAR resize (torchvision's resized_crop) to within
     one grey level. Pillow's box resize differs a little more at the border rows, because its
     filter also reads pixels just outside the box.
