@@ -125,7 +125,7 @@ def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: R
             out = im.crop(box)
         else:
             out = im.resize((s.out_w, s.out_h), Image.Resampling.BILINEAR, box=s.box)
-        if s.flip:  # in Pillow: 4x cheaper than numpy's negative-stride copy
+        if s.flip:  # in Pillow: cheaper than numpy's negative-stride copy (docs/measurements.md#flip-in-pillow)
             out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         if in_torch:  # flipping before the resample equals flipping after: the filter is symmetric
             _resample_torch(out, s.out_w, s.out_h, dst)
