@@ -1,5 +1,5 @@
-"""Reasons in code, numbers in docs: every ``docs/*.md#anchor`` link resolves, and dptrain's
-docstrings and comments hold no measurement.
+"""Reasons in code, numbers in docs: every ``docs/*.md#anchor`` link resolves (and every relative
+link of a docs/ page), and dptrain's docstrings and comments hold no measurement.
 
 A docstring gives the reason for the code in one sentence and links the section of
 ``docs/measurements.md`` that keeps the figures, the machine, the date and the command. What
@@ -146,6 +146,26 @@ def test_doc_links_resolve() -> None:
                 broken.append(f"{where}#{m.group(2)}: no such anchor (has {sorted(anchors(target))})")
     assert checked > 0, "no docs/ link found: the scan is broken"
     assert not broken, "links into docs/ that do not resolve:\n" + "\n".join(broken)
+
+
+def test_docs_pages_links_resolve() -> None:
+    """Every relative link of a docs/ page (a results report, another page, an anchor) resolves, so a
+    report renamed or merged in benchmarks/results/ fails here rather than leaving a dead link."""
+    broken, checked = [], 0
+    for page in sorted((REPO / "docs").glob("*.md")):
+        for m in re.finditer(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            href = m.group(1)
+            if re.match(r"[a-z]+:", href):  # http:, https:, mailto:
+                continue
+            checked += 1
+            path, _, anchor = href.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists():
+                broken.append(f"{page.name}: {href}: no such file")
+            elif anchor and target.suffix == ".md" and anchor not in anchors(target):
+                broken.append(f"{page.name}: {href}: no such anchor")
+    assert checked > 0, "no relative link found in docs/: the scan is broken"
+    assert not broken, "links of docs/ pages that do not resolve:\n" + "\n".join(broken)
 
 
 def test_no_measurements_in_docstrings_or_comments() -> None:
