@@ -71,17 +71,18 @@ class ModelConfig:
     """Compile the model's forward and backward with torch.compile, in segments that keep the
     allreduce overlapped with backward (``dptrain.train.compiled``). Fuses the memory-bound
     batch-norm, add and ReLU passes; costs a compile at start-up (a minute or more the first time,
-    seconds from the cache). "auto": on CUDA with fp16/bf16 storage, off on the CPU (a step ran
-    1.07-1.09x faster there, but each start pays the compile); a failed compile falls back to
-    eager with one warning. "reduce-overhead": compiled as true, and on CUDA forward and backward
-    replay as CUDA graphs (torch.compile's mode of that name), one solver only: the allreduce
-    cannot join the graphs."""
+    seconds from the cache). "auto": on CUDA with fp16/bf16 storage, off on the CPU (a step runs
+    faster there, but each start pays the compile: docs/measurements.md#compile-on-the-cpu); a
+    failed compile falls back to eager with one warning. "reduce-overhead": compiled as true, and
+    on CUDA forward and backward replay as CUDA graphs (torch.compile's mode of that name), one
+    solver only: the allreduce cannot join the graphs."""
     compile_graphs: CompileGraphs = "auto"
     """How ``model.compile`` cuts the model. "segments": one graph per bucket-sized block, so each
     bucket's allreduce starts while the earlier layers' backward runs; "whole": one graph, every
     gradient handed over at the end of backward (the most fusion, no overlap). "auto": segments
     with several CUDA solvers, whole with one solver or on the CPU (there, a segment's compiled
-    batch-norm backward ran several times slower than the same operations in one graph)."""
+    batch-norm backward ran several times slower than the same operations in one graph, and the
+    segments' overlap gained nothing on 2 cores: docs/measurements.md#segments-or-one-graph)."""
 
     def __post_init__(self) -> None:
         from dptrain.models import MODELS, is_import_path
@@ -287,7 +288,7 @@ class SolverConfig:
     C++ compiler) instead of the default, update.cu's rules built for the host
     (``dptrain.kernels.native``, ~3 s to build once per machine, cached). Slower than that
     default, though faster than the in-place passes the default falls back to without a C++
-    compiler (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#config).
+    compiler (measurements: docs/measurements.md#compiled-update).
     The first step pays a compile of about ten seconds (a few seconds from inductor's on-disk
     cache in later runs). No effect on CUDA (the CuPy kernel is fused)."""
 

@@ -19,7 +19,7 @@ write of the gradient, where adding it to a zeroed view reads two and writes one
 copies into its buckets the same way). Accumulation micro-batches (iter_size) find the view in
 place and add to it, and :meth:`FlatParams.restore_grads` after backward puts back the views of
 parameters that got no gradient, which are still zero. The saving was measured on the CPU, not on
-CUDA (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#flat). Where autograd cannot hand a
+CUDA (measurements: docs/measurements.md#gradient-hand-over). Where autograd cannot hand a
 gradient over (one laid out unlike its parameter, or still referenced elsewhere) it clones it
 first, and the copy comes on top.
 """
@@ -241,7 +241,7 @@ class FlatParams:
         """Before the first backward of a training step, while the flat gradients are zero: every
         ``.grad`` to None, so backward hands its gradients over (module docstring): a read of each
         gradient less per step than accumulating into the zeroed views, which makes the step faster
-        (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#flat)."""
+        (measurements: docs/measurements.md#gradient-hand-over)."""
         for g in self.groups:
             g.release_grads()
 

@@ -8,7 +8,7 @@ the kernel zeroes each one. Both thresholds move with the allocation pattern (gl
 as large blocks are freed), so whether a run pays this depends on the order its tensors happen
 to be freed in: with glibc's defaults the page faults per step swing from run to run. With the
 settings below a step faults few pages in, run after run, spends less system time and trains faster
-(measurements: benchmarks/results/design_measurements_cpu2_20261127.md#hostmem). PyTorch's CPU performance
+(measurements: docs/measurements.md#host-memory). PyTorch's CPU performance
 guide recommends an allocator that reuses memory (jemalloc, TCMalloc) for the same reason; these
 two ``mallopt`` calls get the effect from the C library already loaded, with nothing to install.
 

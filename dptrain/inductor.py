@@ -16,18 +16,15 @@ DeprecationWarnings that name torch's own code and that no dptrain user can act 
 ignored; every other warning, torch's included, passes as before.
 
 **No boolean masks between forward and backward on the CPU** (:func:`cpu_compile_options`). Inductor's
-C++ kernels read and write a ``torch.bool`` tensor slowly (its vector code converts a mask element
-by element, through ``VecMask::from(ptr, count)``, even for whole vectors): on the 2-core
-AVX-512 VM, a fused kernel over 1 M elements took 13-18 ms with a bool mask against 0.7 ms with the
-same mask computed from a bf16 tensor, and writing the mask 16 ms against 0.4 ms (torch 2.13, any
-dtype, 256- or 512-bit vectors). AOT autograd's min-cut partitioner saves the cheapest tensors
-for backward, and a ReLU's bool mask (1 byte an element) beats its output (2 or 4); where a graph
-ends at a ReLU, as a segment of a ResNet does, it saves the mask, and its forward and backward
-kernels then crawl: 7 segments of ResNet-18 CIFAR bf16 stepped in 194 ms, and in 112 ms without
-the masks (one graph: 100 ms; plain torch, one thread). :func:`cpu_compile_options` has every
-comparison in the joint graph marked "must recompute" (torch's selective-checkpoint tag), so the
-partitioner saves the tensor compared instead (a ReLU's output, alive anyway as the next layer's
-input) and the backward compares it again (benchmarks/results/compile_cpu2_20261127.md); a
+C++ kernels read and write a ``torch.bool`` tensor many times slower than the same values
+computed from a bf16 or fp32 tensor, because their vector code converts a mask element by element,
+through ``VecMask::from(ptr, count)``, even for whole vectors (docs/measurements.md#boolean-masks).
+AOT autograd's min-cut partitioner saves the cheapest tensors for backward, and a ReLU's bool mask
+(1 byte an element) beats its output (2 or 4); where a graph ends at a ReLU, as a segment of a
+ResNet does, it saves the mask, and its forward and backward kernels then crawl.
+:func:`cpu_compile_options` has every comparison in the joint graph marked "must recompute"
+(torch's selective-checkpoint tag), so the partitioner saves the tensor compared instead (a ReLU's
+output, alive anyway as the next layer's input) and the backward compares it again; a
 comparison of a random draw (dropout's) is left as it was. CUDA's
 Triton kernels have no such cost, so only the CPU partition is changed, and only inside dptrain's
 own compile.

@@ -6,7 +6,7 @@ Rule (every zoo model is convolutional; ``true``/``false`` in the config overrid
   cuDNN transposes around each convolution (NVIDIA's deep learning performance guide,
   "Tensor layouts in memory"), which is why NVIDIA's ResNet-50 recipes train channels_last.
 - CPU, bf16 storage with native bf16 kernels (AVX512-BF16/AMX): NHWC, which trained faster
-  data-parallel (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#layout).
+  data-parallel (measurements: docs/measurements.md#nhwc-with-bf16).
 - CPU, fp32: NHWC (``CPU_FP32_CHANNELS_LAST``), measured faster, except for a model with a
   convolution torch's CPU NHWC backward breaks on (:func:`cpu_nhwc_hazards`): then NCHW.
 - CPU, a storage dtype without native kernels (bf16/fp16 on AVX2): NCHW; that path is a slow
@@ -27,14 +27,14 @@ log = logging.getLogger(__name__)
 CPU_FP32_CHANNELS_LAST = True
 """fp32 on the CPU runs NHWC: oneDNN's fp32 convolutions ran faster NHWC than NCHW in every model
 tried (AlexNet about even), alone and in data-parallel ``dptrain bench`` runs
-(measurements: benchmarks/results/design_measurements_cpu2_20261127.md#layout). Models with a
+(measurements: docs/measurements.md#nhwc-with-fp32). Models with a
 :func:`cpu_nhwc_hazards` convolution stay NCHW."""
 
 HAZARD_MIN_IN_CHANNELS = 8
 """torch 2.13.0+cpu corrupts the heap ("double free or corruption", segfaults; with 2 threads it
 spins forever) in the NHWC backward of a 1x1 convolution with stride > 1 and fewer than 8 input
 channels, in plain torch with no dptrain code; 1x1 convolutions with 8 input channels or more, and
-3x3 convolutions with fewer, ran (the sweep: benchmarks/results/design_measurements_cpu2_20261127.md#layout).
+3x3 convolutions with fewer, ran (the sweep: docs/measurements.md#nhwc-backward-crash).
 It is the projection shortcut of a ResNet narrower than 8 (``model.width`` < 8)."""
 
 

@@ -33,7 +33,7 @@ def cpu_slowdown(storage: str) -> float:
 
     Measured rather than asked of oneDNN: torch's probe (``_is_mkldnn_fp16_supported``) answers
     True on VMs whose fp16 convolutions fall back to oneDNN's reference kernels, tens of times
-    slower than fp32 (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#precision).
+    slower than fp32 (measurements: docs/measurements.md#precision-probe).
     The best of three runs of each, after a warm-up, on the calling thread's torch thread count.
     """
     if storage == "fp32":

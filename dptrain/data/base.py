@@ -187,7 +187,7 @@ def normalize_batch(
     writes ``x * scale + (-mean * scale)``, computed in fp32, in ``dtype`` and the target layout
     (1 byte read and 2-4 written per element). It differs from the unfused form by fp32 rounding
     (one ulp). Unfused (default on the CPU, where torch's mixed-dtype kernels are not vectorised
-    and the fused form ran slower; measurements: benchmarks/results/design_measurements_cpu2_20261127.md#data-base):
+    and the fused form ran slower; measurements: docs/measurements.md#normalisation-on-the-cpu):
     an fp32 copy in the target layout, subtract and scale in place, then the cast. ``bias`` is
     ``-mean * scale`` when the caller keeps it (DeviceFeeder does, so a step allocates nothing for it).
     """

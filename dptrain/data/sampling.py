@@ -49,7 +49,8 @@ def epoch_permutation(seed: int, epoch: int, num_samples: int, shuffle: bool, sa
     samples that earlier epochs read (``used`` = the full steps' share of N).
 
     Cached (read-only): every batch of an epoch slices the same permutation, and drawing one
-    for ImageNet's 1.28M samples costs ~20 ms, too much to repeat per step.
+    for ImageNet's 1.28M samples takes too long to repeat per step
+    (docs/measurements.md#epoch-permutation-cache).
     """
     if not shuffle:
         used = num_samples - num_samples % samples_per_step

@@ -185,10 +185,10 @@ def import_dynamo_first() -> None:
     and a worker releasing its last collective's tensors while Python finalises tries to take the
     GIL, is exited by the interpreter inside a C++ destructor, and aborts the process
     ("terminate called without an active exception", SIGABRT after a finished run; a core dump
-    showed ``pthread_exit`` in ``take_gil`` under ``~AsyncAllreduceWork``): 4 of about 140
-    two-solver ``bench`` runs did. Imported first, it holds no group, and close() joins the threads
-    (tests/distributed/test_teardown.py checks that none is left). Costs ~1 s at startup where nothing else
-    would import it (CUDA runs).
+    showed ``pthread_exit`` in ``take_gil`` under ``~AsyncAllreduceWork``), in an occasional
+    two-solver ``bench`` run (docs/measurements.md#process-teardown). Imported first, it holds no
+    group, and close() joins the threads (tests/distributed/test_teardown.py checks that none is
+    left). Costs ~1 s at startup where nothing else would import it (CUDA runs).
     Inductor's caches are pointed at dptrain's cache folder first (``dptrain.inductor``): the
     import would otherwise fix torch's default folder in /tmp for the process.
     """

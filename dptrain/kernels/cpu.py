@@ -174,7 +174,7 @@ SIMD width: on one thread each element takes the same vector or scalar path, and
 bits, as over the whole buffer. 64 Ki elements of SGD with bf16 storage and fp32 momentum are ~1 MiB
 of buffers and temporaries, within a core's L2, so each pass reads what the one before it left in
 cache: faster than passes over the whole buffer, in and outside training steps, and 64 Ki is among
-the fastest chunk sizes tried (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#kernels-cpu)."""
+the fastest chunk sizes tried (measurements: docs/measurements.md#in-place-chunks)."""
 
 
 def _chunk(a: UpdateArgs, start: int, stop: int) -> UpdateArgs:
@@ -248,7 +248,7 @@ def update_compiled(a: UpdateArgs) -> None:
 
     Reads gradient, master and state once and writes state, master, weights and the zeroed
     gradient once, so it is faster than :func:`update_inplace` in a training step
-    (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#kernels-cpu). The first call per
+    (measurements: docs/measurements.md#compiled-update). The first call per
     variant compiles (about ten seconds, a few from inductor's on-disk cache; needs a C++ compiler).
     """
     rule = rule_of(a)

@@ -21,8 +21,7 @@ mismatch makes the dispatch (:func:`dptrain.kernels.kernel_backend`) use :mod:`.
 in-place passes, with one warning.
 
 Moving the bytes once, the update takes a fraction of the in-place passes' time, and less still
-tuned for the host CPU (measurements:
-benchmarks/results/design_measurements_cpu2_20261127.md#kernels-native).
+tuned for the host CPU (measurements: docs/measurements.md#native-update).
 """
 from __future__ import annotations
 

@@ -124,9 +124,9 @@ def _f32(x: float) -> float:
 def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     """The correctly rounded fp32 square root, as the kernels' ``sqrtf`` (``--prec-sqrt=true``).
 
-    torch's CUDA sqrt is; its vectorised CPU sqrt is not (on AVX2, 16 % of random inputs
-    came out 1 ulp off), so on the CPU the root is taken in float64 and rounded once, which
-    is exact (53 >= 2*24 + 2 bits).
+    torch's CUDA sqrt is; its vectorised CPU sqrt is not (on AVX2 some roots come out 1 ulp
+    off: docs/measurements.md#square-root-on-the-cpu), so on the CPU the root is taken in
+    float64 and rounded once, which is exact (53 >= 2*24 + 2 bits).
     """
     return v.sqrt() if v.is_cuda else v.double().sqrt().float()
 

@@ -17,14 +17,12 @@ ReLUs); the glue between segments (pooling, flatten) runs eagerly.
 
 **One graph where segments do not pay** (``model.compile_graphs = "auto"``; "whole" and
 "segments" force either cut). One solver, with nothing to overlap, compiles the whole model as
-one graph, and so does the CPU. There, segments once ran far slower than one graph (2 solvers at
-0.75x eager): a segment that ends at a ReLU had its boolean mask saved for backward, and
+one graph, and so does the CPU. There, segments once ran far slower than one graph, and slower
+than eager: a segment that ends at a ReLU had its boolean mask saved for backward, and
 inductor's C++ kernels read and write booleans at a crawl. dptrain's CPU compile now saves no
-such mask (``dptrain.inductor.cpu_compile_options``; in plain torch, one thread, 7 segments of
-ResNet-18 CIFAR bf16 stepped in 112 ms against 194 ms with the masks, one graph in 100 ms). With
-2 solvers the segments' overlap showed no gain over one graph: against the same compiled DDP
-peer, in the same processes, 1.066x and 1.045x in segments, 1.130x and 1.049x whole, each run
-against its own peer blocks (benchmarks/results/compile_cpu2_20261127.md).
+such mask (``dptrain.inductor.cpu_compile_options``, docs/measurements.md#boolean-masks), and with
+2 solvers the segments' overlap then showed no gain over one graph against the same compiled DDP
+peer (docs/measurements.md#segments-or-one-graph).
 
 **When.** The compile runs at start-up, on a batch of zeros of the training shape (the
 data's batch size, sample shape, dtype and layout): forward and backward of every segment,
@@ -90,10 +88,10 @@ the next call and replay it after, so a failure to record or replay falls back a
 RECOMPILE_LIMIT = 64
 """Compiled variants dynamo keeps per code object (its default, 8, is what a ResNet-50's blocks need)."""
 CPU_COMPILE_AUTO = False
-"""Whether ``model.compile = "auto"`` compiles on the CPU: off. Compiled as one graph, 2 gloo solvers
-of ResNet-18 CIFAR bf16 stepped 1.07-1.09x faster than eager (benchmarks/results/compile_cpu2_20261127.md),
-but every start then pays a compile (13 s from the cache, about 50 s cold), more than the short CPU
-runs (tests, ``make demo``, the digits recipes) save; ``model.compile = true`` turns it on."""
+"""Whether ``model.compile = "auto"`` compiles on the CPU: off. A step compiled as one graph is faster
+than eager, but every start then pays a compile that costs more than the short CPU runs (tests,
+``make demo``, the digits recipes) save (docs/measurements.md#compile-on-the-cpu);
+``model.compile = true`` turns it on."""
 
 
 def resolve_compile(setting: CompileSetting, storage: str, device: torch.device) -> bool:

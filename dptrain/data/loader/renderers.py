@@ -126,7 +126,7 @@ def single_threaded_torch_in_this_thread() -> None:
     Each renderer thread already has a core's worth of work. Left at the default, every
     resize would also start an OpenMP team as wide as the machine, whose spinning workers
     take the cores from the other renderers, so each image costs more CPU time
-    (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#data-transformer).
+    (measurements: docs/measurements.md#renderer-threads).
     ``torch.set_num_threads`` sets the calling thread's team size but also the default that
     threads started later inherit; a short-lived helper thread puts that default back, so the
     trainer's threads keep theirs.

@@ -3,7 +3,7 @@
 Why native threads, and not worker processes: one solver process's Python pipeline stopped
 gaining from more threads on a many-core host, because each image cost hundreds of Python and
 Python-to-C calls under the GIL, and with many threads the GIL hand-offs cost more than the work
-(measurements: benchmarks/results/design_measurements_cpu2_20261127.md#data-native_render).
+(measurements: docs/measurements.md#native-renderer).
 Worker processes would each have a GIL, but need shared-memory ring slots registered as pinned
 memory, an LMDB environment per worker, and process lifetimes to manage. Moving the per-sample
 work out of Python keeps the threads, the pinned ring and the queue set, and leaves a few Python

@@ -64,8 +64,8 @@ def _resample_torch(crop: Image.Image, out_w: int, out_h: int, dst: np.ndarray) 
     """Antialiased bilinear resize of a whole-pixel crop (an RGB or L image) into ``dst`` [H, W, C].
 
     torch's uint8 antialiased bilinear kernel is vectorised for channels-last input and
-    takes a fraction of Pillow's time on a random-resized crop (measurements:
-    benchmarks/results/design_measurements_cpu2_20261127.md#data-render); the op releases the GIL.
+    takes a fraction of Pillow's time on a random-resized crop
+    (measurements: docs/measurements.md#resize-in-torch); the op releases the GIL.
     Its output equals Pillow's crop-then-BILINEAR resize (torchvision's resized_crop) to within
     one grey level. Pillow's box resize differs a little more at the border rows, because its
     filter also reads pixels just outside the box.
@@ -125,7 +125,7 @@ def render_image(im: Image.Image, s: Sample, mode: str, dst: np.ndarray, opts: R
             out = im.crop(box)
         else:
             out = im.resize((s.out_w, s.out_h), Image.Resampling.BILINEAR, box=s.box)
-        if s.flip:  # in Pillow: 4x cheaper than numpy's negative-stride copy
+        if s.flip:  # in Pillow: cheaper than numpy's negative-stride copy (docs/measurements.md#flip-in-pillow)
             out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         if in_torch:  # flipping before the resample equals flipping after: the filter is symmetric
             _resample_torch(out, s.out_w, s.out_h, dst)

@@ -200,7 +200,7 @@ def _plan_with_contention(ready: np.ndarray, c: np.ndarray, backward_ms: float, 
     exact. The cap sits above the states a prefix of the reference profile (ResNet-50's gradients)
     keeps, so its plan stays exact; a much longer timeline is thinned, and its plan comes within a
     fraction of a percent of the exact plan's cost in a fraction of the time
-    (measurements: benchmarks/results/design_measurements_cpu2_20261127.md#dist-planning-planner).
+    (measurements: docs/measurements.md#bucket-plan-search).
     """
     n = len(ready)
     c = c + 1e-12 * (1.0 + float(np.max(c[np.isfinite(c)])))
