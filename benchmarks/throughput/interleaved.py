@@ -37,6 +37,7 @@ import time
 
 from benchmarks.throughput.throughput import (
     BASE_CONFIG,
+    GPU_SUITES,
     REPO,
     SUITES,
     Case,
@@ -97,7 +98,7 @@ def worker(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg, comm)
     peer_layout = c.peer_channels_last if c.peer_channels_last is not None else bool(c.channels_last)
     peer_step = make_step(c.model, c.width, c.num_classes, c.precision, c.batch_size, c.image_size, peer_layout,
-                          device, comm.rank, comm.world_size, compile_mode=c.peer_compile)
+                          device, comm.rank, comm.world_size, compile_mode=c.peer_compile, model_args=c.model_args)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -197,7 +198,7 @@ def main() -> int:
     if left_out:
         print(f"left out ({len(left_out)}: no peer, a side-specific environment or CUDA graphs): "
               f"{'; '.join(left_out)}", file=sys.stderr)
-    cases = select([c for c in cases if interleavable(c)], args.only, cpu=args.suite != "gpu",
+    cases = select([c for c in cases if interleavable(c)], args.only, cpu=args.suite not in GPU_SUITES,
                    allow_slow_dtypes=args.allow_slow_dtypes)
     if not cases:
         print("no case to run", file=sys.stderr)

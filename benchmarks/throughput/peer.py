@@ -22,10 +22,10 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dptrain.data.base import DeviceFeeder
@@ -33,17 +33,26 @@ from dptrain.data.sampling import SampleOrder
 from dptrain.data.sources.builtin import synthetic_source
 from dptrain.inductor import prepare as prepare_inductor
 from dptrain.models import build_model
+from dptrain.train.outputs import training_loss
+
+AUX_LOSS_WEIGHT = 0.3
+"""``model.aux_loss_weight``'s default, for models with auxiliary heads."""
 
 
 def make_step(model_name: str, width: int, num_classes: int, precision: str, batch_size: int, image_size: int,
               channels_last: bool, device: torch.device, rank: int = 0, world: int = 1,
-              bucket_mb: float = 25.0, compile_mode: str | None = None) -> Callable[[], None]:
+              bucket_mb: float = 25.0, compile_mode: str | None = None,
+              model_args: dict[str, Any] | None = None) -> Callable[[], None]:
     """One training step of the peer (DDP when ``world`` > 1: the process group must be up).
-    ``compile_mode``: the model (DDP-wrapped, so torch's DDPOptimizer splits the graph at the
-    buckets) under torch.compile in that mode ("default", "reduce-overhead", ...); None: eager."""
+    ``model_name`` and ``model_args`` as dptrain's ``model.name`` and ``model.args`` (a zoo entry or an
+    import path: dptrain's own builder, so both sides train the same module); the loss is dptrain's too
+    (the logits of a tuple or dict output, plus its auxiliary heads'). ``compile_mode``: the model
+    (DDP-wrapped, so torch's DDPOptimizer splits the graph at the buckets) under torch.compile in that
+    mode ("default", "reduce-overhead", ...); None: eager."""
     cuda = device.type == "cuda"
     torch.manual_seed(1)
-    model = build_model(model_name, num_classes=num_classes, width=width, channels_last=channels_last).to(device)
+    model = build_model(model_name, num_classes=num_classes, width=width, channels_last=channels_last,
+                        args=model_args).to(device)
     if world > 1:
         model = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=bucket_mb,
                     gradient_as_bucket_view=True)
@@ -61,7 +70,7 @@ def make_step(model_name: str, width: int, num_classes: int, precision: str, bat
     def step() -> None:
         x, y = next(feeder)
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            loss = F.cross_entropy(model(x).float(), y)
+            loss = training_loss(model(x), y, label_smoothing=0.0, aux_weight=AUX_LOSS_WEIGHT)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
@@ -72,7 +81,9 @@ def make_step(model_name: str, width: int, num_classes: int, precision: str, bat
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="resnet18_cifar")
+    ap.add_argument("--model", default="resnet18_cifar", help="a zoo entry or \"package.module:callable\"")
+    ap.add_argument("--model-args", type=json.loads, default={}, metavar="JSON",
+                    help="keyword arguments of an import-path model, as dptrain's [model.args]")
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--num-classes", type=int, default=10)
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
@@ -100,7 +111,7 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
     step = make_step(args.model, args.width, args.num_classes, args.precision, args.batch_size, args.image_size,
-                     args.channels_last, device, rank, world, args.bucket_mb, args.compile)
+                     args.channels_last, device, rank, world, args.bucket_mb, args.compile, args.model_args)
 
     for _ in range(args.warmup):
         step()

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dptrain import hostmem
 
@@ -52,6 +53,8 @@ class Case:
     """Environment variables for dptrain's processes only."""
     peer_compile: str | None = None
     """The peer under torch.compile in this mode ("default", "reduce-overhead"); None: eager."""
+    model_args: dict[str, Any] = field(default_factory=dict)
+    """``model.args`` of an import-path ``model`` (the user's own), given to both sides."""
 
 
 KEEP_MALLOC_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={hostmem.MMAP_THRESHOLD_BYTES}:"
@@ -159,9 +162,47 @@ def gpu_cases() -> list[Case]:
     return cases
 
 
+VIT = "examples.vit:VisionTransformer"
+"""The user's own model of examples/: a vision transformer dptrain knows nothing of."""
+VIT_CPU_ARGS = {"image_size": 32, "patch_size": 4, "dim": 192, "depth": 6, "heads": 3, "mlp_ratio": 4.0}
+"""A ViT-Tiny's width and heads, 6 blocks, on 32x32 images (65 tokens): a transformer step the 2-core
+CPU runs in tenths of a second."""
+
+
+def vit_cases(quick: bool) -> list[Case]:
+    """The user's ViT (no BatchNorm: LayerNorm, attention, MLP) with 2 gloo solvers against DDP + autocast,
+    the peer NCHW and channels_last (only the patch embedding is a convolution), eager and compiled."""
+    args = {**VIT_CPU_ARGS, **({"dim": 48, "depth": 2} if quick else {})}
+    common = dict(model=VIT, width=64, num_classes=10, image_size=32, batch_size=32, model_args=args)
+    cases = []
+    for prec, peer in (("bf16", "DDP + autocast bf16"), ("fp32", "DDP fp32")):
+        cases += [Case(f"ViT 2 solvers {prec} vs {peer}", 2, precision=prec, channels_last=False, **common),
+                  Case(f"ViT 2 solvers {prec} vs {peer} + channels_last", 2, precision=prec, channels_last=False,
+                       peer_channels_last=True, **common)]
+    cases.append(Case("ViT 2 solvers bf16, model.compile=true vs DDP + autocast bf16 + torch.compile", 2,
+                      precision="bf16", channels_last=False, peer_compile="default", extra_sets=COMPILE, **common))
+    return cases
+
+
+def user_model_gpu_cases() -> list[Case]:
+    """torchvision's ViT-B/16 and ConvNeXt-T (the user's models, by import path) at batch 128, NHWC, against
+    the eager and the compiled peer, in bf16 (the ViT recipes' choice: fp16 attention overflows) and fp16.
+    Opt-in (gpu_session.sh's byo stage): needs torchvision in the image."""
+    cases = []
+    for model, name in (("torchvision.models:vit_b_16", "ViT-B/16"), ("torchvision.models:convnext_tiny", "ConvNeXt-T")):
+        common = dict(model=model, width=64, num_classes=1000, image_size=224, batch_size=128, channels_last=True)
+        for prec, amp in (("bf16", "torch autocast bf16"), ("fp16", "torch AMP (autocast + GradScaler)")):
+            cases += [Case(f"{name} {prec} vs {amp}", 1, precision=prec, **common),
+                      Case(f"{name} {prec} vs torch.compile + {amp}", 1, precision=prec, peer_compile="default",
+                           **common)]
+    return cases
+
+
 SUITES = {"cpu": cpu_cases, "layout": lambda quick: layout_cases(), "buckets": lambda quick: bucket_cases(),
-          "gpu": lambda quick: gpu_cases()}
+          "gpu": lambda quick: gpu_cases(), "vit": vit_cases, "byo_gpu": lambda quick: user_model_gpu_cases()}
 """The suites by name, each called with ``--quick`` (the CPU suite's tiny widths)."""
+GPU_SUITES = ("gpu", "byo_gpu")
+"""The suites run on a GPU (every other suite's dtypes are filtered for the CPU's native kernels)."""
 
 
 def launcher(world_size: int) -> list[str]:
@@ -173,7 +214,8 @@ def launcher(world_size: int) -> list[str]:
 def dptrain_sets(c: Case) -> list[str]:
     """The ``--set`` overrides of :data:`BASE_CONFIG` that make dptrain's side of ``c``."""
     layout = "auto" if c.channels_last is None else str(c.channels_last).lower()  # the recipe sets true
-    return [f"model.name={c.model}", f"model.width={c.width}", f"model.num_classes={c.num_classes}",
+    return [f"model.name={json.dumps(c.model)}", f"model.width={c.width}", f"model.num_classes={c.num_classes}",
+            *[f"model.args.{k}={json.dumps(v)}" for k, v in c.model_args.items()],
             f"model.channels_last={layout}",
             f"data.image_size={c.image_size}", f"data.batch_size={c.batch_size}", f"precision.storage={c.precision}",
             *c.extra_sets]
@@ -190,6 +232,7 @@ def peer_cmd(c: Case, steps: int, warmup: int) -> list[str]:
            f"--width={c.width}", f"--num-classes={c.num_classes}", f"--precision={c.precision}",
            f"--batch-size={c.batch_size}", f"--image-size={c.image_size}", f"--steps={steps}", f"--warmup={warmup}"]
     cmd += [f"--compile={c.peer_compile}"] if c.peer_compile else []
+    cmd += [f"--model-args={json.dumps(c.model_args)}"] if c.model_args else []
     return cmd + (["--channels-last"] if (c.peer_channels_last if c.peer_channels_last is not None
                                           else c.channels_last) else [])
 
@@ -259,7 +302,7 @@ def render(rows: list[dict], machine: str, date: str, raw: list[dict]) -> str:
 def report_path(out: str, kind: str, suite: str, device: str, tag: str) -> tuple[Path, str]:
     """``<out>/<kind>_<suite>_<hardware>_<yyyymmdd>[_<tag>].md`` (its folder made) and the date: the
     hardware is the CPU count for the CPU suites, the device's name for the GPU one."""
-    hw = (f"cpu{len(os.sched_getaffinity(0))}" if suite != "gpu"
+    hw = (f"cpu{len(os.sched_getaffinity(0))}" if suite not in GPU_SUITES
           else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_"))
     date = datetime.date.today().strftime("%Y%m%d")
     path = Path(out) / f"{kind}_{suite}_{hw}_{date}{'_' + tag if tag else ''}.md"
@@ -283,7 +326,7 @@ def main() -> int:
     ap.add_argument("--tag", default="", help="suffix of the results file name, e.g. peers or buckets")
     args = ap.parse_args()
     cases = SUITES[args.suite](args.quick)
-    cases = select(cases, args.only, cpu=args.suite != "gpu", allow_slow_dtypes=args.allow_slow_dtypes)
+    cases = select(cases, args.only, cpu=args.suite not in GPU_SUITES, allow_slow_dtypes=args.allow_slow_dtypes)
     if args.suite == "buckets":
         from dptrain.distributed.buckets.probe import AUTO_DONE_ITER
 
