@@ -180,3 +180,37 @@ def test_buffers_are_averaged_broadcast_or_own_and_resume_bit_exactly(tmp_path):
     for name in ("norm.running_mean", "norm.running_var", "noise"):  # averaged (reassigned!), or rank 0's
         assert torch.equal(ranks[0]["whole"][name], ranks[1]["whole"][name]), name
     assert ranks[0]["whole"]["norm.running_mean"].abs().sum() > 0
+
+
+# ---------------------------------------------------------------- the example ViT, fp16, resumed
+
+VIT = ["precision.storage=fp16", "model.args.dim=32", "model.args.depth=2", "model.args.heads=2",
+       "solver.type=adamw", "solver.base_lr=0.001"]
+
+
+def _vit_rank(rank, world, out):
+    whole = _trainer("examples.vit:VisionTransformer", VIT, f"{out}/whole", world)
+    for _ in range(4):
+        whole.train_step()
+    first = _trainer("examples.vit:VisionTransformer", VIT, f"{out}/first", world)
+    for _ in range(2):
+        first.train_step()
+    first.save()
+    torch.distributed.barrier()
+    second = _trainer("examples.vit:VisionTransformer", VIT, f"{out}/second", world)
+    second.resume(Path(out) / "first" / "snapshot_iter_2.pt")
+    for _ in range(2):
+        second.train_step()
+    def state(t: Trainer) -> dict[str, torch.Tensor]:
+        moments = {f"{k}/{n}": v for k, per in t.flat.state_dict().items() for n, v in per.items()}
+        return {**t.flat.master_state(), **moments, "loss_scale": t.scaler.scale.clone()}
+
+    torch.save({"whole": state(whole), "resumed": state(second)}, Path(out) / f"rank{rank}.pt")
+
+
+def test_the_example_vit_resumes_bit_exactly_in_fp16(tmp_path):
+    run_ranks(2, _vit_rank, str(tmp_path))
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        for name, v in got["whole"].items():
+            assert torch.equal(got["resumed"][name], v), f"rank {r}: {name}"

@@ -49,6 +49,19 @@ def test_bench_json_schema(tmp_path, capsys):
     assert {"forward", "backward", "update"} <= {e["name"] for e in events}
 
 
+def test_bench_on_the_users_model_prints_the_zoo_models_fields(tmp_path, capsys):
+    records = {}
+    for name in ("lenet", "byo_models:AuxHeads"):
+        cfg = tmp_path / "b.toml"
+        cfg.write_text(f'[model]\nname = "{name}"\n[data]\nbatch_size = 4\nimage_size = 32\n'
+                       f'[train]\nrun_dir = "{tmp_path}"\n')
+        assert main(["bench", "--config", str(cfg), "--synthetic", "--steps", "2", "--warmup", "1",
+                     "--phase-steps", "1"]) == 0
+        records[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(records["lenet"]) == set(records["byo_models:AuxHeads"])
+    assert records["byo_models:AuxHeads"]["model"] == "byo_models:AuxHeads"
+
+
 def test_single_solver_trace_has_bucket_ready_events(tmp_path, capsys):
     cfg = tmp_path / "b.toml"
     cfg.write_text(f'[model]\nname = "lenet"\n[data]\nbatch_size = 4\nimage_size = 32\n'
