@@ -35,12 +35,22 @@ class RunSetup:
     loss_scale: str
     channels_last: bool = False
     """``model.channels_last`` resolved (``dptrain.memory_format``)."""
+    precision_mode: str = "storage"
+    """``precision.mode``: 16-bit storage (O2) or autocast over fp32 weights (O1)."""
+    reduce_dtype: str = "fp32"
+    """The gradients' dtype on the wire (``reducer.dtype`` resolved)."""
+
+    def _precision(self) -> str:
+        if self.precision_mode == "autocast":
+            return f"fp32 weights under autocast {self.storage} (precision.mode = autocast)"
+        return f"storage {self.storage}"
 
     def describe(self) -> str:
         return (
             f"global batch {self.global_batch} = batch_size {self.batch_size} x world_size "
             f"{self.world_size} x iter_size {self.iter_size}; {self.micro_steps_per_epoch // self.iter_size} "
-            f"iterations per epoch; storage {self.storage}, loss scale {self.loss_scale}, device {self.device}, "
+            f"iterations per epoch; {self._precision()}, reduce in {self.reduce_dtype}, loss scale "
+            f"{self.loss_scale}, device {self.device}, "
             f"memory format {'NHWC' if self.channels_last else 'NCHW'}"
         )
 

@@ -388,8 +388,16 @@ classes, of torchvision and timm)."""
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionConfig:
+    mode: Literal["storage", "autocast"] = "storage"
+    """How the 16-bit dtype ``storage`` is used. "storage" (Apex O2, NVCaffe's way): the model's weights,
+    activations and gradients are held in it, with fp32 masters beside them and the normalisations in
+    fp32. "autocast" (Apex O1, torch AMP's numerics): the weights stay fp32 and are the masters (no
+    second copy), forward and loss run under ``torch.autocast`` in ``storage``'s dtype (matmuls and
+    convolutions in 16 bits; softmax, norms, losses and reductions in fp32), and the gradients are fp32;
+    the safer recipe for a model dptrain did not design (see the README's "O1 or O2")."""
     storage: Literal["fp32", "fp16", "bf16"] = "fp32"
-    """dtype of model weights, activations and gradients. The update always runs in fp32."""
+    """dtype of model weights, activations and gradients (mode "storage"), or the dtype autocast computes
+    in (mode "autocast": fp16 or bf16). The update always runs in fp32."""
     master: Literal["fp32"] = "fp32"
     """dtype of the master weights that take the update."""
     momentum_dtype: Literal["fp32", "fp16"] = "fp32"
@@ -403,12 +411,25 @@ class PrecisionConfig:
     """[precision.loss_scale] table."""
 
     def __post_init__(self) -> None:
+        if self.autocast and self.storage == "fp32":
+            raise ConfigError("precision.mode = \"autocast\" computes in precision.storage's 16-bit dtype: set "
+                              "precision.storage = \"bf16\" or \"fp16\" (or precision.mode = \"storage\" for fp32)")
         ls = self.loss_scale
         if self.resolved_loss_scale_mode() == "dynamic" and not ls.min_scale <= ls.init_scale <= ls.max_scale:
             raise ConfigError(  # the first growth would lower it to max_scale, the first backoff raise it to min_scale
                 f"precision.loss_scale.init_scale ({ls.init_scale:g}) is outside [min_scale, max_scale] = "
                 f"[{ls.min_scale:g}, {ls.max_scale:g}]; set it inside, or widen the range"
             )
+
+    @property
+    def autocast(self) -> bool:
+        """Whether forward and loss run under torch.autocast (mode "autocast"), the weights in fp32."""
+        return self.mode == "autocast"
+
+    @property
+    def weights(self) -> str:
+        """The dtype the model's weights and gradients are held in: ``storage``, or fp32 under autocast."""
+        return "fp32" if self.autocast else self.storage
 
     def resolved_loss_scale_mode(self) -> str:
         """The loss-scale mode after "auto" is resolved against the storage dtype."""
@@ -430,8 +451,13 @@ class ReducerConfig:
     same iteration; implies ``replan``)."""
     first_bucket_mb: float = 1.0
     """Capacity of the first bucket (the last layers), so communication starts early in backward."""
-    reduce_dtype: Literal["storage", "fp32"] = "storage"
-    """"fp32" upcasts each bucket for the allreduce: 2x bandwidth, no fp16 overflow at large world sizes."""
+    dtype: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
+    """dtype of the gradients on the wire. The loss scale is always applied before the reduce. "auto":
+    the 16-bit dtype of ``precision.storage`` in both precision modes (under autocast each bucket of
+    fp32 gradients is cast to it for the allreduce and back: half the bytes of fp32, see the README's
+    "O1 or O2"); fp32 with fp32 storage. "fp32": fp32 on the wire (with 16-bit storage each bucket is
+    upcast, twice the bytes, and no fp16 sum can overflow at large world sizes). With 16-bit storage
+    the wire holds the storage dtype or fp32; fp16 on the wire needs loss scaling."""
     replan: bool = False
     """After iteration 1, re-plan buckets from the observed gradient-ready order (rank 0 decides)."""
     timeout_s: float = 300.0
@@ -494,9 +520,26 @@ class TrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
 
     def __post_init__(self) -> None:
+        self.wire_dtype()  # raises on a reducer.dtype this precision cannot reduce in
         if self.precision.momentum_dtype == "fp16" and self.solver.type not in ("sgd", "nesterov"):
             raise ConfigError(f"precision.momentum_dtype = \"fp16\" applies to solver.type \"sgd\" or \"nesterov\"; "
                               f"{self.solver.type}'s moments are fp32: set precision.momentum_dtype = \"fp32\"")
+
+
+    def wire_dtype(self) -> str:
+        """``reducer.dtype`` resolved against the precision: the gradients' dtype on the wire."""
+        p, want = self.precision, self.reducer.dtype
+        if want == "auto":
+            return p.storage
+        if not p.autocast and want not in (p.storage, "fp32"):
+            raise ConfigError(f"reducer.dtype = \"{want}\" with precision.storage = \"{p.storage}\": the gradients "
+                              f"are {p.storage}, reduced as they are or upcast to fp32; set reducer.dtype = \"auto\" "
+                              f"or \"fp32\"")
+        if want == "fp16" and p.resolved_loss_scale_mode() == "none":
+            raise ConfigError("reducer.dtype = \"fp16\" without loss scaling would put unscaled gradients on the wire, "
+                              "where fp16 flushes the small ones to zero: set precision.loss_scale.mode = \"dynamic\", "
+                              "or reducer.dtype = \"bf16\" or \"fp32\"")
+        return want
 
 
 # --------------------------------------------------------------------------- loading

@@ -96,7 +96,7 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig) -> list[str]:
     fp32 parameters and statistics and compute in fp32 natively, so it needs no casts
     (which would cost two extra passes over every activation).
     """
-    dtype = DTYPES[cfg.storage]
+    dtype = DTYPES[cfg.weights]  # fp32 under autocast: the model is not cast, torch.autocast casts per op
     model.to(dtype)
     if dtype == torch.float32:
         return []

@@ -80,7 +80,7 @@ def _nccl_dtype(dtype: torch.dtype) -> int:
     table = _dtype_table()
     if dtype not in table:
         raise SetupError(f"cupy-nccl cannot reduce {dtype} (this CuPy supports {sorted(map(str, table))}); "
-                         "use reducer.backend = \"torch\" or reducer.reduce_dtype = \"fp32\"")
+                         "use reducer.backend = \"torch\" or reducer.dtype = \"fp32\"")
     return table[dtype]
 
 

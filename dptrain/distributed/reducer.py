@@ -14,12 +14,16 @@ gradients just accumulate (Caffe iter_size).
 Loss scaling happens before the reduce: the buckets hold loss-scaled gradients, summed
 over ranks. The solver unscales by ``1 / (S * grad_divisor)`` in fp32:
 
-- ``reduce_dtype = "storage"``: the SUM runs in the storage dtype (fp16 on the wire);
-  ``grad_divisor = world_size``. An fp16 sum that overflows becomes inf on every rank
-  alike, and the step is skipped everywhere.
-- ``reduce_dtype = "fp32"``: each bucket is upcast, summed in fp32, divided by
-  world_size in fp32 and only then cast back, so the sum itself never overflows fp16;
-  ``grad_divisor = 1``.
+- the gradients' own dtype on the wire (``reducer.dtype`` "auto" with 16-bit storage, or fp32
+  gradients reduced in fp32): the SUM runs in place; ``grad_divisor = world_size``. An fp16 sum
+  that overflows becomes inf on every rank alike, and the step is skipped everywhere.
+- fp32 on the wire for 16-bit gradients (``reducer.dtype = "fp32"``): each bucket is upcast,
+  summed in fp32, divided by world_size in fp32 and only then cast back, so the sum itself
+  never overflows fp16; ``grad_divisor = 1``.
+- 16 bits on the wire for fp32 gradients (``precision.mode = "autocast"``, ``reducer.dtype``
+  fp16 or bf16): each bucket of loss-scaled fp32 gradients is cast to the wire's dtype, summed
+  there (half the bytes) and cast back to fp32 exactly; ``grad_divisor = world_size``. An fp16
+  sum that overflows is inf, as in the first case.
 - world_size 1: no collectives, ``grad_divisor = 1``.
 
 Every rank then holds the bit-identical reduced gradient, so the overflow decision taken
@@ -99,7 +103,8 @@ class Launched:
 
     bucket: Bucket | None
     work: Work
-    upcast: torch.Tensor | None  # [stop - start] fp32 copy when reduce_dtype = "fp32"
+    wire: torch.Tensor | None  # [stop - start] the bucket cast to the wire's dtype, when it is not the gradients'
+
     start_us: float
     end_us: list[float] = field(default_factory=list)  # set by the completion callback
 
@@ -145,7 +150,7 @@ class Reducer:
 
     def __init__(self, flat: FlatParams, cfg: ReducerConfig, comm: Communicator, tracer: Tracer,
                  running_stats: list[torch.Tensor] | Callable[[], list[torch.Tensor]] | None = None,
-                 unused: UnusedParams | None = None) -> None:
+                 unused: UnusedParams | None = None, wire_dtype: torch.dtype | None = None) -> None:
         self.flat, self.cfg, self.comm, self.tracer = flat, cfg, comm, tracer
         fixed = list(running_stats or []) if not callable(running_stats) else None
         self._stats_source: Callable[[], list[torch.Tensor]] = running_stats if fixed is None else (lambda: fixed)
@@ -161,7 +166,9 @@ class Reducer:
         self._stats_flight: tuple[Launched, torch.Tensor] | None = None
         self._control: torch.Tensor | None = None
         self.world_size = comm.world_size
-        self.fp32_reduce = cfg.reduce_dtype == "fp32"
+        self.wire_dtype = wire_dtype
+        """The gradients' dtype on the wire when it is not the flat buffers' own (module docstring); None: theirs."""
+        self.fp32_reduce = wire_dtype == torch.float32
         self.grad_divisor = 1 if (self.fp32_reduce or self.world_size == 1) else self.world_size
         """What the solver still divides the reduced gradient by (see the module docstring)."""
         self.launch_log: list[tuple[int, float]] = []
@@ -188,7 +195,12 @@ class Reducer:
                 for s in g.segments:
                     self._handles.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s.name)))
         if comm.rank == 0:
-            log.info("reducer: %s; reduce in %s via %s", self.plan.describe(), cfg.reduce_dtype, cfg.backend)
+            wire = sorted({str(self._wire_of(g.grads.dtype)).removeprefix("torch.") for g in flat.groups})
+            log.info("reducer: %s; reduce in %s via %s", self.plan.describe(), "/".join(wire), cfg.backend)
+
+    def _wire_of(self, grads: torch.dtype) -> torch.dtype:
+        """The dtype gradients held in ``grads`` are reduced in."""
+        return grads if self.wire_dtype is None else self.wire_dtype
 
     def _build_collective(self) -> AsyncAllreduce:
         if self.cfg.backend == "torch":
@@ -201,7 +213,7 @@ class Reducer:
                              f"this solver runs on {self.comm.device}; use reducer.backend = \"torch\"")
         from dptrain.distributed.cupy_nccl import CupyNcclCommunicator, check_reducible  # imports cupy: GPU runs only
 
-        check_reducible({torch.float32 if self.fp32_reduce else g.grads.dtype for g in self.flat.groups})
+        check_reducible({self._wire_of(g.grads.dtype) for g in self.flat.groups})
         return CupyNcclCommunicator(self.comm, self.cfg.timeout_s)
 
     # ------------------------------------------------------------------ plan
@@ -293,17 +305,17 @@ class Reducer:
     def _launch(self, b: Bucket) -> None:
         """Start bucket ``b``'s allreduce (caller holds the lock)."""
         view = self.flat.groups[b.group].grads[b.start : b.stop]
-        upcast = view.float() if self.fp32_reduce and view.dtype != torch.float32 else None
+        wire = view.to(self.wire_dtype) if self.wire_dtype not in (None, view.dtype) else None
         t, start_us = time.perf_counter(), now_us()
         try:
-            work = self._collective.allreduce_async(upcast if upcast is not None else view, tag=b.index)
+            work = self._collective.allreduce_async(wire if wire is not None else view, tag=b.index)
         except Exception as e:  # backend error at enqueue: a peer already gone
             raise self._failure(b, e) from e
         self._next_launch += 1
         self.launch_log.append((b.index, t))
         if self._next_launch == 1 and self._stats_flight is None and self._has_stats():
             self._launch_stats()  # a held probe iteration: behind the first bucket, after backward
-        rec = Launched(b, work, upcast, start_us)
+        rec = Launched(b, work, wire, start_us)
         if self._timing():
             work.on_complete(lambda end_us, rec=rec: self._completed(rec, end_us))
         self._launched.append(rec)
@@ -421,15 +433,18 @@ class Reducer:
         return backward_end_us
 
     def _wait_bucket(self, rec: Launched) -> None:
-        """Wait for one bucket's collective; with fp32 reduction, average and round back into the gradients."""
+        """Wait for one bucket's collective; a bucket reduced in another dtype goes back into the gradients
+        (with fp32 reduction of 16-bit gradients, averaged in fp32 and rounded once)."""
         try:
             rec.work.wait()
         except Exception as e:  # DistBackendError / timeout: a peer rank probably died
             raise self._failure(rec.bucket, e) from e
         if self.fp32_reduce:
             view = self.flat.groups[rec.bucket.group].grads[rec.bucket.start : rec.bucket.stop]
-            src = rec.upcast if rec.upcast is not None else view
+            src = rec.wire if rec.wire is not None else view
             view.copy_(src.div_(self.world_size))  # average in fp32, then round once
+        elif rec.wire is not None:  # 16 bits on the wire: back into the fp32 gradients, exactly
+            self.flat.groups[rec.bucket.group].grads[rec.bucket.start : rec.bucket.stop].copy_(rec.wire)
         if self.tracer.enabled and self._host_completion:
             self._trace(rec, rec.end_us[0] if rec.end_us else now_us())
 

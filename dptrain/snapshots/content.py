@@ -132,12 +132,14 @@ def check_same_start(comm: Communicator, iteration: int) -> None:
 
 
 def _check_same_model(then: dict[str, Any], now: dict[str, Any], path: Path) -> None:
-    """A snapshot resumes only the model it was written for: ``model.name`` and ``model.args`` alike."""
-    for key in ("name", "args"):
-        if then.get(key, {} if key == "args" else None) != now.get(key, {} if key == "args" else None):
-            raise SnapshotError(f"snapshot {str(path)!r} was written for model.{key} = {then.get(key)!r}, this run "
-                                f"has {now.get(key)!r}; resume with that model, or start a new run (use --weights "
-                                f"PATH to start from its weights)")
+    """A snapshot resumes only the model it was written for (``model.name`` and ``model.args``), in the
+    precision mode it was written in (storage and autocast keep different weights and state dtypes)."""
+    for section, key, default in (("model", "name", None), ("model", "args", {}), ("precision", "mode", "storage")):
+        was, is_ = then.get(section, {}).get(key, default), now.get(section, {}).get(key, default)
+        if was != is_:
+            raise SnapshotError(f"snapshot {str(path)!r} was written with {section}.{key} = {was!r}, this run has "
+                                f"{is_!r}; resume with that setting, or start a new run from its weights with "
+                                f"--weights PATH")
 
 
 class Snapshots:
@@ -180,7 +182,7 @@ class Snapshots:
         the snapshot (its ``iteration``, ``data`` and ``display`` are the caller's to apply).
         ``data_at(iteration)`` is this run's data setup there, compared with the snapshot's."""
         state = load_snapshot(path)
-        _check_same_model(state["config"].get("model", {}), self.config.get("model", {}), path)
+        _check_same_model(state["config"], self.config, path)
         iteration = int(state["iteration"])
         check_same_start(self.comm, iteration)
         restore(self.parts, state)

@@ -185,6 +185,8 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         "iter_size": p.iter_size,
         "model": cfg.model.name,
         "precision": cfg.precision.storage,
+        "precision_mode": cfg.precision.mode,
+        "reduce_dtype": p.reduce_dtype,
         "data": cfg.data.source,
         "bucket_mb": cfg.reducer.bucket_mb,
         "auto_buckets": (trainer.bucket_tuner.report or None) if trainer.bucket_tuner is not None else None,

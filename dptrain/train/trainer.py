@@ -1,6 +1,7 @@
 """Trainer: builds the parts from their config sections and runs the solver loop (see ``dptrain.train``)."""
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import sys
@@ -64,7 +65,9 @@ class Trainer:
         self.control = ControlChannel(comm, self.device)
         self.unused = UnusedParams(self.flat, comm, mode=cfg.model.unused_parameters, lag=self.control.lag)
         """Parameters without a gradient, agreed over the ranks (``dptrain.distributed.unused``)."""
-        self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer, running_stats(self.model), self.unused)
+        wire = DTYPES[cfg.wire_dtype()]
+        self.reducer = Reducer(self.flat, cfg.reducer, comm, self.tracer, running_stats(self.model), self.unused,
+                               wire_dtype=None if wire == DTYPES[cfg.precision.weights] else wire)
         self.bucket_tuner = attach_bucket_tuner(self.reducer)
         """The reducer.bucket_mb = "auto" planner watching the reducer (None for a fixed plan)."""
         multipliers = resolve_multipliers(self.model, cfg.solver.param_groups, cfg.solver.no_decay)
@@ -77,8 +80,14 @@ class Trainer:
             rank=self.rank, world_size=self.world_size, device=str(self.device), batch_size=cfg.data.batch_size,
             iter_size=cfg.solver.iter_size, global_batch=cfg.data.batch_size * self.world_size * cfg.solver.iter_size,
             micro_steps_per_epoch=batches_per_epoch(self.source.num_train, self.order.samples_per_step),
-            storage=cfg.precision.storage, loss_scale=ls_mode, channels_last=channels_last)
-        self.dtype = DTYPES[cfg.precision.storage]
+            storage=cfg.precision.storage, loss_scale=ls_mode, channels_last=channels_last,
+            precision_mode=cfg.precision.mode, reduce_dtype=cfg.wire_dtype())
+        self.dtype = DTYPES[cfg.precision.weights]
+        """The dtype of the weights and of the batches fed to the model (fp32 under autocast)."""
+        self._autocast = functools.partial(torch.autocast, self.device.type, dtype=DTYPES[cfg.precision.storage],
+                                           enabled=cfg.precision.autocast)
+        """Forward's precision context: ``torch.autocast`` in ``precision.storage``'s dtype (mode "autocast"),
+        or a no-op."""
         self.iteration, self.lr = 0, 0.0
         self.phases = PhaseTimer(self.device, self.tracer, time_phases or self.tracer.enabled)
         self.stop = stop or StopFlag()
@@ -124,9 +133,11 @@ class Trainer:
         checks it: if the model cannot take the data's sample shape, or its logits are not
         [batch, num_classes], a ConfigError says so (``assemble.input_error``; diagnosed only then)."""
         if self._input_ok:
-            return self.model(x)
+            with self._autocast():
+                return self.model(x)
         try:
-            out = self.model(x)
+            with self._autocast():
+                out = self.model(x)
         except (RuntimeError, ValueError, AssertionError) as e:
             if (why := input_error(self.cfg, self.source.sample_shape, e)) is None:
                 raise
@@ -145,7 +156,7 @@ class Trainer:
         self.unused.observe(step, sums)
 
     def _first_nonfinite_layer(self) -> str:
-        with eager():  # its forward hooks look inside the segments
+        with eager(), self._autocast():  # its forward hooks look inside the segments
             return first_nonfinite_layer(self.model, self._next_batch()[0], logits_of=lambda out: split_output(out)[0])
 
     # ------------------------------------------------------------------ step

@@ -26,9 +26,9 @@ def _bits(t: Trainer) -> list[torch.Tensor]:
     return [x.clone() for g in t.flat.groups for x in (g.params, g.master, g.state["momentum"])]
 
 
-def _overflow_rank(rank, world, out):
+def _overflow_rank(rank, world, out, mode):
     t = _trainer(["precision.storage=fp16", "precision.loss_scale.mode=dynamic",
-                  "precision.loss_scale.init_scale=1024"], out)
+                  "precision.loss_scale.init_scale=1024", f"precision.mode={mode}"], out)
     t.train_step()  # one clean step, so momentum is non-zero
     before = _bits(t)
     if rank == 1:  # only rank 1 sees an inf, in one gradient element
@@ -47,8 +47,9 @@ def _overflow_rank(rank, world, out):
     torch.save(t.flat.master_state(), Path(out) / f"rank{rank}.pt")
 
 
-def test_overflow_on_one_rank_skips_on_every_rank(tmp_path):
-    run_ranks(2, _overflow_rank, str(tmp_path))
+@pytest.mark.parametrize("mode", ["storage", "autocast"])
+def test_overflow_on_one_rank_skips_on_every_rank(tmp_path, mode):
+    run_ranks(2, _overflow_rank, str(tmp_path), mode)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert all(torch.equal(r0[k], r1[k]) for k in r0)
 

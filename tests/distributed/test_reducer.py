@@ -60,11 +60,12 @@ class Swapped(nn.Module):
 
 
 def build(comm: Communicator, model: nn.Module, storage: str = "fp32", tracer: Tracer | None = None,
-          **cfg: object) -> tuple[FlatParams, Reducer]:
+          wire: str | None = None, **cfg: object) -> tuple[FlatParams, Reducer]:
     model.to(DTYPES[storage])
     flat = FlatParams(model, state_dtype=torch.float32)
     cfg = {"bucket_mb": 5 * KIB, "first_bucket_mb": 1 * KIB, **cfg}
-    return flat, Reducer(flat, ReducerConfig(**cfg), comm, tracer or NullTracer(comm.rank))
+    return flat, Reducer(flat, ReducerConfig(**cfg), comm, tracer or NullTracer(comm.rank),
+                         wire_dtype=None if wire is None else DTYPES[wire])
 
 
 def comm_of(timeout_s: float = 30.0) -> Communicator:
@@ -116,17 +117,20 @@ def test_running_stats_are_averaged_over_ranks(tmp_path, world):
 
 # ---------------------------------------------------------------- averaging, dtypes, iter_size
 
-CASES = [("fp32", "storage"), ("fp16", "storage"), ("bf16", "storage"), ("fp16", "fp32"), ("bf16", "fp32")]
+CASES = [("fp32", None), ("fp16", None), ("bf16", None), ("fp16", "fp32"), ("bf16", "fp32"),
+         ("fp32", "bf16"), ("fp32", "fp16")]
+"""(gradients' dtype, dtype on the wire; None: theirs): storage mode, fp32 reduction of 16-bit gradients,
+and autocast mode's fp32 gradients reduced in 16 bits."""
 
 
 def _average_rank(rank: int, world: int) -> None:
     comm = comm_of()
-    for storage, reduce_dtype in CASES:
-        what = f"{storage}/{reduce_dtype}"
+    for storage, wire in CASES:
+        what = f"{storage}/{wire}"
         torch.manual_seed(0)
         model = Tiny()
-        flat, reducer = build(comm, model, storage, reduce_dtype=reduce_dtype)
-        assert reducer.grad_divisor == (1 if reduce_dtype == "fp32" else world), what
+        flat, reducer = build(comm, model, storage, wire=wire)
+        assert reducer.grad_divisor == (1 if wire == "fp32" else world), what
         force_grads(model, rank + 1)
         x = torch.randn(4, 16, dtype=DTYPES[storage])
         # iter_size 2: the first micro-batch only accumulates, locally

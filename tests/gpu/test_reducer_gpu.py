@@ -157,13 +157,13 @@ def _nccl_rank(rank: int, world: int, backend: str) -> None:
     device = torch.device("cuda", rank)
     comm = Communicator.from_initialized(device)
     for storage in (torch.float16, torch.bfloat16):
-        for reduce_dtype in ("storage", "fp32"):
+        for reduce_dtype in (None, torch.float32):
             torch.manual_seed(0)
             model = Tiny().to(device, storage)
             flat = FlatParams(model, state_dtype=torch.float32)
             tracer = Tracer(rank)
-            reducer = Reducer(flat, ReducerConfig(backend=backend, reduce_dtype=reduce_dtype, bucket_mb=256 * KIB,
-                                                  first_bucket_mb=64 * KIB), comm, tracer)
+            reducer = Reducer(flat, ReducerConfig(backend=backend, bucket_mb=256 * KIB, first_bucket_mb=64 * KIB),
+                              comm, tracer, wire_dtype=reduce_dtype)
             assert len(reducer.plan.buckets) >= 3, reducer.plan.describe()
             for p in model.parameters():
                 p.register_hook(lambda g, v=rank + 1: torch.full_like(g, v))

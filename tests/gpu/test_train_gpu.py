@@ -51,13 +51,15 @@ def _trainer(tmp_path, device: str, *sets: str) -> Trainer:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp16_step_has_no_host_sync(tmp_path, device):
+@pytest.mark.parametrize("mode", ["storage", "autocast"])
+def test_fp16_step_has_no_host_sync(tmp_path, device, mode):
     # eager (model.compile "auto" would compile on CUDA: test_cuda_graph_steps_track_eager checks a
     # compiled step, and one compile is what the tests stage has time for); init_scale 1024, not the default 65536: the early overflows a large first scale causes would
     # be skipped steps, which the last assertion counts; they are no host sync either way.
     layout = ["model.channels_last=true"] if device == "cuda" else []
     t = _trainer(tmp_path, device, "precision.storage=fp16", *layout, "precision.loss_scale.init_scale=1024",
-                 "model.compile=false")
+                 "model.compile=false", f"precision.mode={mode}")
+    assert t.flat.groups[0].grads.dtype == (torch.float32 if mode == "autocast" else torch.float16)
     t.train_step()  # warm-up: allocations, cuDNN autotuning, kernel compilation
     if device == "cuda":
         torch.cuda.synchronize()

@@ -666,3 +666,13 @@ def test_cuda_thread_code_skip_writes_only_zeroed_grads(harness, tmp_path, rule,
     for j, t in enumerate(a.state):
         assert torch.equal(_bits(got[f"state{j}"]), _bits(t)), j
     assert torch.equal(_bits(got["grads"]), torch.zeros(203, dtype=torch.int16))
+
+
+def test_the_self_check_covers_autocast_modes_fp32_gradients_on_fp32_masters():
+    """precision.mode = "autocast" updates fp32 weights, which are the masters, from fp32 gradients:
+    the self-check runs that combination for every rule, aligned and misaligned."""
+    from dptrain.kernels import selfcheck
+
+    seen = {(a.rule, a.master.data_ptr() % 16 == 0) for _, a in selfcheck.cases(torch.device("cpu"))
+            if a.grads.dtype == torch.float32 and a.params is a.master}
+    assert {rule for rule, _ in seen} == set(RULES) and {aligned for _, aligned in seen} == {True, False}

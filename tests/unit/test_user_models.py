@@ -88,7 +88,7 @@ def test_resuming_another_model_is_refused(tmp_path, capsys):
     assert main(["train", "--config", str(_recipe(tmp_path)), "--resume", str(snap), "--set",
                  f"train.run_dir={json.dumps(str(tmp_path / 'run'))}", *[x for s in DIGITS for x in ("--set", s)],
                  "--set", "solver.max_iter=4", "--set", 'model.name="byo_models:Shared"']) == 2
-    assert "was written for model.name = 'byo_models:Frozen', this run has 'byo_models:Shared'" in \
+    assert "was written with model.name = 'byo_models:Frozen', this run has 'byo_models:Shared'" in \
         capsys.readouterr().err
 
 
