@@ -458,6 +458,12 @@ class ReducerConfig:
     "O1 or O2"); fp32 with fp32 storage. "fp32": fp32 on the wire (with 16-bit storage each bucket is
     upcast, twice the bytes, and no fp16 sum can overflow at large world sizes). With 16-bit storage
     the wire holds the storage dtype or fp32; fp16 on the wire needs loss scaling."""
+    shard: Literal["none", "optimizer"] = "none"
+    """"optimizer" (ZeRO-1): each solver keeps the fp32 masters and the optimizer state of its own slice
+    of every bucket only (1/world_size of them), buckets are reduce-scattered during backward and the
+    updated weights all-gathered after the update: the same bytes on the wire as the allreduce, and
+    the update's memory traffic divided by world_size (``dptrain.distributed.shards``). Snapshots
+    stay whole: any world size, sharded or not, resumes them."""
     replan: bool = False
     """After iteration 1, re-plan buckets from the observed gradient-ready order (rank 0 decides)."""
     timeout_s: float = 300.0
@@ -467,6 +473,9 @@ class ReducerConfig:
     watchdog enforces train.process_group_timeout_s on every collective instead."""
 
     def __post_init__(self) -> None:
+        if self.shard == "optimizer" and self.backend == "cupy-nccl":
+            raise ConfigError("reducer.shard = \"optimizer\" reduce-scatters and all-gathers through torch.distributed: "
+                              "set reducer.backend = \"torch\"")
         if self.bucket_mb != "auto":
             _positive("reducer.bucket_mb", self.bucket_mb)
         _positive("reducer.first_bucket_mb", self.first_bucket_mb)

@@ -25,6 +25,7 @@ first, and the copy comes on top.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +46,13 @@ class Segment:
     param: nn.Parameter
     offset: int
     numel: int
+    pad: int = 0
+    """Elements after the aligned end that belong to no parameter: a sharded bucket's padding, so every
+    solver owns an equal, aligned slice of it (``dptrain.distributed.shards``)."""
 
     @property
     def padded_numel(self) -> int:
-        return _align(self.numel)
+        return _align(self.numel) + self.pad
 
 
 def _align(n: int) -> int:
@@ -90,16 +94,82 @@ class FlatGroup:
         self.master = self.params if self.dtype == torch.float32 else self.params.float()  # [numel] fp32
         self.state = {name: torch.zeros(self.numel, dtype=state_dtype, device=self.device)  # [numel] each
                       for name in state_names}
-        """The optimizer's per-element state, by name (SGD: "momentum")."""
+        """The optimizer's per-element state, by name (SGD: "momentum"); this solver's slices only
+        when sharded (:meth:`shard`)."""
+        self._units: tuple[tuple, list[UpdateUnit]] | None = None
+        self.parts: list[Part] | None = None
+        """The slices of the flat buffers this solver owns, when the masters and optimizer state are
+        sharded over the solvers (:meth:`shard`); None: it holds them all."""
 
-    def relayout(self, names: list[str]) -> None:
+    # ------------------------------------------------------------------ sharded masters and state
+
+    def shard(self, ranges: list[tuple[int, int]]) -> None:
+        """Keep the masters and the optimizer state of the element ranges ``ranges`` only (this solver's
+        slice of each bucket, ``dptrain.distributed.shards``), in buffers of their total length, in
+        that order; the full ones go. fp32 weights stay the masters: their slices are views."""
+        assert self.parts is None, "the group is sharded already"
+        parts, offset = [], 0
+        for start, stop in ranges:
+            parts.append(Part(start, stop, offset))
+            offset += stop - start
+        own = self.master is not self.params
+        master = torch.empty(offset, dtype=torch.float32, device=self.device) if own else None  # [shard] fp32
+        state = {k: torch.empty(offset, dtype=v.dtype, device=self.device) for k, v in self.state.items()}
+        for p in parts:
+            if master is not None:
+                master[p.offset : p.offset + p.size].copy_(self.master[p.start : p.stop])
+            for k, v in self.state.items():
+                state[k][p.offset : p.offset + p.size].copy_(v[p.start : p.stop])
+        self.parts, self.state = parts, state
+        self.master = master if own else self.params
+        self._own_master = own
+
+    def unshard(self, master: torch.Tensor | None, state: dict[str, torch.Tensor]) -> None:
+        """Back to holding everything: ``master`` and ``state`` are the whole group's values (gathered
+        from every solver by the caller; ``master`` None for fp32 weights, which are the masters)."""
+        assert self.parts is not None, "the group is not sharded"
+        self.parts = None
+        self.master = master if self._own_master else self.params
+        self.state = state
+
+    def units(self) -> list[UpdateUnit]:
+        """What one update launch takes, per slice this solver updates: the whole group, or each owned
+        part when sharded. ``lo``/``hi``: its element range in the flat buffers. Made once per layout."""
+        key = (id(self.params), id(self.master), tuple(id(v) for v in self.state.values()), id(self.parts))
+        if self._units is None or self._units[0] != key:
+            self._units = (key, self._make_units())
+        return self._units[1]
+
+    def _make_units(self) -> list[UpdateUnit]:
+        if self.parts is None:
+            return [UpdateUnit(0, self.numel, self.grads, self.master, self.params, self.state)]
+        out = []
+        for p in self.parts:
+            params = self.params[p.start : p.stop]
+            master = params if self.master is self.params else self.master[p.offset : p.offset + p.size]
+            state = {k: v[p.offset : p.offset + p.size] for k, v in self.state.items()}
+            out.append(UpdateUnit(p.start, p.stop, self.grads[p.start : p.stop], master, params, state))
+        return out
+
+    def overlaps(self, seg: Segment) -> list[tuple[UpdateUnit, int, int]]:
+        """(unit, lo, hi) for each unit holding part of ``seg``'s elements, as positions in the unit's views."""
+        out = []
+        for u in self.units():
+            lo, hi = max(seg.offset, u.lo), min(seg.offset + seg.numel, u.hi)
+            if lo < hi:
+                out.append((u, lo - u.lo, hi - u.lo))
+        return out
+
+    def relayout(self, names: list[str], pads: dict[str, int] | None = None) -> None:
         """Re-order the flat buffers so parameters sit in the order ``names`` (every name of
-        this group, once); values of weights, grads, masters and state move with them."""
+        this group, once), each followed by ``pads[name]`` spare elements; values of weights,
+        grads, masters and state move with them. The group must not be sharded."""
+        assert self.parts is None, "relayout a sharded group: unshard it first"
         by_name = {s.name: s for s in self.segments}
         if sorted(names) != sorted(by_name):
             raise RuntimeError("relayout needs every parameter of the group exactly once")
         old = by_name
-        segments, numel = _layout([(n, by_name[n].param) for n in names])
+        segments, numel = _layout([(n, by_name[n].param) for n in names], pads or {})
         sources = {"params": self.params, "grads": self.grads, **{f"state.{k}": v for k, v in self.state.items()}}
         if self.master is not self.params:
             sources["master"] = self.master
@@ -158,38 +228,76 @@ class FlatGroup:
                     "never set .grad to None or replace it (use the solver's zeroing)"
                 )
 
-    def master_state(self) -> dict[str, torch.Tensor]:
-        """FP32 master values per parameter name, for snapshots (clones, unpadded)."""
-        return {
-            s.name: _view(self.master, s.param, s.offset).detach().clone().contiguous()
-            for s in self.segments
-        }
+    def master_state(self, full: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """FP32 master values per parameter name, for snapshots (clones, unpadded); ``full``: the whole
+        group's masters when sharded (gathered by the caller)."""
+        master = self.master if full is None else full
+        return {s.name: _view(master, s.param, s.offset).detach().clone().contiguous() for s in self.segments}
 
     def load_master_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load FP32 masters by name and re-derive the model weights from them."""
+        """Load FP32 masters by name and re-derive the model weights from them (sharded: every weight,
+        and the masters of this solver's parts)."""
+        full = self.master if self.parts is None else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         for s in self.segments:
-            _view(self.master, s.param, s.offset).copy_(state[s.name])
-        if self.master is not self.params:
-            self.params.copy_(self.master)
+            _view(full, s.param, s.offset).copy_(state[s.name])
+        if full is not self.params:
+            self.params.copy_(full)
+        if self.parts is not None and self.master is not self.params:
+            for p in self.parts:
+                self.master[p.offset : p.offset + p.size].copy_(full[p.start : p.stop])
 
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The optimizer state per state name, then per parameter name (clones, unpadded)."""
+    def state_dict(self, full: dict[str, torch.Tensor] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state per state name, then per parameter name (clones, unpadded); ``full``: the
+        whole group's state when sharded (gathered by the caller)."""
         return {k: {s.name: _view(buf, s.param, s.offset).clone().contiguous() for s in self.segments}
-                for k, buf in self.state.items()}
+                for k, buf in (self.state if full is None else full).items()}
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         for k, buf in self.state.items():
+            full = buf if self.parts is None else torch.zeros(self.numel, dtype=buf.dtype, device=self.device)
             for s in self.segments:
-                _view(buf, s.param, s.offset).copy_(state[k][s.name])
+                _view(full, s.param, s.offset).copy_(state[k][s.name])
+            if self.parts is not None:
+                for p in self.parts:
+                    buf[p.offset : p.offset + p.size].copy_(full[p.start : p.stop])
 
 
-def _layout(named_params: list[tuple[str, nn.Parameter]]) -> tuple[list[Segment], int]:
-    """Segments at 64-element-aligned offsets in the given order; returns (segments, total)."""
+def _layout(named_params: list[tuple[str, nn.Parameter]], pads: dict[str, int] | None = None
+            ) -> tuple[list[Segment], int]:
+    """Segments at 64-element-aligned offsets in the given order, each followed by ``pads[name]``
+    spare elements (a multiple of 64); returns (segments, total)."""
     offset, segments = 0, []
     for name, p in named_params:
-        segments.append(Segment(name, p, offset, p.numel()))
-        offset += _align(p.numel())
+        seg = Segment(name, p, offset, p.numel(), (pads or {}).get(name, 0))
+        segments.append(seg)
+        offset += seg.padded_numel
     return segments, offset
+
+
+@dataclass(frozen=True)
+class Part:
+    """A slice [start, stop) of a sharded group's flat buffers that this solver owns; its masters and
+    state sit at ``offset`` in the group's shard buffers."""
+
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class UpdateUnit:
+    """Equal-length views of what the fused update reads and writes, over elements [lo, hi)."""
+
+    lo: int
+    hi: int
+    grads: torch.Tensor
+    master: torch.Tensor
+    params: torch.Tensor
+    state: dict[str, torch.Tensor]
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -236,6 +344,9 @@ class FlatParams:
         for g in self.groups:  # before any reducer's hooks, which reduce the flat buffer
             for seg in g.segments:
                 seg.param.register_post_accumulate_grad_hook(g.take_grad)
+        self.gather: Callable[[FlatGroup], tuple[torch.Tensor | None, dict[str, torch.Tensor]]] | None = None
+        """When the groups are sharded: a collective that returns a group's whole masters (None for fp32
+        weights) and state, from every solver's parts (``dptrain.distributed.shards``)."""
 
     def release_grads(self) -> None:
         """Before the first backward of a training step, while the flat gradients are zero: every
@@ -277,6 +388,20 @@ class FlatParams:
         self._layout_order = list(layout_order)
         self._layout_version += 1
 
+    def state_bytes(self) -> int:
+        """Bytes of fp32 masters (the fp32 weights, where they are the masters) and optimizer state this
+        solver holds: the whole of them, or its slices when sharded."""
+        total = 0
+        for g in self.groups:
+            owned = g.numel if g.parts is None else sum(p.size for p in g.parts)
+            total += owned * 4 + sum(v.numel() * v.element_size() for v in g.state.values())
+        return total
+
+    def layout_changed(self) -> None:
+        """A group was re-laid out or sharded in place (``dptrain.distributed.shards``): what was derived
+        from the segment lists (the optimizer's tables, the overflow counters) is rebuilt."""
+        self._layout_version += 1
+
     @property
     def num_params(self) -> int:
         return sum(s.numel for g in self.groups for s in g.segments)
@@ -297,11 +422,20 @@ class FlatParams:
         for g in self.groups:
             g.check_grad_views()
 
+    def _full(self, g: FlatGroup) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None]:
+        """A sharded group's whole masters and state (collective), or (None, None)."""
+        if g.parts is None:
+            return None, None
+        assert self.gather is not None, "a sharded group needs the gather of dptrain.distributed.shards"
+        master, state = self.gather(g)
+        return (g.params if master is None else master), state
+
     def master_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter's fp32 value by name: the masters of the trainable ones, and the frozen ones'."""
+        """Every parameter's fp32 value by name: the masters of the trainable ones, and the frozen ones'.
+        Collective when the masters are sharded (every solver gathers them)."""
         out: dict[str, torch.Tensor] = {n: t.clone() for n, t in self.frozen.items()}
         for g in self.groups:
-            out.update(g.master_state())
+            out.update(g.master_state(self._full(g)[0]))
         return out
 
     def load_master_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -319,10 +453,11 @@ class FlatParams:
                 p.copy_(state[n])
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The optimizer state: {state name: {parameter name: values}} over every group."""
+        """The optimizer state: {state name: {parameter name: values}} over every group (collective when
+        sharded)."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for g in self.groups:
-            for k, per_param in g.state_dict().items():
+            for k, per_param in g.state_dict(self._full(g)[1]).items():
                 out.setdefault(k, {}).update(per_param)
         return out
 

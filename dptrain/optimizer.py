@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from dptrain import kernels
 from dptrain.config import SolverConfig
 from dptrain.distributed.unused import UnusedParams
 from dptrain.errors import SnapshotError
-from dptrain.flat import FlatGroup, FlatParams, Segment
+from dptrain.flat import FlatParams, UpdateUnit
 from dptrain.kernels import Hyper, UpdateArgs
 from dptrain.kernels.spec import RULES, PerElement, Rule, bias_corrections
 from dptrain.overflow import OverflowLocator
@@ -120,6 +121,9 @@ class MasterOptimizer:
         self.multipliers = multipliers or {}
         self.locator = locator
         """Names the parameters of a skipped step (see dptrain.overflow); runs in the norm pass."""
+        self.sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """With sharded masters (``reducer.shard = "optimizer"``): sums a small device tensor over the
+        solvers in place, no host sync (``dptrain.distributed.shards.Shards.sum_``)."""
         self.unused = unused
         """The parameters no rank gave a gradient (``dptrain.distributed.unused``): the update leaves them
         and their state as they were, as torch's optimizers leave a parameter whose ``.grad`` is None."""
@@ -139,7 +143,7 @@ class MasterOptimizer:
         lr = learning_rate(self.cfg, it)
         coef = self.scaler.inv_scale(self.grad_divisor)
         if self._need_norm:
-            norms = torch.stack([kernels.grad_norm(g.grads) for g in self.flat.groups])
+            norms = self._group_norms()
             total = norms.square().sum().sqrt()  # norm of the loss-scaled, rank-summed gradient
             self.scaler.record_overflow(total)
             if self.locator is not None:
@@ -161,19 +165,50 @@ class MasterOptimizer:
                 lr_scale = self._trust_scale(i, hyper, coef, bc)
             else:
                 lr_scale = t.lr_scale
-            kernels.update(UpdateArgs(rule=self.rule.name, grads=g.grads, master=g.master, params=g.params,
-                                      state=tuple(g.state[k] for k in self.rule.state_names), grad_coef=coef,
-                                      found_inf=self.scaler.found_inf, hyper=hyper, lr_scale=lr_scale,
-                                      decay_scale=t.decay_scale, bias_correction=bc),
-                           cpu_fused=self.cfg.cpu_fused_update)
+            for u in g.units():  # the whole group; when sharded, each slice this solver owns
+                kernels.update(UpdateArgs(rule=self.rule.name, grads=u.grads, master=u.master, params=u.params,
+                                          state=tuple(u.state[k] for k in self.rule.state_names), grad_coef=coef,
+                                          found_inf=self.scaler.found_inf, hyper=hyper,
+                                          lr_scale=_part(lr_scale, u), decay_scale=_part(t.decay_scale, u),
+                                          bias_correction=bc),
+                               cpu_fused=self.cfg.cpu_fused_update)
         self._put_back(held)
         self.scaler.update()
         return lr
 
-    def _hold(self) -> list[tuple[FlatGroup, Segment, torch.Tensor, list[torch.Tensor]]]:
+    def _group_norms(self) -> torch.Tensor:
+        """[groups] fp32: the L2 norm of each group's reduced gradient. Sharded: of this solver's
+        slices, squared and summed over the solvers (the step's one small collective)."""
+        groups = self.flat.groups
+        if all(g.parts is None for g in groups):
+            return torch.stack([kernels.grad_norm(g.grads) for g in groups])
+        sq = torch.stack([torch.stack([kernels.grad_norm(u.grads) for u in g.units()]).square().sum()
+                          for g in groups])
+        return self._sum(sq).sqrt()
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the solvers that share the sharded state (no-op unsharded)."""
+        return t if self.sum_over_ranks is None else self.sum_over_ranks(t)
+
+    def _segment_norms(self, i: int, values: Callable[[UpdateUnit], torch.Tensor]) -> torch.Tensor:
+        """[segments] fp32: the L2 norm of each parameter's elements of ``values(unit)`` (a tensor over a
+        unit's elements). Sharded: each solver's parts squared, summed over the solvers."""
+        g = self.flat.groups[i]
+        if g.parts is None:
+            full = values(g.units()[0])
+            return torch.stack(torch._foreach_norm([full[s.offset : s.offset + s.numel] for s in g.segments]))
+        per_unit = {id(u): values(u) for u in g.units()}
+        sq = []
+        for seg in g.segments:
+            pieces = [per_unit[id(u)][lo:hi] for u, lo, hi in g.overlaps(seg)]
+            sq.append(torch.stack(torch._foreach_norm(pieces)).square().sum() if pieces
+                      else torch.zeros((), device=g.params.device))
+        return self._sum(torch.stack(sq)).sqrt()
+
+    def _hold(self) -> list[tuple[UpdateUnit, int, int, torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
         """Before the update: copies of the master and state of every parameter that may have had no
-        gradient on any rank (the candidates: few, and known on the host), with the device mask
-        of those that had none. Device ops only."""
+        gradient on any rank (the candidates: few, and known on the host; sharded: this solver's
+        elements of them), with the device mask of those that had none. Device ops only."""
         got = self.unused.hold() if self.unused is not None else None
         if got is None:
             return []
@@ -182,26 +217,25 @@ class MasterOptimizer:
         held = []
         for k, name in enumerate(names):
             g, seg = where[name]
-            span = slice(seg.offset, seg.offset + seg.numel)
-            keep = [none[k], g.master[span].clone(), *(g.state[n][span].clone() for n in self.rule.state_names)]
-            held.append((g, seg, keep[0], keep[1:]))
+            for u, lo, hi in g.overlaps(seg):
+                held.append((u, lo, hi, none[k], u.master[lo:hi].clone(),
+                             [u.state[n][lo:hi].clone() for n in self.rule.state_names]))
         return held
 
-    def _put_back(self, held: list[tuple[FlatGroup, Segment, torch.Tensor, list[torch.Tensor]]]) -> None:
+    def _put_back(self, held: list[tuple[UpdateUnit, int, int, torch.Tensor, torch.Tensor, list[torch.Tensor]]]
+                  ) -> None:
         """After the update: where the mask is set, the master and state as they were, the weights
         derived from the master again (the update zeroed the gradients, as it should)."""
-        for g, seg, none, (master, *state) in held:
-            span = slice(seg.offset, seg.offset + seg.numel)
-            g.master[span].copy_(torch.where(none, master, g.master[span]))
+        for u, lo, hi, none, master, state in held:
+            u.master[lo:hi].copy_(torch.where(none, master, u.master[lo:hi]))
             for n, old in zip(self.rule.state_names, state, strict=True):
-                g.state[n][span].copy_(torch.where(none, old, g.state[n][span]))
-            if g.master is not g.params:
-                g.params[span].copy_(g.master[span])
+                u.state[n][lo:hi].copy_(torch.where(none, old, u.state[n][lo:hi]))
+            if u.master is not u.params:
+                u.params[lo:hi].copy_(u.master[lo:hi])
 
     def _master_norms(self, i: int) -> torch.Tensor:
         """[segments] fp32: the L2 norm of each parameter's master."""
-        g = self.flat.groups[i]
-        return torch.stack(torch._foreach_norm([g.master[s.offset : s.offset + s.numel] for s in g.segments]))
+        return self._segment_norms(i, lambda u: u.master)
 
     def _per_element(self, i: int, per_segment: torch.Tensor) -> torch.Tensor:
         """[n] fp32: each segment's value over its padded elements."""
@@ -215,8 +249,11 @@ class MasterOptimizer:
         """
         g = self.flat.groups[i]
         w_norm = self._master_norms(i)
-        g_views = [g.grads[s.offset : s.offset + s.numel] for s in g.segments]
-        g_norm = torch.stack([torch.linalg.vector_norm(v, dtype=torch.float32) for v in g_views]) * coef
+        if g.parts is None:
+            g_views = [g.grads[s.offset : s.offset + s.numel] for s in g.segments]
+            g_norm = torch.stack([torch.linalg.vector_norm(v, dtype=torch.float32) for v in g_views]) * coef
+        else:
+            g_norm = self._segment_norms(i, lambda u: u.grads.float()) * coef
         rate = (1.0 - self.cfg.momentum) * self.cfg.larc_eta * w_norm / g_norm
         valid = (w_norm > 0) & (g_norm > 0) & torch.isfinite(rate)
         lr_mult = self._tables_of(i).lr_mult
@@ -230,11 +267,14 @@ class MasterOptimizer:
     def _trust_scale(self, i: int, hyper: Hyper, coef: torch.Tensor, bc: torch.Tensor | None) -> torch.Tensor:
         """LAMB's first pass: per-element lr multiplier = trust ratio |w|/|u| of the parameter times
         its lr_mult (1 where either norm is 0). Torch ops on the device, no host sync."""
-        g, t = self.flat.groups[i], self._tables_of(i)
-        state = tuple(g.state[k] for k in self.rule.state_names)
-        u = self.rule.direction(g.grads.float() * coef, g.master, state, PerElement(None, t.decay_scale, bc),
-                                self.rule.scalars(hyper))  # [n] fp32 scratch
-        u_norm = torch.stack(torch._foreach_norm([u[s.offset : s.offset + s.numel] for s in g.segments]))
+        t = self._tables_of(i)
+
+        def direction(u: UpdateUnit) -> torch.Tensor:  # [unit elements] fp32 scratch
+            state = tuple(u.state[k] for k in self.rule.state_names)
+            return self.rule.direction(u.grads.float() * coef, u.master, state,
+                                       PerElement(None, _part(t.decay_scale, u), bc), self.rule.scalars(hyper))
+
+        u_norm = self._segment_norms(i, direction)
         w_norm = self._master_norms(i)
         trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
         return self._per_element(i, trust if t.lr_mult is None else trust * t.lr_mult)
@@ -295,3 +335,10 @@ class MasterOptimizer:
                 raise SnapshotError(f"snapshot has no step count for solver rule {self.rule.name} (it was written "
                                     f"with rule {state.get('rule')!r}); resume with that solver.type")
             self._steps.copy_(state["steps"])  # type: ignore[arg-type]
+
+
+def _part(table: torch.Tensor | None, u: UpdateUnit) -> torch.Tensor | None:
+    """A per-element table's elements of unit ``u`` (the whole table for an unsharded group's one unit)."""
+    if table is None or (u.lo == 0 and u.hi == table.numel()):
+        return table
+    return table[u.lo : u.hi]

@@ -48,6 +48,9 @@ class OverflowLocator:
         self._version = -1
         self._run: Counter[str] = Counter()
         """Over the whole run, by parameter name (collected at displays)."""
+        self.sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """With sharded masters each solver counts its own slices of the gradients: the counts are summed
+        over the solvers when read (a collective; every solver reads them at the same point)."""
 
     def _fresh_counts(self) -> None:
         """(Re)build the device counters for the current layout, keeping what they held."""
@@ -84,6 +87,10 @@ class OverflowLocator:
     def _flush(self) -> Counter[str]:
         """Move the device counts to the host, by name (a host sync), and zero them."""
         got: Counter[str] = Counter()
+        if self.sum_over_ranks is not None:
+            summed = self.sum_over_ranks(torch.cat(self._counts)).split([len(c) for c in self._counts])
+            for counts, total in zip(self._counts, summed, strict=True):
+                counts.copy_(total)
         for names, counts in zip(self._names, self._counts, strict=True):
             for name, n in zip(names, counts.tolist(), strict=True):
                 if n:

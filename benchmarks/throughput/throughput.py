@@ -184,6 +184,30 @@ def vit_cases(quick: bool) -> list[Case]:
     return cases
 
 
+AUTOCAST = ["precision.mode=autocast"]
+"""dptrain's O1: fp32 weights under torch.autocast, gradients reduced in the autocast dtype by default."""
+
+
+def autocast_cases(quick: bool) -> list[Case]:
+    """O1 beside O2 on 2 gloo solvers, bf16, against DDP + autocast bf16 (the same numerics as O1):
+    ResNet-18 CIFAR width 32 and the ViT of the vit suite; dptrain in autocast mode with bf16 and with
+    fp32 on the wire (``reducer.dtype``), and in storage mode."""
+    resnet = dict(model="resnet18_cifar", width=8 if quick else 32, num_classes=10, image_size=32, batch_size=32,
+                  channels_last=None)
+    vit = dict(model=VIT, width=64, num_classes=10, image_size=32, batch_size=32, channels_last=False,
+               model_args={**VIT_CPU_ARGS, **({"dim": 48, "depth": 2} if quick else {})})
+    cases = []
+    for name, common in (("ResNet-18 CIFAR", resnet), ("ViT", vit)):
+        peer = "vs DDP + autocast bf16" + (" + channels_last" if common is resnet else "")
+        extra = dict(peer_channels_last=True) if common is resnet else {}
+        cases += [Case(f"{name} 2 solvers, autocast bf16 (bf16 on the wire) {peer}", 2, precision="bf16",
+                       extra_sets=AUTOCAST, **extra, **common),
+                  Case(f"{name} 2 solvers, autocast bf16 (fp32 on the wire) {peer}", 2, precision="bf16",
+                       extra_sets=[*AUTOCAST, "reducer.dtype=fp32"], **extra, **common),
+                  Case(f"{name} 2 solvers, storage bf16 {peer}", 2, precision="bf16", **extra, **common)]
+    return cases
+
+
 def user_model_gpu_cases() -> list[Case]:
     """torchvision's ViT-B/16 and ConvNeXt-T (the user's models, by import path) at batch 128, NHWC, against
     the eager and the compiled peer, in bf16 (the ViT recipes' choice: fp16 attention overflows) and fp16.
@@ -199,7 +223,7 @@ def user_model_gpu_cases() -> list[Case]:
 
 
 SUITES = {"cpu": cpu_cases, "layout": lambda quick: layout_cases(), "buckets": lambda quick: bucket_cases(),
-          "gpu": lambda quick: gpu_cases(), "vit": vit_cases, "byo_gpu": lambda quick: user_model_gpu_cases()}
+          "gpu": lambda quick: gpu_cases(), "vit": vit_cases, "autocast": autocast_cases, "byo_gpu": lambda quick: user_model_gpu_cases()}
 """The suites by name, each called with ``--quick`` (the CPU suite's tiny widths)."""
 GPU_SUITES = ("gpu", "byo_gpu")
 """The suites run on a GPU (every other suite's dtypes are filtered for the CPU's native kernels)."""

@@ -196,6 +196,11 @@ def import_dynamo_first() -> None:
     import torch._dynamo  # noqa: F401
 
 
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+"""torch 2.13's names for the tensor collectives (its older ``*_tensor`` names warn there); the GPU
+image's torch 2.11 has only the older ones."""
+
 STARTUP_POLL_S = 0.1
 """How often a rank waiting for the others at start-up looks at the store and at its stop flag."""
 
@@ -407,6 +412,29 @@ class Communicator:
         seq = self.flight.enter("allreduce_async", tag=tag, nbytes=tensor.numel() * tensor.element_size())
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
         return _TorchWork(work, self.timeout_s, self.watcher if tensor.is_cuda else None, self.flight, seq)
+
+    def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor, tag: int = -1) -> Work:
+        """Start a SUM reduce-scatter of ``input`` into ``output`` (this rank's 1/world_size of it; may be
+        the matching slice of ``input`` itself: in place) and return its handle. Streams as
+        :meth:`allreduce_async`."""
+        if not self.distributed:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _DoneWork()
+        seq = self.flight.enter("reduce_scatter_async", tag=tag, nbytes=input.numel() * input.element_size())
+        work = _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, async_op=True)
+        return _TorchWork(work, self.timeout_s, self.watcher if input.is_cuda else None, self.flight, seq)
+
+    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor, tag: int = -1) -> Work:
+        """Start an all-gather of every rank's ``input`` into ``output`` (rank r's at r/world_size of it;
+        ``input`` may be that slice of ``output`` itself: in place) and return its handle."""
+        if not self.distributed:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _DoneWork()
+        seq = self.flight.enter("all_gather_async", tag=tag, nbytes=output.numel() * output.element_size())
+        work = _ALL_GATHER(output, input, async_op=True)
+        return _TorchWork(work, self.timeout_s, self.watcher if input.is_cuda else None, self.flight, seq)
 
     def watcher(self) -> CompletionWatcher:
         """The completion watcher thread, started on first use."""

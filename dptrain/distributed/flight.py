@@ -48,7 +48,8 @@ SILENT_AFTER_S = 2 * PUBLISH_S
 """A rank whose heartbeat did not move for this long at failure time is stopped or dead."""
 STORE_TIMEOUT_S = 5.0
 """A store read at failure time gives up after this long (the store's host may be the dead rank)."""
-OPS = ("allreduce", "allreduce_async", "allgather", "broadcast", "barrier", "broadcast_module")
+OPS = ("allreduce", "allreduce_async", "allgather", "broadcast", "barrier", "broadcast_module", "reduce_scatter_async",
+       "all_gather_async")
 
 
 class FlightRecorder:

@@ -81,6 +81,7 @@ from dptrain.distributed.buckets.plan import (
 )
 from dptrain.distributed.buckets.probe import PROBE_CAP_MB
 from dptrain.distributed.comm import AsyncAllreduce, Communicator, Work
+from dptrain.distributed.shards import Shards
 from dptrain.distributed.unused import UnusedParams
 from dptrain.errors import ConfigError, RankFailure
 from dptrain.flat import FlatParams
@@ -181,6 +182,8 @@ class Reducer:
         """gloo on CPU: a collective is complete when its wait() returns; CUDA: when its event fires."""
         self._collective = self._build_collective()
         self._cuts: list[int] | None = None
+        self.shards = Shards(flat, comm) if cfg.shard == "optimizer" else None
+        """With ``reducer.shard = "optimizer"``: this solver's slices of the buckets (``dptrain.distributed.shards``)."""
         self.observers: list[ReducerObserver] = []
         """Measurement beside the mechanism (the auto planner), told of every synced backward."""
         self._set_plan(build_bucket_plan(group_specs(flat), *self._caps()))
@@ -225,6 +228,9 @@ class Reducer:
         return self.cfg.bucket_mb, self.cfg.first_bucket_mb
 
     def _set_plan(self, plan: BucketPlan) -> None:
+        if self.shards is not None:  # padded, so each solver owns an equal aligned slice; then sharded
+            plan = self.shards.apply(plan, group_specs(self.flat))
+            self.flat.layout_changed()
         self.plan = plan
         self._bucket_of = plan.bucket_of()
         self._sizes = [len(b.names) for b in plan.buckets]
@@ -308,7 +314,13 @@ class Reducer:
         wire = view.to(self.wire_dtype) if self.wire_dtype not in (None, view.dtype) else None
         t, start_us = time.perf_counter(), now_us()
         try:
-            work = self._collective.allreduce_async(wire if wire is not None else view, tag=b.index)
+            if self.shards is not None:  # in place: this solver's slice of the bucket takes the sum
+                sent = wire if wire is not None else view
+                size = sent.numel() // self.world_size
+                mine = sent[self.comm.rank * size : (self.comm.rank + 1) * size]
+                work = self.comm.reduce_scatter_async(mine, sent, tag=b.index)
+            else:
+                work = self._collective.allreduce_async(wire if wire is not None else view, tag=b.index)
         except Exception as e:  # backend error at enqueue: a peer already gone
             raise self._failure(b, e) from e
         self._next_launch += 1
@@ -439,12 +451,19 @@ class Reducer:
             rec.work.wait()
         except Exception as e:  # DistBackendError / timeout: a peer rank probably died
             raise self._failure(rec.bucket, e) from e
+        b = rec.bucket
+        grads = self.flat.groups[b.group].grads
+        lo, hi = (b.start, b.stop) if self.shards is None else self.shards.owned(b)
+        view, src = grads[lo:hi], None
+        if rec.wire is not None:
+            src = rec.wire[lo - b.start : hi - b.start]
         if self.fp32_reduce:
-            view = self.flat.groups[rec.bucket.group].grads[rec.bucket.start : rec.bucket.stop]
-            src = rec.wire if rec.wire is not None else view
-            view.copy_(src.div_(self.world_size))  # average in fp32, then round once
-        elif rec.wire is not None:  # 16 bits on the wire: back into the fp32 gradients, exactly
-            self.flat.groups[rec.bucket.group].grads[rec.bucket.start : rec.bucket.stop].copy_(rec.wire)
+            view.copy_((view if src is None else src).div_(self.world_size))  # average in fp32, then round once
+        elif src is not None:  # 16 bits on the wire: back into the fp32 gradients, exactly
+            view.copy_(src)
+        if self.shards is not None:  # the rest is this solver's own gradient: zero for the next hand-over
+            grads[b.start : lo].zero_()
+            grads[hi : b.stop].zero_()
         if self.tracer.enabled and self._host_completion:
             self._trace(rec, rec.end_us[0] if rec.end_us else now_us())
 
@@ -466,6 +485,8 @@ class Reducer:
     def adopt_ready_order(self, order: list[str], cuts: list[int] | None = None) -> None:
         """Re-lay out the flat buffers and re-plan the buckets for gradient-ready ``order``,
         cut by the caps or, given ``cuts`` (positions in ``order``), there (collective)."""
+        if self.shards is not None:  # parameters move between buckets, so between owners: whole first
+            self.shards.unshard()
         per_group, predicted = plan_from_ready_order(group_specs(self.flat), order, *self._caps(), cuts)
         self.flat.reorder(per_group, order_from_ready(self.flat.layout_order, order))
         plan = build_bucket_plan(group_specs(self.flat), *self._caps(), cuts)

@@ -160,7 +160,10 @@ class Snapshots:
         rank0 = self.comm.rank == 0
         if self.saved_at == iteration:
             return path if rank0 else None
-        if not all(bool(torch.isfinite(g.master).all()) for g in self.parts.flat.groups):
+        finite = all(bool(torch.isfinite(g.master).all()) for g in self.parts.flat.groups)
+        if any(g.parts is not None for g in self.parts.flat.groups):  # each solver holds its slices only
+            finite = all(self.comm.allgather_object(finite))
+        if not finite:
             raise self.health.error(f"the weights are not finite at iteration {iteration}, so no snapshot was written")
         state = capture(self.parts, iteration=iteration, data=data, display=display.state(self.comm),
                         config=self.config)

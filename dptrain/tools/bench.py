@@ -176,6 +176,8 @@ def run_bench(cfg: TrainConfig, *, steps: int, warmup: int, phase_steps: int, tr
         "solver": cfg.solver.type,
         "update_kernel": kernels.update_backend(trainer.flat.groups[0].grads, cpu_fused=cfg.solver.cpu_fused_update),
         "bytes_per_param": trainer.optimizer.bytes_per_param(),
+        "state_bytes_per_rank": trainer.flat.state_bytes(),
+        "shard": cfg.reducer.shard,
         "num_params": trainer.flat.num_params,
         "versions": versions(),
         "device": device_name(device),

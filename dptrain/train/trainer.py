@@ -74,6 +74,10 @@ class Trainer:
         self.overflow = OverflowLocator(self.flat, self.device, enabled=self.scaler.enabled)
         self.optimizer = MasterOptimizer(self.flat, cfg.solver, self.scaler, self.reducer.grad_divisor, multipliers,
                                          locator=self.overflow, unused=self.unused)
+        self.shards = self.reducer.shards
+        """This solver's slices of the masters and optimizer state (``reducer.shard = "optimizer"``), or None."""
+        if self.shards is not None:  # what needs the whole gradient sums the solvers' partial sums
+            self.optimizer.sum_over_ranks = self.overflow.sum_over_ranks = self.shards.sum_
         self.order = SampleOrder(self.rank, self.world_size, cfg.data.batch_size, cfg.train.seed,
                                cfg.data.shuffle == "epoch")
         self.setup = RunSetup(
@@ -165,6 +169,7 @@ class Trainer:
         """One iteration: iter_size micro-batches, the reduce, and the fused update."""
         self.model.train()
         self.comm.flight.iteration = self.iteration
+        self.weights_whole()
         n = self.setup.iter_size
         self._iter_loss.zero_()
         self.flat.release_grads()  # the update left the flat gradients zero: backward hands its own over
@@ -201,8 +206,15 @@ class Trainer:
         self.scaler.record_nonfinite_loss(control[NONFINITE])  # no loss scaling: skip, summed over the ranks
         with self.phases("update"):
             self.lr = self.optimizer.step(self.iteration)
+            if self.shards is not None:
+                self.shards.gather_weights()  # waited for before the next forward reads them
         self.iteration += 1
         self.control.submit(self.iteration, reduce=False)  # summed by the reducer's collective
+
+    def weights_whole(self) -> None:
+        """With sharded masters: wait for the updated weights' all-gathers (before anything reads them)."""
+        if self.shards is not None:
+            self.shards.wait_weights()
 
     def time_phases(self, active: bool) -> None:
         """Start (or stop) timing the phases of the coming steps, from zero."""
@@ -218,6 +230,7 @@ class Trainer:
     def test(self) -> dict[str, float]:
         """Top-1/top-5 over the whole test set, every sample counted once across ranks
         (``dptrain.train.scoring``); a stop request abandons it with StopAgreed."""
+        self.weights_whole()
         bs = self.cfg.data.test_batch_size
         rounds = score_rounds(self.source.num_test, self.world_size, bs, self.cfg.solver.test_iter)
         feeder = self._feeder_for(self.source.test_batches(self.rank, self.world_size, bs))
@@ -242,6 +255,7 @@ class Trainer:
 
     def save(self) -> Path | None:
         """Write snapshot_iter_<iteration>.pt (rank 0 gets its path); see ``dptrain.snapshots``."""
+        self.weights_whole()
         return self.snapshots.save(self.iteration, self._data_at(self.iteration), self.window)
 
     def checkpoint(self) -> None:
@@ -251,6 +265,7 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         """Continue from snapshot ``path``: every rank checks first that all start at its iteration."""
+        self.weights_whole()
         state = self.snapshots.resume(path, self._data_at)
         self.iteration = int(state["iteration"])
         self._feeder = None
