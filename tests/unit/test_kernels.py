@@ -24,7 +24,7 @@ import torch
 from benchmarks.solvers import update_bandwidth
 from dptrain import kernels
 from dptrain.errors import ConfigError, SetupError
-from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, native, reference
+from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, native, reference, selfcheck
 from dptrain.kernels.spec import RULES, bias_corrections, sqrt_rn
 
 # ----------------------------------------------------------------------------- helpers
@@ -319,6 +319,23 @@ def test_vector_width_is_16_bytes_of_storage_where_every_pointer_allows_it():
     assert cuda.vector_width([buf[4:], buf.half()[4:]], torch.float16) == 1  # 16-byte aligned, not 8 elements
     assert cuda.vector_width([buf[4:], buf[8:]], torch.float32) == 4
     assert cuda.vector_width([buf, buf[1:]], torch.float32) == 1
+
+
+def test_the_self_check_runs_its_misaligned_cases_on_misaligned_copies():
+    """selfcheck.compare runs the kernel on copies of each case: those of a case at offset 1 are
+    misaligned in every stream the kernel writes (the V=1 kernel runs on them, as the case means),
+    those at offset 0 allow 16-byte packs. ``clone`` would align every copy."""
+    offsets = set()
+    for label, args in selfcheck.cases(torch.device("cpu")):
+        copy = selfcheck._clone(args)
+        offset = args.grads.storage_offset()
+        want = 1 if offset else cuda.vector_elems(args.grads.dtype)
+        written = [copy.grads, copy.master, copy.params, *copy.state]
+        assert {cuda.vector_width([t], args.grads.dtype) for t in written} == {want}, label
+        assert all(c.storage_offset() == a.storage_offset() for c, a in
+                   zip(written, [args.grads, args.master, args.params, *args.state], strict=True)), label
+        offsets.add(offset)
+    assert offsets == {0, 1}
 
 
 def test_dispatchers_forced_to_torch_equal_the_references(monkeypatch):
