@@ -29,8 +29,10 @@
 #   bandwidth  35 s   the update and grad-norm kernels against a same-size device copy (update_bandwidth.py;
 #                     BANDWIDTH_ARGS adds options)
 #   data      135 s   ResNet-50 fp16 from an LMDB of photo-like JPEGs vs synthetic (data_stage.py): DATA_IMAGES
-#                     (1500) JPEGs of DATA_SIZE (500) px, data-bench at the defaults, bench from the LMDB and
-#                     bench --synthetic; DATA_ARGS adds options (e.g. "--no-train --set data.batch_size=8")
+#                     (1500) JPEGs of DATA_SIZE (500) px, data-bench at the defaults (without its call-count
+#                     pass), bench from the LMDB and bench --synthetic (50 timed steps each); each tool's output
+#                     streamed into the log and a partial record after each step, so a cut keeps what was
+#                     measured; DATA_ARGS adds options (e.g. "--no-train --set data.batch_size=8")
 #   resnet50  170 s   ResNet-50 fp16: dptrain bench (model.compile "auto": compiled) vs torch AMP + channels_last,
 #                     eager and under torch.compile (default mode), alternated; each side's first compile takes
 #                     about a minute (throughput.py --suite gpu --only RESNET50_ONLY; RESNET50_ARGS, default

@@ -86,7 +86,8 @@ def bandwidth_figures(work: Path) -> list[str]:
 
 
 def data_figures(work: Path) -> list[str]:
-    """data-bench at the defaults, and train-from-LMDB over synthetic."""
+    """data-bench at the defaults, and train-from-LMDB over synthetic, from
+    the stage's last record (a partial one where the stage was cut off after a step)."""
     rec = next((r for r in reversed(_json_lines(work / "data.log")) if r.get("stage") == "data"), None)
     if rec is None:
         return []
@@ -97,6 +98,9 @@ def data_figures(work: Path) -> list[str]:
     if rec["lmdb_train_images_per_s"] is not None:
         lines.append(f"    {rec['lmdb_train_images_per_s']} / {rec['synthetic_images_per_s']} img/s; "
                      f"{rec['images']} JPEGs of {rec['size_px']} px, {rec['mean_kb']} KB each")
+    if rec.get("partial"):
+        lines.append("    partial: the stage stopped before "
+                     + ("bench --synthetic" if rec["lmdb_train_images_per_s"] is not None else "the LMDB bench"))
     return lines
 
 

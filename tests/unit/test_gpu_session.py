@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.gpu import session_summary
@@ -190,6 +191,57 @@ def test_the_data_stage_writes_photos_into_an_lmdb_and_benches_the_pipeline(tmp_
     assert '"stage": "data", "images": 64' in log
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "data-bench images/s" in summary and "train from LMDB / bench --synthetic" in summary, summary
+
+
+TINY_TRAIN = ("--workers 1 --set data.batch_size=8 --set model.name=resnet18_cifar --set model.width=4 "
+              "--set model.num_classes=10 --set data.crop_size=16 --set data.image_size=16 "
+              "--set precision.storage=fp32 --set model.channels_last=false --bench-batches 2 --bench-warmup 1 "
+              "--bench-repeats 1")
+"""DATA_ARGS for a data stage that trains a tiny model on the CPU (the recipe's ResNet-50 at 224 px would take minutes)."""
+
+
+def _session_log(tmp_path: Path, name: str, ready: Callable[[str], bool], timeout_s: float) -> str | None:
+    """The running session's session/<name> once ``ready`` says so, or None after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for log in tmp_path.glob(f"gpu_session.*/session/{name}"):
+            text = log.read_text(errors="replace")
+            if ready(text):
+                return text
+        time.sleep(0.2)
+    return None
+
+
+def test_a_data_stage_cut_off_in_the_lmdb_bench_keeps_the_data_bench_figures(tmp_path):
+    """The LMDB bench never ends (a million steps) and the session is stopped while it runs: the log
+    already holds that tool's output so far (streamed, not printed when it exits) and a partial
+    record with data-bench's figures, which the summary shows."""
+    proc = subprocess.Popen(["bash", str(REPO / "benchmarks" / "gpu" / "gpu_session.sh")], cwd=REPO, text=True,
+                            env=_env(tmp_path, "data", DATA_IMAGES="32", DATA_SIZE="128", LIMIT_DATA_S="600",
+                                     DATA_ARGS=f"{TINY_TRAIN} --train-steps 1000000 --train-warmup 0"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def in_the_lmdb_bench(text: str) -> bool:  # the bench tool has printed a line of its own
+        return '"partial": true' in text and "reducer:" in text.split(" bench --config ")[-1]
+
+    try:
+        seen = _session_log(tmp_path, "data.log", in_the_lmdb_bench, 120)
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the stage is cut off mid-way, as by its limit or the device call's
+        try:
+            said = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert seen is not None, f"no partial record or streamed bench output before the cut: {said[-3000:]}"
+    assert proc.returncode == 143 and _status(tmp_path)["data"][0] == 143, said[-3000:]
+    log = _archived(tmp_path, "data.log")
+    record = [json.loads(line) for line in log.splitlines() if line.startswith('{"stage": "data"')][-1]
+    assert record["partial"] is True and record["data_bench_images_per_s"] > 0
+    assert record["lmdb_train_images_per_s"] is None
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "data        interrupted" in summary and "data-bench images/s" in summary, summary
+    assert "partial: the stage stopped before the LMDB bench" in summary, summary
 
 
 def test_the_summary_puts_each_figure_against_its_goal(tmp_path):
