@@ -11,7 +11,9 @@ Each tool's output goes to this process's stdout (the stage log) line by line as
 stage cut off at its limit still logs how far the running tool got. After data-bench and after
 the LMDB bench a partial record is printed (``"partial": true``), and the last line is the whole
 one: the figures and their goals (issue 31, on the GPU host: data-bench >= 8,000 img/s at the
-defaults, train-from-LMDB >= 0.95x synthetic). session_summary.py reads the last record there is. ``--no-train`` stops after step 3 (a CPU test runs the stage tiny that way).
+defaults, train-from-LMDB >= 0.95x synthetic), and which input path data-bench ran (native
+renderer, crop decoder; Python calls per image with ``--count-calls``). session_summary.py reads
+the last record there is. ``--no-train`` stops after step 3 (a CPU test runs the stage tiny that way).
 
 The defaults fit the stage's limit in gpu_session.sh: data-bench skips its call-count pass (an
 extra window of batches under a profile hook) and each bench times 50 steps; the LMDB bench
@@ -84,6 +86,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "stage": "data", "images": made["images"], "mean_kb": made["mean_kb"], "size_px": args.size,
         "data_bench_images_per_s": data["images_per_s"], "data_bench_cpu_ms_per_image": data.get("cpu_ms_per_image"),
         "data_bench_threads": [data.get("parser_threads"), data.get("transformer_threads")],
+        # which input path was measured: a native path that failed its build or self-check here falls back
+        # to Python with one warning in the log, and the figure would read as the native path's
+        "native_render": data.get("native_render"), "crop_decode": data.get("crop_decode"),
+        "python_calls_per_image": data.get("python_calls_per_image"),
         "lmdb_train_images_per_s": None, "synthetic_images_per_s": None, "lmdb_over_synthetic": None,
         "goals": GOALS}
     if args.train:

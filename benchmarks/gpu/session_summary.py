@@ -85,15 +85,24 @@ def bandwidth_figures(work: Path) -> list[str]:
     return lines
 
 
+def _yes_no(flag: object) -> str:
+    return "?" if flag is None else ("yes" if flag else "NO")
+
+
 def data_figures(work: Path) -> list[str]:
-    """data-bench at the defaults, and train-from-LMDB over synthetic, from
+    """data-bench at the defaults and the input path it ran, and train-from-LMDB over synthetic, from
     the stage's last record (a partial one where the stage was cut off after a step)."""
     rec = next((r for r in reversed(_json_lines(work / "data.log")) if r.get("stage") == "data"), None)
     if rec is None:
         return []
     goals = rec["goals"]
+    calls = rec.get("python_calls_per_image")
+    threads = rec.get("data_bench_threads") or [None, None]
     lines = [_figure("data-bench images/s", rec["data_bench_images_per_s"],
                      goals["data_bench_images_per_s"], "{:.0f}"),
+             f"    native render {_yes_no(rec.get('native_render'))}, crop decode {_yes_no(rec.get('crop_decode'))}, "
+             f"{threads[0]} parsers + {threads[1]} renderers"
+             + ("" if calls is None else f", {calls} Python calls per image"),
              _figure("train from LMDB / bench --synthetic", rec["lmdb_over_synthetic"], goals["lmdb_over_synthetic"])]
     if rec["lmdb_train_images_per_s"] is not None:
         lines.append(f"    {rec['lmdb_train_images_per_s']} / {rec['synthetic_images_per_s']} img/s; "

@@ -188,9 +188,12 @@ def test_the_data_stage_writes_photos_into_an_lmdb_and_benches_the_pipeline(tmp_
     assert proc.returncode == 0, proc.stdout[-3000:]
     log = _archived(tmp_path, "data.log")
     assert '"records": 64' in log and '"encoded": true' in log  # make-lmdb's record
-    assert '"stage": "data", "images": 64' in log
+    record = json.loads(next(line for line in log.splitlines() if line.startswith('{"stage": "data"')))
+    assert record["images"] == 64 and record["partial"] is False
+    assert isinstance(record["native_render"], bool) and isinstance(record["crop_decode"], bool)  # data-bench's
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "data-bench images/s" in summary and "train from LMDB / bench --synthetic" in summary, summary
+    assert f"native render {'yes' if record['native_render'] else 'NO'}, crop decode" in summary, summary
 
 
 TINY_TRAIN = ("--workers 1 --set data.batch_size=8 --set model.name=resnet18_cifar --set model.width=4 "
@@ -215,7 +218,7 @@ def _session_log(tmp_path: Path, name: str, ready: Callable[[str], bool], timeou
 def test_a_data_stage_cut_off_in_the_lmdb_bench_keeps_the_data_bench_figures(tmp_path):
     """The LMDB bench never ends (a million steps) and the session is stopped while it runs: the log
     already holds that tool's output so far (streamed, not printed when it exits) and a partial
-    record with data-bench's figures, which the summary shows."""
+    record with data-bench's figures and input path, which the summary shows."""
     proc = subprocess.Popen(["bash", str(REPO / "benchmarks" / "gpu" / "gpu_session.sh")], cwd=REPO, text=True,
                             env=_env(tmp_path, "data", DATA_IMAGES="32", DATA_SIZE="128", LIMIT_DATA_S="600",
                                      DATA_ARGS=f"{TINY_TRAIN} --train-steps 1000000 --train-warmup 0"),
@@ -238,7 +241,8 @@ def test_a_data_stage_cut_off_in_the_lmdb_bench_keeps_the_data_bench_figures(tmp
     log = _archived(tmp_path, "data.log")
     record = [json.loads(line) for line in log.splitlines() if line.startswith('{"stage": "data"')][-1]
     assert record["partial"] is True and record["data_bench_images_per_s"] > 0
-    assert record["lmdb_train_images_per_s"] is None
+    assert record["lmdb_train_images_per_s"] is None and isinstance(record["native_render"], bool)
+    assert record["python_calls_per_image"] is None  # data-bench's call-count pass is off in the stage
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "data        interrupted" in summary and "data-bench images/s" in summary, summary
     assert "partial: the stage stopped before the LMDB bench" in summary, summary
@@ -261,8 +265,9 @@ def test_the_summary_puts_each_figure_against_its_goal(tmp_path):
     (tmp_path / "bandwidth.log").write_text("== bandwidth\n" + json.dumps(record) + "\n")
     (tmp_path / "data.log").write_text(json.dumps(
         {"stage": "data", "images": 1500, "mean_kb": 47.1, "size_px": 500, "data_bench_images_per_s": 8100.0,
+         "data_bench_threads": [3, 16], "native_render": False, "crop_decode": True, "python_calls_per_image": 371.5,
          "lmdb_train_images_per_s": 1351.2, "synthetic_images_per_s": 5827.0, "lmdb_over_synthetic": 0.232,
-         "goals": {"data_bench_images_per_s": 8000.0, "lmdb_over_synthetic": 0.95}}) + "\n")
+         "goals": {"data_bench_images_per_s": 8000.0, "lmdb_over_synthetic": 0.95}, "partial": False}) + "\n")
     case = "ResNet-50 fp16 vs torch AMP (autocast + GradScaler)"
     (tmp_path / "resnet50.log").write_text("\n".join(json.dumps(r) for r in (
         {"case": case, "dptrain": 5900.0}, {"case": case, "peer": 6000.0},
@@ -278,6 +283,9 @@ def test_the_summary_puts_each_figure_against_its_goal(tmp_path):
     assert row("update kernel / device copy")[-4:] == ["0.872", ">=", "0.900", "MISSED"]
     assert row("norm kernel / device copy")[-4:] == ["0.610", ">=", "0.750", "MISSED"]
     assert row("data-bench images/s")[-4:] == ["8100", ">=", "8000", "met"]
+    # which input path that figure is: here the native renderer fell back to Python
+    assert row("native render") == "native render NO, crop decode yes, 3 parsers + 16 renderers, 371.5 Python calls " \
+        "per image".split()
     assert row("train from LMDB / bench --synthetic")[-4:] == ["0.232", ">=", "0.950", "MISSED"]
     assert row("ResNet-50 fp16: dptrain / eager peer")[-4:] == ["0.983", ">=", "1.250", "MISSED"]
     assert not any(line.strip().startswith("ResNet-50 bf16") for line in lines)  # no peer run: no ratio
