@@ -332,3 +332,19 @@ def test_each_resnet50_case_is_graded_against_its_own_goal():
     assert [n for n in names if goal(n) is None] == [
         "ResNet-50 fp16 vs torch.compile reduce-overhead + torch AMP",
         "ResNet-50 fp16, segments vs torch.compile + torch AMP (autocast + GradScaler)"]
+
+
+def test_the_opt_in_stage_runs_the_cuda_graph_case_first():
+    """resnet50_more's cases run in the order --only names them, and its default names the never-run
+    reduce-overhead case first: a stage cut off at its limit has measured it."""
+    script = (REPO / "benchmarks" / "gpu" / "gpu_session.sh").read_text()
+    only = re.search(r'--only "\$\{RESNET50_MORE_ONLY:-([^}]+)\}"', script).group(1)
+    names = [c.name for c in throughput.select(throughput.gpu_cases(), only, cpu=False, allow_slow_dtypes=False)]
+    assert names == ["ResNet-50 fp16 vs torch.compile reduce-overhead + torch AMP",
+                     "ResNet-50 bf16 vs torch autocast bf16", "ResNet-50 bf16 vs torch.compile + torch autocast bf16"]
+    # the default stage's two fp16 cases, eager peer first; a case two texts match runs once
+    fp16 = throughput.select(throughput.gpu_cases(), "fp16 vs torch AMP,fp16 vs torch.compile + torch AMP,fp16 vs",
+                             cpu=False, allow_slow_dtypes=False)
+    assert [c.name for c in fp16][:2] == ["ResNet-50 fp16 vs torch AMP (autocast + GradScaler)",
+                                          "ResNet-50 fp16 vs torch.compile + torch AMP (autocast + GradScaler)"]
+    assert len(fp16) == len({c.name for c in fp16}) == 3
