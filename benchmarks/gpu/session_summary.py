@@ -89,9 +89,12 @@ def bandwidth_figures(work: Path) -> list[str]:
         lines.append(_figure(f"{name} kernel / device copy bandwidth", k.get(f"{name}_fraction_of_copy"),
                              goals.get(f"{name}_fraction_of_copy")))
         if f"{name}_kernel_ms" in k:
+            read = rec.get("read") or {}  # the norm only reads: against a read-only pass too (no goal)
             lines.append(f"    {k[f'{name}_kernel_ms']} ms kernel, {k[f'{name}_ms']} ms wall "
                          f"({k[f'{name}_wall_over_kernel']}x; dispatch hidden: {k[f'{name}_dispatch_hidden']}), "
-                         f"{k[f'{name}_kernel_gb_per_s']} GB/s vs copy {rec['copy'].get(f'{name}_kernel_gb_per_s')}")
+                         f"{k[f'{name}_kernel_gb_per_s']} GB/s vs copy {rec['copy'].get(f'{name}_kernel_gb_per_s')}"
+                         + (f", read-only {read['norm_kernel_gb_per_s']} ({k['norm_fraction_of_read']} of it)"
+                            if name == "norm" and "norm_kernel_gb_per_s" in read else ""))
     return lines
 
 

@@ -280,7 +280,10 @@ def test_the_summary_puts_each_figure_against_its_goal(tmp_path):
     for name in ("update", "norm"):
         side.update({f"{name}_ms": 0.3, f"{name}_kernel_ms": 0.1, f"{name}_wall_over_kernel": 3.0,
                      f"{name}_dispatch_hidden": True, f"{name}_kernel_gb_per_s": 3000.0})
-    record = {"bench": "update_bandwidth", "kernel": side, "copy": {"update_kernel_gb_per_s": 4300.0},
+    side["norm_fraction_of_read"] = 0.55
+    record = {"bench": "update_bandwidth", "kernel": side, "copy": {"update_kernel_gb_per_s": 4300.0,
+                                                                    "norm_kernel_gb_per_s": 3900.0},
+              "read": {"norm_kernel_gb_per_s": 4400.0},
               "goals": {"update_fraction_of_copy": 0.9, "norm_fraction_of_copy": 0.75},
               "goals_met": {"update": False, "norm": False}}
     (tmp_path / "bandwidth.log").write_text("== bandwidth\n" + json.dumps(record) + "\n")
@@ -304,6 +307,8 @@ def test_the_summary_puts_each_figure_against_its_goal(tmp_path):
     assert row("tests")[1:5] == ["ok", "45s", "110s", "158"] and row("resnet50")[1] == "timeout"
     assert row("update kernel / device copy")[-4:] == ["0.872", ">=", "0.900", "MISSED"]
     assert row("norm kernel / device copy")[-4:] == ["0.610", ">=", "0.750", "MISSED"]
+    norm_detail = lines[lines.index(next(line for line in lines if line.strip().startswith("norm kernel"))) + 1]
+    assert norm_detail.endswith("GB/s vs copy 3900.0, read-only 4400.0 (0.55 of it)"), norm_detail  # like for like
     assert row("data-bench images/s")[-4:] == ["8100", ">=", "8000", "met"]
     # which input path that figure is: here the native renderer fell back to Python
     assert row("native render") == "native render NO, crop decode yes, 3 parsers + 16 renderers, 371.5 Python calls " \
