@@ -134,9 +134,9 @@ PEAK_MEMORY_GOAL = 1.0
 def resnet50_figures(work: Path) -> list[str]:
     """dptrain over its peer per case, medians of the runs that finished (a cut-off stage still
     counts; a verdict on one run per side is provisional), and against the compiled peer also peak
-    memory. Below a ratio: runs that failed, and dptrain runs that were not what the case measures
-    (model.compile fell back to eager, or CUDA graphs were skipped), from the fields throughput.py
-    repeats in its progress lines."""
+    memory. Below a ratio: runs that failed, and runs that were not what the case measures (dptrain's
+    model.compile fell back to eager, or either side's CUDA graphs were skipped), from the fields
+    throughput.py repeats in its progress lines."""
     runs: dict[str, dict[str, list[dict]]] = {}
     for r in [*_json_lines(work / "resnet50.log"), *_json_lines(work / "resnet50_more.log")]:
         for side in ("dptrain", "peer"):
@@ -166,11 +166,14 @@ def resnet50_figures(work: Path) -> list[str]:
                                      PEAK_MEMORY_GOAL, at_most=True, runs=n_runs))
         no_graphs = sum(r.get("cuda_graphs") is False for r in done.get("dptrain", [])
                         if "reduce-overhead" in case and r.get("compiled"))
+        peer_no_graphs = sum(r.get("cuda_graphs") is False for r in done.get("peer", []) if "reduce-overhead" in case)
         if eager:
             lines.append(f"    dptrain ran eagerly in {eager} run(s), not graded: model.compile fell back (its "
                          "warning is in the log)")
         if no_graphs:
             lines.append(f"    dptrain ran without CUDA graphs in {no_graphs} run(s): cudagraph trees skipped them")
+        if peer_no_graphs:
+            lines.append(f"    peer ran without CUDA graphs in {peer_no_graphs} run(s): cudagraph trees skipped them")
         for side, recs in sides.items():
             errors = [r.get("error", "") for r in recs if r[side] is None]
             if errors:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.gpu import session_summary
-from benchmarks.throughput import throughput
+from benchmarks.throughput import peer, throughput
 
 REPO = Path(__file__).resolve().parents[2]
 OUT_FILES = {"summary.txt", "status.tsv", "gpu_session.tar.gz"}
@@ -356,3 +356,33 @@ def test_the_opt_in_stage_runs_the_cuda_graph_case_first():
     assert [c.name for c in fp16][:2] == ["ResNet-50 fp16 vs torch AMP (autocast + GradScaler)",
                                           "ResNet-50 fp16 vs torch.compile + torch AMP (autocast + GradScaler)"]
     assert len(fp16) == len({c.name for c in fp16}) == 3
+
+
+def test_the_summary_reads_what_throughput_prints_and_names_a_peer_without_cuda_graphs(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """resnet50_more's CUDA-graph case through throughput.py's own printing (the runs stood in for):
+    the summary reads its progress lines, shows the ratio without a goal, and says that the peer's
+    graphs were skipped, which its record now tells (peer.cuda_graph_fields), as dptrain's does."""
+    assert peer.cuda_graph_fields("default", True, 3) == {} and peer.cuda_graph_fields(None, True, 0) == {}
+    assert peer.cuda_graph_fields("reduce-overhead", False, 0)["cuda_graphs"] is False  # no CUDA: no graphs
+
+    def fake_run(argv: list[str], env: dict[str, str] | None = None) -> dict:
+        if "benchmarks.throughput.peer" in argv:
+            assert "--compile=reduce-overhead" in argv
+            return {"images_per_s": 6000.0, "peer": "torch.compile + autocast fp16 (reduce-overhead)",
+                    "peak_mem_bytes": 9e9, **peer.cuda_graph_fields("reduce-overhead", True, 2)}
+        assert "--set=model.compile=reduce-overhead" in argv
+        return {"images_per_s": 6600.0, "exposed_comm_ms": 0.0, "compiled": True, "cuda_graphs": True,
+                "cuda_graph_skips": 0, "peak_mem_bytes": 10e9, "device": "NVIDIA H200", "versions": {"torch": "2.11"}}
+
+    monkeypatch.setattr(throughput, "run_json", fake_run)
+    monkeypatch.setattr(sys, "argv", ["throughput.py", "--suite", "gpu", "--repeats", "1", "--out",
+                                      str(tmp_path / "results"), "--only", "reduce-overhead"])
+    assert throughput.main() == 0
+    (tmp_path / "resnet50_more.log").write_text(capsys.readouterr().out)
+    (tmp_path / "status.tsv").write_text("resnet50_more\t0\t250\t300\nworst stage status: 0\n")
+    lines = session_summary.render(tmp_path, ["resnet50_more"]).splitlines()
+    at = next(i for i, line in enumerate(lines) if "dptrain / compiled (reduce-overhead)" in line)
+    assert lines[at].split()[-1] == "1.100"  # no goal, no verdict
+    assert lines[at + 1].strip() == "peer ran without CUDA graphs in 1 run(s): cudagraph trees skipped them"
+    assert not any("dptrain ran without CUDA graphs" in line for line in lines)
