@@ -13,7 +13,8 @@ the LMDB bench a partial record is printed (``"partial": true``), and the last l
 one: the figures and their goals (issue 31, on the GPU host: data-bench >= 8,000 img/s at the
 defaults, train-from-LMDB >= 0.95x synthetic), and which input path data-bench ran (native
 renderer, crop decoder; Python calls per image with ``--count-calls``). session_summary.py reads
-the last record there is. ``--no-train`` stops after step 3 (a CPU test runs the stage tiny that way).
+the last record there is. ``--no-train`` stops after step 3 (a CPU test runs the stage tiny that
+way).
 
 The defaults fit the stage's limit in gpu_session.sh: data-bench skips its call-count pass (an
 extra window of batches under a profile hook) and each bench times 50 steps; the LMDB bench
