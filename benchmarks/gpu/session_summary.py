@@ -59,11 +59,21 @@ def _verdict(value: float | None, goal: float, at_most: bool = False) -> str:
     return "met" if (value <= goal if at_most else value >= goal) else "MISSED"
 
 
-def _figure(what: str, value: float | None, goal: float | None, fmt: str = "{:.3f}", at_most: bool = False) -> str:
-    """One figure's row; the goal is a floor, or with ``at_most`` a ceiling."""
+PROVISIONAL = ", 1 run: provisional"
+"""After the verdict of a ratio of one run per side: the H200's images/s varied by about 1 % from run
+to run (2026-11-27), so a ratio that close to its goal can land on either side of it; more
+repeats (RESNET50_ARGS="--repeats 3 ...") settle it."""
+
+
+def _figure(what: str, value: float | None, goal: float | None, fmt: str = "{:.3f}", at_most: bool = False,
+            runs: int | None = None) -> str:
+    """One figure's row; the goal is a floor, or with ``at_most`` a ceiling; a verdict on ``runs`` = 1
+    run per side is marked provisional (:data:`PROVISIONAL`)."""
     shown = "-" if value is None else fmt.format(value)
     goal_text = "" if goal is None else f"{'<=' if at_most else '>='} {fmt.format(goal)}"
     verdict = "" if goal is None else _verdict(value, goal, at_most)
+    if verdict and value is not None and runs == 1:
+        verdict += PROVISIONAL
     return f"  {what:<44} {shown:>10}  {goal_text:<10} {verdict}"
 
 
@@ -79,24 +89,41 @@ def bandwidth_figures(work: Path) -> list[str]:
         lines.append(_figure(f"{name} kernel / device copy bandwidth", k.get(f"{name}_fraction_of_copy"),
                              goals.get(f"{name}_fraction_of_copy")))
         if f"{name}_kernel_ms" in k:
+            read = rec.get("read") or {}  # the norm only reads: against a read-only pass too (no goal)
             lines.append(f"    {k[f'{name}_kernel_ms']} ms kernel, {k[f'{name}_ms']} ms wall "
                          f"({k[f'{name}_wall_over_kernel']}x; dispatch hidden: {k[f'{name}_dispatch_hidden']}), "
-                         f"{k[f'{name}_kernel_gb_per_s']} GB/s vs copy {rec['copy'].get(f'{name}_kernel_gb_per_s')}")
+                         f"{k[f'{name}_kernel_gb_per_s']} GB/s vs copy {rec['copy'].get(f'{name}_kernel_gb_per_s')}"
+                         + (f", read-only {read['norm_kernel_gb_per_s']} ({k['norm_fraction_of_read']} of it)"
+                            if name == "norm" and "norm_kernel_gb_per_s" in read else ""))
     return lines
 
 
+def _yes_no(flag: object) -> str:
+    return "?" if flag is None else ("yes" if flag else "NO")
+
+
 def data_figures(work: Path) -> list[str]:
-    """data-bench at the defaults, and train-from-LMDB over synthetic."""
+    """data-bench at the defaults and the input path it ran, and train-from-LMDB over synthetic, from
+    the stage's last record (a partial one where the stage was cut off after a step)."""
     rec = next((r for r in reversed(_json_lines(work / "data.log")) if r.get("stage") == "data"), None)
     if rec is None:
         return []
     goals = rec["goals"]
+    calls = rec.get("python_calls_per_image")
+    threads = rec.get("data_bench_threads") or [None, None]
     lines = [_figure("data-bench images/s", rec["data_bench_images_per_s"],
                      goals["data_bench_images_per_s"], "{:.0f}"),
-             _figure("train from LMDB / bench --synthetic", rec["lmdb_over_synthetic"], goals["lmdb_over_synthetic"])]
+             f"    native render {_yes_no(rec.get('native_render'))}, crop decode {_yes_no(rec.get('crop_decode'))}, "
+             f"{threads[0]} parsers + {threads[1]} renderers"
+             + ("" if calls is None else f", {calls} Python calls per image"),
+             _figure("train from LMDB / bench --synthetic", rec["lmdb_over_synthetic"], goals["lmdb_over_synthetic"],
+                     runs=1)]
     if rec["lmdb_train_images_per_s"] is not None:
         lines.append(f"    {rec['lmdb_train_images_per_s']} / {rec['synthetic_images_per_s']} img/s; "
                      f"{rec['images']} JPEGs of {rec['size_px']} px, {rec['mean_kb']} KB each")
+    if rec.get("partial"):
+        lines.append("    partial: the stage stopped before "
+                     + ("bench --synthetic" if rec["lmdb_train_images_per_s"] is not None else "the LMDB bench"))
     return lines
 
 
@@ -106,9 +133,10 @@ PEAK_MEMORY_GOAL = 1.0
 
 def resnet50_figures(work: Path) -> list[str]:
     """dptrain over its peer per case, medians of the runs that finished (a cut-off stage still
-    counts), and against the compiled peer also peak memory. Below a ratio: runs that failed, and
-    dptrain runs that were not what the case measures (model.compile fell back to eager, or CUDA
-    graphs were skipped), from the fields throughput.py repeats in its progress lines."""
+    counts; a verdict on one run per side is provisional), and against the compiled peer also peak
+    memory. Below a ratio: runs that failed, and runs that were not what the case measures (dptrain's
+    model.compile fell back to eager, or either side's CUDA graphs were skipped), from the fields
+    throughput.py repeats in its progress lines."""
     runs: dict[str, dict[str, list[dict]]] = {}
     for r in [*_json_lines(work / "resnet50.log"), *_json_lines(work / "resnet50_more.log")]:
         for side in ("dptrain", "peer"):
@@ -129,19 +157,23 @@ def resnet50_figures(work: Path) -> list[str]:
         if done.get("dptrain") and done.get("peer"):
             ratio = (statistics.median(r["dptrain"] for r in done["dptrain"])
                      / statistics.median(r["peer"] for r in done["peer"]))
-            lines.append(_figure(f"ResNet-50 {precision}: dptrain / {peer}", ratio, goal))
+            n_runs = min(len(done["dptrain"]), len(done["peer"]))
+            lines.append(_figure(f"ResNet-50 {precision}: dptrain / {peer}", ratio, goal, runs=n_runs))
             mem = [statistics.median(r["peak_mem_bytes"] for r in done[side]) if all(
                 r.get("peak_mem_bytes") for r in done[side]) else None for side in ("dptrain", "peer")]
             if goal == RESNET50_GOAL_COMPILED and None not in mem:
                 lines.append(_figure(f"ResNet-50 {precision}: peak memory dptrain / {peer}", mem[0] / mem[1],
-                                     PEAK_MEMORY_GOAL, at_most=True))
+                                     PEAK_MEMORY_GOAL, at_most=True, runs=n_runs))
         no_graphs = sum(r.get("cuda_graphs") is False for r in done.get("dptrain", [])
                         if "reduce-overhead" in case and r.get("compiled"))
+        peer_no_graphs = sum(r.get("cuda_graphs") is False for r in done.get("peer", []) if "reduce-overhead" in case)
         if eager:
             lines.append(f"    dptrain ran eagerly in {eager} run(s), not graded: model.compile fell back (its "
                          "warning is in the log)")
         if no_graphs:
             lines.append(f"    dptrain ran without CUDA graphs in {no_graphs} run(s): cudagraph trees skipped them")
+        if peer_no_graphs:
+            lines.append(f"    peer ran without CUDA graphs in {peer_no_graphs} run(s): cudagraph trees skipped them")
         for side, recs in sides.items():
             errors = [r.get("error", "") for r in recs if r[side] is None]
             if errors:

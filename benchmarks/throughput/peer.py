@@ -33,6 +33,7 @@ from dptrain.data.sampling import SampleOrder
 from dptrain.data.sources.builtin import synthetic_source
 from dptrain.inductor import prepare as prepare_inductor
 from dptrain.models import build_model
+from dptrain.train.compiled import cudagraph_skips
 from dptrain.train.outputs import training_loss
 
 AUX_LOSS_WEIGHT = 0.3
@@ -77,6 +78,15 @@ def make_step(model_name: str, width: int, num_classes: int, precision: str, bat
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def cuda_graph_fields(compile_mode: str | None, cuda: bool, skips: int) -> dict[str, bool | int]:
+    """Under torch.compile's "reduce-overhead" mode, whether the step ran as CUDA graphs (on CUDA, with
+    none of its graphs skipped) and how many graphs cudagraph trees declined to record, which they do
+    with no error (dptrain's bench reports the same of its own side); nothing in other modes."""
+    if compile_mode != "reduce-overhead":
+        return {}
+    return {"cuda_graphs": cuda and skips == 0, "cuda_graph_skips": skips}
 
 
 def main() -> None:
@@ -129,6 +139,7 @@ def main() -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    graphs = cuda_graph_fields(args.compile, cuda, cudagraph_skips())  # at start-up and in the timed steps
     if world > 1:
         dist.destroy_process_group()
     if rank == 0:
@@ -141,7 +152,7 @@ def main() -> None:
             "images_per_s": round(g * args.steps / sum(times), 2),
             "step_ms_median": round(1000 * statistics.median(times), 3),
             "world_size": world, "batch_size": args.batch_size, "model": args.model,
-            "precision": args.precision, "peak_mem_bytes": peak,
+            "precision": args.precision, "peak_mem_bytes": peak, **graphs,
         }), flush=True)
 
 

@@ -262,11 +262,13 @@ def peer_cmd(c: Case, steps: int, warmup: int) -> list[str]:
 
 
 def select(cases: list[Case], only: str, *, cpu: bool, allow_slow_dtypes: bool) -> list[Case]:
-    """The cases whose name contains ``only`` (or any of several, comma-separated; all for ""), and on
-    the CPU (``cpu``) unless ``allow_slow_dtypes`` only those whose storage dtype has native kernels
-    here; the others are named on stderr (they would time the reference fallback, not dptrain)."""
+    """The cases whose name contains ``only`` (or any of several, comma-separated; all for ""), in the
+    order ``only`` names them (a case once, where it first matches; the suite's order among the cases
+    one text matches), so a run cut off at its limit has run the cases named first; and on the CPU
+    (``cpu``) unless ``allow_slow_dtypes`` only those whose storage dtype has native kernels here; the
+    others are named on stderr (they would time the reference fallback, not dptrain)."""
     wanted = [w.strip() for w in only.split(",")] if only else [""]
-    cases = [c for c in cases if any(w in c.name for w in wanted)]
+    cases = list({id(c): c for w in wanted for c in cases if w in c.name}.values())
     if not cpu or allow_slow_dtypes:
         return cases
     from dptrain.precision import cpu_native_support

@@ -314,7 +314,9 @@ def _norm_scratch(device_index: int, stream: int) -> tuple[torch.Tensor, torch.T
     """The norm's block partials ([NORM_MAX_BLOCKS] fp32) and arrival counter ([1] uint32 as int32,
     zeroed here once; the kernel leaves it 0) for one stream: reused by every call on that stream,
     whose launches run in order, so a call never allocates them or zeroes them again. Made outside
-    any CUDA graph capture, which would record the zeroing instead of running it."""
+    any CUDA graph capture, which would record the zeroing instead of running it. A graph that
+    captures a norm keeps its capture stream's scratch: replay it ordered with that stream's other
+    norms (dptrain captures none: the update runs outside model.compile's CUDA graphs)."""
     key = (device_index, stream)
     if key not in _NORM_SCRATCH:
         if torch.cuda.is_current_stream_capturing():

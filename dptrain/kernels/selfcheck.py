@@ -89,11 +89,21 @@ def cases(device: torch.device) -> Iterator[tuple[str, UpdateArgs]]:
                     yield label, args
 
 
+def placed_clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` as many elements into a new buffer as ``t`` is into its own, so a misaligned
+    start stays misaligned (``t.clone()`` is a fresh, aligned allocation: the kernel would take its
+    vector path on the copy of a case meant for its scalar one)."""
+    offset = t.storage_offset()
+    full = torch.empty(offset + t.numel(), dtype=t.dtype, device=t.device)  # [offset + n], a fresh allocation
+    return full[offset:].view(t.shape).copy_(t)
+
+
 def _clone(a: UpdateArgs) -> UpdateArgs:
-    master = a.master.clone()
-    return replace(a, grads=a.grads.clone(), master=master,
-                   params=master if a.params is a.master else a.params.clone(),
-                   state=tuple(s.clone() for s in a.state))
+    """Copies of the buffers an update writes, each placed as the original is (:func:`placed_clone`)."""
+    master = placed_clone(a.master)
+    return replace(a, grads=placed_clone(a.grads), master=master,
+                   params=master if a.params is a.master else placed_clone(a.params),
+                   state=tuple(placed_clone(s) for s in a.state))
 
 
 def compare(kernel: Callable[[UpdateArgs], None], norm: Callable[[torch.Tensor], torch.Tensor],

@@ -24,6 +24,7 @@ from dptrain import kernels
 from dptrain.config import LossScaleConfig, ParamGroup, SolverConfig
 from dptrain.flat import FlatParams
 from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, native, reference, selfcheck
+from dptrain.kernels.selfcheck import placed_clone
 from dptrain.kernels.spec import RULES, bias_corrections
 from dptrain.optimizer import MasterOptimizer, rule_for
 from dptrain.param_groups import resolve_multipliers
@@ -77,10 +78,17 @@ def _case(storage: torch.dtype, mom: torch.dtype, n: int, offset: int, seed: int
 
 
 def _clone(case: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {k: v.clone() for k, v in case.items()}
+    """Copies placed as the originals are: a "vec1" case's copies are misaligned too, so the V=1
+    kernel is what runs on them (``clone`` would return aligned copies, and the packed kernel)."""
+    out = {k: placed_clone(v) for k, v in case.items()}
     if case["params"] is case["master"]:
         out["params"] = out["master"]
     return out
+
+
+def _want_vec(storage: torch.dtype, offset: int) -> int:
+    """The vector width of a case's buffers: 16 bytes of ``storage`` when aligned, 1 at offset 1."""
+    return cuda.vector_elems(storage) if offset == 0 else 1
 
 
 def _scalars(skip: float, device: str = "cuda") -> dict[str, torch.Tensor]:
@@ -107,17 +115,31 @@ def test_sgd_kernel_bit_exact(storage, mom, decay, offset):
     n = 64 * 1001 + 3  # not a multiple of 4: the scalar tail runs too
     case = _case(storage, mom, n, offset, seed=1)
     assert kernels.kernel_backend(case["grads"]) == "cupy"
-    want_vec = cuda.vector_elems(storage) if offset == 0 else 1
-    assert cuda.vector_width([case["grads"], case["master"], case["momentum"]], storage) == want_vec
     # lr/wd large so the decay term dominates and a mis-rounded coefficient shows (see tests/unit/test_kernels.py)
     kw = dict(lr=0.9137, momentum_coef=0.9, weight_decay=0.0 if decay == "none" else 0.7,
               decoupled=decay == "decoupled")
     for with_scale in (False, True):
         got, want = _clone(case), _clone(case)
+        passed = [got[k] for k in ("grads", "master", "params", "momentum", *(("lr_scale",) if with_scale else ()))]
+        assert cuda.vector_width(passed, storage) == _want_vec(storage, offset)  # the kernel this case is for
         _update(kernels.update, got, with_scale=with_scale, skip=0.0, **kw)
         _update(reference, want, with_scale=with_scale, skip=0.0, **kw)
         for name in ("grads", "master", "params", "momentum"):
             assert torch.equal(_bits(got[name]), _bits(want[name])), f"{name} with_scale={with_scale}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("storage", STORAGE)
+@pytest.mark.parametrize("offset", [0, 1], ids=["packed", "vec1"])
+def test_the_kernel_tests_copies_are_aligned_as_their_case_says(device, storage, offset):
+    """What the bit-exact kernel tests pass: a "vec1" case's copies are misaligned in every stream, so
+    the V=1 kernel runs on them; a "packed" case's copies allow 16-byte packs. Checked where the
+    copies are made, so on the CPU too (vector_width reads only the pointers)."""
+    case = _case(storage, torch.float32, 64 * 11 + 3, offset, seed=4, device=device)
+    state = placed_clone(case["momentum"])
+    copies = [*_clone(case).values(), state, placed_clone(case["lr_scale"])]
+    assert {cuda.vector_width([t], storage) for t in copies} == {_want_vec(storage, offset)}
+    assert cuda.vector_width(copies, storage) == _want_vec(storage, offset)
 
 
 RULE_CASES = [(r, s, m) for r in ("nesterov", "adam", "lamb", "rmsprop") for s in STORAGE
@@ -136,7 +158,7 @@ def test_every_rule_kernel_bit_exact(rule, storage, state_dtype, decay, offset):
     gen = torch.Generator().manual_seed(7)
     state = tuple(_case(storage, state_dtype, n, offset, seed=8 + j)["momentum"].abs_()
                   for j in range(len(RULES[rule].state_names)))  # second moments are >= 0
-    decay_scale = case["lr_scale"].clone().copy_((torch.rand(n, generator=gen) * 2).round())
+    decay_scale = placed_clone(case["lr_scale"]).copy_((torch.rand(n, generator=gen) * 2).round())
     bc = bias_corrections(torch.tensor([3], device="cuda"), 0.9, 0.999) if RULES[rule].bias_correction else None
     hyper = Hyper(lr=0.9137, momentum=0.9, weight_decay=0.0 if decay == "none" else 0.7,
                   decoupled=decay == "decoupled")
@@ -144,10 +166,12 @@ def test_every_rule_kernel_bit_exact(rule, storage, state_dtype, decay, offset):
         runs = []
         for fn in (kernels.update, reference):
             c = _clone(case)
-            st = tuple(t.clone() for t in state)
-            fn(UpdateArgs(rule=rule, grads=c["grads"], master=c["master"], params=c["params"], state=st, hyper=hyper,
-                          lr_scale=c["lr_scale"] if tables else None, decay_scale=decay_scale if tables else None,
-                          bias_correction=bc, **_scalars(0.0)))
+            st = tuple(placed_clone(t) for t in state)
+            a = UpdateArgs(rule=rule, grads=c["grads"], master=c["master"], params=c["params"], state=st, hyper=hyper,
+                           lr_scale=c["lr_scale"] if tables else None, decay_scale=decay_scale if tables else None,
+                           bias_correction=bc, **_scalars(0.0))
+            assert cuda.vector_width([t for t in a.tensors() if t.numel() == n], storage) == _want_vec(storage, offset)
+            fn(a)
             runs.append([c["grads"], c["master"], c["params"], *st])
         for got, want in zip(*runs, strict=True):
             assert torch.equal(_bits(got), _bits(want)), f"tables={tables}"

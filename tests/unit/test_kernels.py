@@ -24,7 +24,7 @@ import torch
 from benchmarks.solvers import update_bandwidth
 from dptrain import kernels
 from dptrain.errors import ConfigError, SetupError
-from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, native, reference
+from dptrain.kernels import Hyper, UpdateArgs, cuda, grad_norm_reference, native, reference, selfcheck
 from dptrain.kernels.spec import RULES, bias_corrections, sqrt_rn
 
 # ----------------------------------------------------------------------------- helpers
@@ -321,6 +321,23 @@ def test_vector_width_is_16_bytes_of_storage_where_every_pointer_allows_it():
     assert cuda.vector_width([buf, buf[1:]], torch.float32) == 1
 
 
+def test_the_self_check_runs_its_misaligned_cases_on_misaligned_copies():
+    """selfcheck.compare runs the kernel on copies of each case: those of a case at offset 1 are
+    misaligned in every stream the kernel writes (the V=1 kernel runs on them, as the case means),
+    those at offset 0 allow 16-byte packs. ``clone`` would align every copy."""
+    offsets = set()
+    for label, args in selfcheck.cases(torch.device("cpu")):
+        copy = selfcheck._clone(args)
+        offset = args.grads.storage_offset()
+        want = 1 if offset else cuda.vector_elems(args.grads.dtype)
+        written = [copy.grads, copy.master, copy.params, *copy.state]
+        assert {cuda.vector_width([t], args.grads.dtype) for t in written} == {want}, label
+        assert all(c.storage_offset() == a.storage_offset() for c, a in
+                   zip(written, [args.grads, args.master, args.params, *args.state], strict=True)), label
+        offsets.add(offset)
+    assert offsets == {0, 1}
+
+
 def test_dispatchers_forced_to_torch_equal_the_references(monkeypatch):
     # auto on CPU takes the host library (test_native_update.py); "torch" is the oracle
     monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
@@ -386,6 +403,11 @@ def test_bandwidth_benchmark_on_cpu_reports_the_host_kernel_the_fallback_and_the
     for side in sides:
         assert line[side]["update_fraction_of_copy"] > 0 and line[side]["norm_fraction_of_copy"] > 0, side
         assert "update_kernel_ms" not in line[side], side  # CUDA events only on CUDA
+    # the norm only reads: a read-only yardstick of its bytes too, and the caveat stated in the record
+    assert line["read"]["norm_bytes"] == 4096 * 2 and line["read"]["norm_ms"] > 0 and "update_ms" not in line["read"]
+    for side in sides:
+        assert line[side]["norm_fraction_of_read"] > 0 and "update_fraction_of_read" not in line[side], side
+    assert "read-only stream beats a copy" in line["yardsticks"]
     assert line["timing"]["fraction_of_copy_from"] == "wall time" and line["goals_met"] is None
     assert line["buffers_rotated"] == {"update": 16, "norm": 16}  # tiny buffers: the most copies
     assert line["goals"] == {"update_fraction_of_copy": 0.9, "norm_fraction_of_copy": 0.75}
@@ -409,6 +431,9 @@ def test_bandwidth_fractions_come_from_kernel_time_where_there_is_one():
         "norm_ms": 4000.0, "norm_gb_per_s": 0.25, "norm_kernel_ms": 1250.0, "norm_kernel_gb_per_s": 0.8,
         "norm_dispatch_hidden": True, "norm_wall_over_kernel": 3.2, "norm_fraction_of_peak": 0.8,
         "norm_fraction_of_copy": 0.8}
+    # a read-only pass of the same bytes at 1.6 GB/s (faster than the copy): the norm is half of it
+    read = timing(nbytes=gb, wall_ms=1000.0, kernel_ms=625.0, dispatch_hidden=True)
+    assert norm.figures("norm", 1e9, copy, read)["norm_fraction_of_read"] == 0.5
     # on the CPU: wall time against the copy's wall time, no kernel fields
     cpu_copy = timing(nbytes=gb, wall_ms=2000.0, kernel_ms=None, dispatch_hidden=None)
     on_cpu = timing(nbytes=gb, wall_ms=4000.0, kernel_ms=None, dispatch_hidden=None).figures("norm", None, cpu_copy)

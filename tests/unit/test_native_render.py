@@ -19,6 +19,7 @@ from PIL import Image
 from dptrain.data.caffe.datum import encode_datum, hwc_to_raw
 from dptrain.data.sampling import SampleOrder
 from dptrain.data.sources.caffe_lmdb import LmdbSource
+from dptrain.data.transforms import jpeg_crop
 from dptrain.data.transforms import native as native_render
 from dptrain.data.transforms.geometry import (
     CenterResizedCrop,
@@ -222,6 +223,29 @@ def test_render_modes_and_a_failed_build_fall_back_with_one_warning(tmp_path, mo
     with pytest.raises(ConfigError, match="DPTRAIN_RENDER='fast' is not one of auto, python, native"):
         native_render.library()
     native_render.reset()
+
+
+def test_no_compiler_is_one_warning_for_both_native_libraries(tmp_path, monkeypatch, caplog):
+    """Without a C compiler the crop decoder warns, and the native renderer, which builds on it, falls
+    back without a second warning (DPTRAIN_RENDER=native still makes it an error)."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("DPTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(jpeg_crop.JPEG_ENV, raising=False)
+    jpeg_crop.reset()
+    _render_mode(monkeypatch, "auto")
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert native_render.library() is None and native_render.library() is None
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert [r.name for r in warnings] == ["dptrain.data.transforms.jpeg_crop"], [r.message for r in warnings]
+        assert "JPEG crop decoder unavailable" in warnings[0].message and "no-such-cc" in warnings[0].message
+        _render_mode(monkeypatch, "native")
+        with pytest.raises(SetupError, match="DPTRAIN_RENDER=native but the native input path is unavailable: the "
+                                             "JPEG crop decoder it builds on is unavailable"):
+            native_render.library()
+    finally:
+        jpeg_crop.reset()
+        native_render.reset()
 
 
 def test_a_self_check_mismatch_falls_back_to_python(lib, monkeypatch, caplog):

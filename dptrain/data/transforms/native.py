@@ -244,6 +244,12 @@ def _make() -> ctypes.CDLL | None:
     want = mode()
     if want == "python" or jpeg_crop.mode() == "pillow":  # DPTRAIN_JPEG=pillow: whole decodes, in Python
         return None
+    if want == "auto" and jpeg_crop.library() is None:
+        # the crop decoder's own warning (no compiler, no libjpeg-turbo headers) has just said why: one
+        # warning per process for one cause, not a second one here
+        log.info("native input path off: the JPEG crop decoder it builds on is unavailable (warned above); "
+                 "rendering samples in Python")
+        return None
 
     def make() -> ctypes.CDLL:
         if jpeg_crop.library() is None:
