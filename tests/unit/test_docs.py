@@ -47,8 +47,6 @@ PATTERNS: dict[str, re.Pattern[str]] = {
 """What a docstring or comment may not hold (the module docstring gives the rule)."""
 
 ALLOWED: tuple[tuple[str, str, str], ...] = (
-    ("dptrain/config.py", r"2x bandwidth",
-     "reducer.allreduce_fp32: an fp32 bucket has twice an fp16 bucket's bytes, a ratio of dtype sizes"),
     ("dptrain/data/transforms/render.py", r"(?:shrinks (?:by |>= )?|less than )2x",
      "JPEG draft mode's threshold: libjpeg's smallest DCT scale is 1/2, a property of the decoder"),
     ("dptrain/csrc/record_render.c", r"shrinks 2x",
