@@ -464,6 +464,12 @@ class ReducerConfig:
     updated weights all-gathered after the update: the same bytes on the wire as the allreduce, and
     the update's memory traffic divided by world_size (``dptrain.distributed.shards``). Snapshots
     stay whole: any world size, sharded or not, resumes them."""
+    gather_wait: Literal["step", "forward"] = "forward"
+    """With ``shard = "optimizer"``: when the updated weights' all-gathers are waited for. "forward":
+    each bucket's just before the first module using its parameters runs, so the first layers
+    compute while the later layers' weights arrive (a compiled model waits at the step's start
+    instead: a hook inside its graphs would break them); "step": all of them before the next
+    step's forward. See the README's sharding section for the measured difference."""
     replan: bool = False
     """After iteration 1, re-plan buckets from the observed gradient-ready order (rank 0 decides)."""
     timeout_s: float = 300.0

@@ -158,6 +158,7 @@ class _TorchWork:
                  flight: FlightRecorder, seq: int) -> None:
         self._work, self._timeout_s, self._watcher = work, timeout_s, watcher
         self._flight, self._seq = flight, seq
+        self._at_wait: list[Callable[[float], None]] = []
 
     def wait(self) -> None:
         if self._watcher is None:
@@ -167,12 +168,20 @@ class _TorchWork:
             # watchdog enforces the timeout instead.
             self._work.wait()
         self._flight.finish(self._seq)  # gloo: done; NCCL: the stream waits for it (host-side mark)
+        for fn in self._at_wait:
+            fn(now_us())
+        self._at_wait = []
 
     def on_complete(self, fn: Callable[[float], None]) -> None:
-        if self._watcher is None:
-            self._work.get_future().add_done_callback(lambda _fut: fn(now_us()))
-        else:
+        if self._watcher is not None:
             self._watcher().watch(self._work.is_completed, fn)
+            return
+        try:
+            future = self._work.get_future()
+        except RuntimeError:  # gloo's reduce-scatter and all-gather have none: complete when wait() returns
+            self._at_wait.append(fn)
+            return
+        future.add_done_callback(lambda _fut: fn(now_us()))
 
 
 def import_dynamo_first() -> None:

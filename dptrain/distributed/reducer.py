@@ -534,5 +534,7 @@ class Reducer:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.shards is not None:
+            self.shards.close()
         if self._collective is not self.comm:
             self._collective.close()  # type: ignore[attr-defined]

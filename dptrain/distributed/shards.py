@@ -32,6 +32,7 @@ import torch
 
 from dptrain.distributed.buckets.plan import Bucket, BucketPlan, GroupSpec
 from dptrain.distributed.comm import Communicator, Work
+from dptrain.errors import RankFailure, first_line
 from dptrain.flat import ALIGN_ELEMS, FlatGroup, FlatParams
 
 
@@ -46,7 +47,9 @@ class Shards:
         self.flat, self.comm = flat, comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.plan: BucketPlan | None = None
-        self._gathers: list[Work] = []
+        self._gathers: dict[int, Work] = {}
+        """Bucket index -> its weights' all-gather in flight."""
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         flat.gather = self.gather_group
 
     # ------------------------------------------------------------------ layout
@@ -113,16 +116,54 @@ class Shards:
         """After the update: each bucket's weights from every owner, async, the first layers' bucket first."""
         if self.world_size == 1 or self.plan is None:
             return
+        self.wait_weights()  # a gather still writing a bucket would race the update of its slice
         for b in reversed(self.plan.buckets):
             params = self.flat.groups[b.group].params
             start, stop = self.owned(b)
-            self._gathers.append(self.comm.all_gather_async(params[b.start : b.stop], params[start:stop], tag=b.index))
+            self._gathers[b.index] = self.comm.all_gather_async(params[b.start : b.stop], params[start:stop],
+                                                                tag=b.index)
 
-    def wait_weights(self) -> None:
-        """Wait until every weight is whole again (CUDA: the current stream waits, the host does not)."""
-        gathers, self._gathers = self._gathers, []
-        for w in gathers:
-            w.wait()
+    def wait_weights(self, buckets: list[int] | None = None) -> None:
+        """Wait until the weights of ``buckets`` (all: None) are whole again (CUDA: the current stream
+        waits, the host does not). A gather that fails or times out (a peer died) raises RankFailure
+        naming this rank."""
+        for i in list(self._gathers) if buckets is None else [i for i in buckets if i in self._gathers]:
+            w = self._gathers.pop(i)
+            try:
+                w.wait()
+            except Exception as e:  # DistBackendError / timeout: a peer rank probably died
+                raise RankFailure(f"rank {self.rank}: all-gather of the updated weights failed or timed out "
+                                  f"(reducer.timeout_s = {self.comm.timeout_s:g}): {first_line(e)}; a peer rank "
+                                  f"probably died or hung, see its log") from e
+
+    def wait_in_forward(self, model: torch.nn.Module) -> None:
+        """Wait for each bucket's gather just before the first module whose own parameters it holds runs
+        its forward (a forward pre-hook per module with parameters), so the first layers compute while
+        the later layers' weights still arrive (``reducer.gather_wait = "forward"``)."""
+        for prefix, m in model.named_modules():
+            names = [f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False)]
+            if names:
+                self._hooks.append(m.register_forward_pre_hook(self._waiter(names)))
+
+    def _waiter(self, names: list[str]):
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            if self._gathers and self.plan is not None:
+                of = self._bucket_of()
+                self.wait_weights(sorted({of[n] for n in names if n in of}))
+
+        return hook
+
+    def _bucket_of(self) -> dict[str, int]:
+        assert self.plan is not None, "a sharded run always has a plan"
+        if getattr(self, "_of_plan", None) is not self.plan:
+            self._of, self._of_plan = self.plan.bucket_of(), self.plan
+        return self._of
+
+    def close(self) -> None:
+        """Remove the forward hooks (the model stays usable without the shards)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the solvers, in place, without a host sync (the per-step norm collective)."""

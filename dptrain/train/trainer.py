@@ -117,6 +117,11 @@ class Trainer:
             storage=cfg.precision.storage, bucket_mb=cfg.reducer.bucket_mb, forward=self._forward,
             batch_shape=(b, c, h, w), dtype=self.dtype, channels_last=channels_last, flat=self.flat, comm=comm)
         """The compiled model's segments (None: the model runs eagerly), ``dptrain.train.compiled``."""
+        self._gather_in_forward = (self.shards is not None and cfg.reducer.gather_wait == "forward"
+                                   and self.compiled is None and self.world_size > 1)
+        """Sharded weights waited for module by module in forward (``reducer.gather_wait``)."""
+        if self._gather_in_forward:
+            self.shards.wait_in_forward(self.model)
 
     # ------------------------------------------------------------------ data
 
@@ -169,7 +174,8 @@ class Trainer:
         """One iteration: iter_size micro-batches, the reduce, and the fused update."""
         self.model.train()
         self.comm.flight.iteration = self.iteration
-        self.weights_whole()
+        if not self._gather_in_forward:
+            self.weights_whole()
         n = self.setup.iter_size
         self._iter_loss.zero_()
         self.flat.release_grads()  # the update left the flat gradients zero: backward hands its own over
@@ -205,6 +211,7 @@ class Trainer:
         self.clock.wait_done()
         self.scaler.record_nonfinite_loss(control[NONFINITE])  # no loss scaling: skip, summed over the ranks
         with self.phases("update"):
+            self.weights_whole()  # a gather in flight (a module forward skipped) must not race the update
             self.lr = self.optimizer.step(self.iteration)
             if self.shards is not None:
                 self.shards.gather_weights()  # waited for before the next forward reads them
