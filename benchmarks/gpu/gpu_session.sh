@@ -51,6 +51,14 @@
 #                     compiled as dptrain's CUDA default is (a compile per batch):
 #                     the step time in the batch, step(b) = fixed + b x per_image, fitted in the summary; the
 #                     scaling model's strong scaling takes sweep.log (benchmarks.scaling --batch-points)
+#   autocast  300 s   ResNet-50 in precision.mode = "autocast" (O1: fp32 weights under torch.autocast, gradients
+#                     reduced in 16 bits) against torch AMP, fp16 and bf16, eager and compiled peers (throughput.py
+#                     --suite autocast_gpu; AUTOCAST_ONLY picks cases): beside resnet50's storage cases, O1 or O2
+#   byo       300 s   the user's models by import path: torchvision's ViT-B/16 and ConvNeXt-T, batch 128, bf16,
+#                     against the eager and compiled peers (--suite byo_gpu; BYO_ONLY, default the bf16 cases);
+#                     needs torchvision in the image
+#   shard     200 s   ResNet-50 fp16 with reducer.shard = "optimizer" against unsharded, one GPU (the one-rank
+#                     path): images/s and state_bytes_per_rank (--suite shard_gpu)
 #   sleep             sleeps GPU_SESSION_TEST_SLEEP_S seconds in a child process, under LIMIT_SLEEP_S (default 2):
 #                     only for tests of the limits (tests/unit/test_gpu_session.py); unknown unless that is set
 #
@@ -77,7 +85,7 @@ PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl}  # the folder of wheels to install first (the tests point it at an empty one)
 KILL_AFTER_S=${KILL_AFTER_S:-5}  # SIGKILL this long after the SIGTERM of a timed-out stage
 declare -A LIMIT=([selfcheck]=30 [tests]=125 [bandwidth]=35 [data]=155 [resnet50]=135 [resnet50_more]=300
-                  [sweep]=480 [sleep]=2)
+                  [sweep]=480 [autocast]=300 [byo]=300 [shard]=200 [sleep]=2)
 
 for stage in $STAGES; do
     if [ -z "${LIMIT[$stage]:-}" ] || { [ "$stage" = sleep ] && [ -z "${GPU_SESSION_TEST_SLEEP_S:-}" ]; }; then
@@ -231,6 +239,20 @@ raise SystemExit(1 if why else 0)" ;;
         run_stage resnet50_more "$PY" -m benchmarks.throughput.throughput --suite gpu \
             ${RESNET50_ARGS:---repeats 1 --steps 30 --warmup 10} --tag more --out "$WORK" \
             --only "${RESNET50_MORE_ONLY:-reduce-overhead,bf16}" ;;
+    autocast)
+        # shellcheck disable=SC2086  # RESNET50_ARGS is a list of options
+        run_stage autocast "$PY" -m benchmarks.throughput.throughput --suite autocast_gpu \
+            ${RESNET50_ARGS:---repeats 1 --steps 30 --warmup 10} --tag autocast --out "$WORK" \
+            --only "${AUTOCAST_ONLY:-autocast fp16 vs torch AMP,autocast bf16 vs torch autocast}" ;;
+    byo)
+        # shellcheck disable=SC2086  # RESNET50_ARGS is a list of options
+        run_stage byo "$PY" -m benchmarks.throughput.throughput --suite byo_gpu \
+            ${RESNET50_ARGS:---repeats 1 --steps 30 --warmup 10} --tag byo --out "$WORK" \
+            --only "${BYO_ONLY:-ViT-B/16 bf16,ConvNeXt-T bf16}" ;;
+    shard)
+        # shellcheck disable=SC2086  # RESNET50_ARGS is a list of options
+        run_stage shard "$PY" -m benchmarks.throughput.throughput --suite shard_gpu \
+            ${RESNET50_ARGS:---repeats 1 --steps 30 --warmup 10} --tag shard --out "$WORK" ;;
     sweep)
         run_stage sweep bash -c 'for b in ${SWEEP_BATCHES:-32 64 128 256}; do
             "$0" -m dptrain bench --config launch/configs/resnet50_imagenet.toml --synthetic --steps 30 --warmup 10 \

@@ -138,18 +138,21 @@ def resnet50_figures(work: Path) -> list[str]:
     model.compile fell back to eager, or either side's CUDA graphs were skipped), from the fields
     throughput.py repeats in its progress lines."""
     runs: dict[str, dict[str, list[dict]]] = {}
-    for r in [*_json_lines(work / "resnet50.log"), *_json_lines(work / "resnet50_more.log")]:
+    logs = ("resnet50.log", "resnet50_more.log", "autocast.log", "byo.log")
+    for r in [rec for log in logs for rec in _json_lines(work / log)]:
         for side in ("dptrain", "peer"):
             if "case" in r and side in r:
                 runs.setdefault(r["case"], {}).setdefault(side, []).append(r)
     lines = []
     for case, sides in runs.items():
         done = {side: [r for r in recs if r[side] is not None] for side, recs in sides.items()}
-        precision, peer = case.removeprefix("ResNet-50 ").split(" vs ", 1)
+        model, _, precision = case.split(" vs ", 1)[0].rpartition(" ") if not case.startswith("ResNet-50 ") \
+            else ("ResNet-50", "", case.removeprefix("ResNet-50 ").split(" vs ", 1)[0])
+        peer = case.split(" vs ", 1)[1]
         peer = ("compiled " + ("(reduce-overhead)" if "reduce-overhead" in peer else "peer")
                 if "torch.compile" in peer else "eager peer")
         eager = sum(r.get("compiled") is False for r in done.get("dptrain", []))
-        goal = resnet50_goal(case)
+        goal = resnet50_goal(case) if model == "ResNet-50" and "autocast " not in precision else None
         if goal is not None and eager:  # the goals are for dptrain as it runs on CUDA, compiled
             compiled = [r for r in done["dptrain"] if r.get("compiled") is not False]
             done["dptrain"], goal = compiled or done["dptrain"], goal if compiled else None
@@ -158,11 +161,11 @@ def resnet50_figures(work: Path) -> list[str]:
             ratio = (statistics.median(r["dptrain"] for r in done["dptrain"])
                      / statistics.median(r["peer"] for r in done["peer"]))
             n_runs = min(len(done["dptrain"]), len(done["peer"]))
-            lines.append(_figure(f"ResNet-50 {precision}: dptrain / {peer}", ratio, goal, runs=n_runs))
+            lines.append(_figure(f"{model} {precision}: dptrain / {peer}", ratio, goal, runs=n_runs))
             mem = [statistics.median(r["peak_mem_bytes"] for r in done[side]) if all(
                 r.get("peak_mem_bytes") for r in done[side]) else None for side in ("dptrain", "peer")]
             if goal == RESNET50_GOAL_COMPILED and None not in mem:
-                lines.append(_figure(f"ResNet-50 {precision}: peak memory dptrain / {peer}", mem[0] / mem[1],
+                lines.append(_figure(f"{model} {precision}: peak memory dptrain / {peer}", mem[0] / mem[1],
                                      PEAK_MEMORY_GOAL, at_most=True, runs=n_runs))
         no_graphs = sum(r.get("cuda_graphs") is False for r in done.get("dptrain", [])
                         if "reduce-overhead" in case and r.get("compiled"))
@@ -178,6 +181,20 @@ def resnet50_figures(work: Path) -> list[str]:
             errors = [r.get("error", "") for r in recs if r[side] is None]
             if errors:
                 lines.append(f"    {side}: {len(errors)} run(s) failed: {errors[-1][:80]}")
+    return lines
+
+
+def shard_figures(work: Path) -> list[str]:
+    """Sharded over unsharded dptrain on one GPU: images/s and the masters and state each rank holds."""
+    recs = {r["case"]: r for r in _json_lines(work / "shard.log") if r.get("dptrain") is not None and "case" in r}
+    plain = next((r for c, r in recs.items() if "unsharded" in c), None)
+    sharded = next((r for c, r in recs.items() if "sharded (" in c), None)
+    if plain is None or sharded is None:
+        return []
+    lines = [_figure("ResNet-50 fp16: sharded / unsharded img/s", sharded["dptrain"] / plain["dptrain"], None)]
+    if plain.get("state_bytes_per_rank") and sharded.get("state_bytes_per_rank"):
+        lines.append(_figure("ResNet-50 fp16: sharded / unsharded state bytes", sharded["state_bytes_per_rank"]
+                             / plain["state_bytes_per_rank"], None))
     return lines
 
 
@@ -236,7 +253,8 @@ def render(work: Path, stages: list[str]) -> str:
             out.append(f"  {name:<11} {_status_word(rc):<12} {secs:>5}s {limit:>5}s  {extra}".rstrip())
         else:
             out.append(f"  {name:<11} {'not run':<12}")
-    figures = [*bandwidth_figures(work), *data_figures(work), *resnet50_figures(work), *sweep_figures(work)]
+    figures = [*bandwidth_figures(work), *data_figures(work), *resnet50_figures(work), *shard_figures(work),
+               *sweep_figures(work)]
     if figures:
         out += ["", f"  {'figure':<44} {'value':>10}  {'goal':<10} verdict", *figures]
     done = worst if worst is not None else max((r[1] for r in rows.values()), default=0)

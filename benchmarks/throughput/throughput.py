@@ -208,6 +208,29 @@ def autocast_cases(quick: bool) -> list[Case]:
     return cases
 
 
+def autocast_gpu_cases() -> list[Case]:
+    """ResNet-50 at batch 256, NHWC, on one GPU: dptrain's autocast mode (O1: fp32 weights, torch.autocast)
+    against torch AMP, fp16 with its GradScaler and bf16, eager and compiled peers; beside the storage
+    cases of the gpu suite, the O1-or-O2 comparison on a zoo model (gpu_session.sh's autocast stage)."""
+    common = dict(model="resnet50", width=64, num_classes=1000, image_size=224, batch_size=256, channels_last=True)
+    cases = []
+    for prec, amp in (("fp16", "torch AMP (autocast + GradScaler)"), ("bf16", "torch autocast bf16")):
+        cases += [Case(f"ResNet-50 autocast {prec} vs {amp}", 1, precision=prec, extra_sets=AUTOCAST, **common),
+                  Case(f"ResNet-50 autocast {prec} vs torch.compile + {amp}", 1, precision=prec,
+                       peer_compile="default", extra_sets=AUTOCAST, **common)]
+    return cases
+
+
+def shard_gpu_cases() -> list[Case]:
+    """ResNet-50 fp16, batch 256, one GPU (the one-rank communicator path of ``reducer.shard``): sharded
+    against unsharded dptrain, no peer (gpu_session.sh's shard stage)."""
+    common = dict(model="resnet50", width=64, num_classes=1000, image_size=224, batch_size=256, channels_last=True,
+                  precision="fp16", peer=False)
+    return [Case("ResNet-50 fp16 unsharded", 1, **common),
+            Case("ResNet-50 fp16 sharded (reducer.shard = optimizer)", 1, extra_sets=["reducer.shard=optimizer"],
+                 **common)]
+
+
 def user_model_gpu_cases() -> list[Case]:
     """torchvision's ViT-B/16 and ConvNeXt-T (the user's models, by import path) at batch 128, NHWC, against
     the eager and the compiled peer, in bf16 (the ViT recipes' choice: fp16 attention overflows) and fp16.
@@ -223,9 +246,10 @@ def user_model_gpu_cases() -> list[Case]:
 
 
 SUITES = {"cpu": cpu_cases, "layout": lambda quick: layout_cases(), "buckets": lambda quick: bucket_cases(),
-          "gpu": lambda quick: gpu_cases(), "vit": vit_cases, "autocast": autocast_cases, "byo_gpu": lambda quick: user_model_gpu_cases()}
+          "gpu": lambda quick: gpu_cases(), "vit": vit_cases, "autocast": autocast_cases, "byo_gpu": lambda quick: user_model_gpu_cases(),
+          "autocast_gpu": lambda quick: autocast_gpu_cases(), "shard_gpu": lambda quick: shard_gpu_cases()}
 """The suites by name, each called with ``--quick`` (the CPU suite's tiny widths)."""
-GPU_SUITES = ("gpu", "byo_gpu")
+GPU_SUITES = ("gpu", "byo_gpu", "autocast_gpu", "shard_gpu")
 """The suites run on a GPU (every other suite's dtypes are filtered for the CPU's native kernels)."""
 
 
@@ -294,7 +318,7 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} printed a line that is not JSON ({e}): {lines[-1][:200]}") from e
 
 
-PROGRESS_KEYS = ("compiled", "cuda_graphs", "compile_s", "startup_s", "peak_mem_bytes")
+PROGRESS_KEYS = ("compiled", "cuda_graphs", "compile_s", "startup_s", "peak_mem_bytes", "state_bytes_per_rank")
 """Fields of a run's record repeated in its progress line, beside images/s: what
 benchmarks/gpu/session_summary.py reads from a stage log (whether dptrain really ran compiled, and
 each side's peak memory), even when the stage is cut off before the results file is written."""

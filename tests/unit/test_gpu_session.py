@@ -386,3 +386,32 @@ def test_the_summary_reads_what_throughput_prints_and_names_a_peer_without_cuda_
     assert lines[at].split()[-1] == "1.100"  # no goal, no verdict
     assert lines[at + 1].strip() == "peer ran without CUDA graphs in 1 run(s): cudagraph trees skipped them"
     assert not any("dptrain ran without CUDA graphs" in line for line in lines)
+
+
+def test_the_opt_in_autocast_byo_and_shard_stages_are_summarised_from_throughputs_printing(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """The autocast, byo and shard stages through throughput.py's own printing (the runs stood in for): each
+    case's ratio without a goal (those stages report), the user's model named by its case, the sharded run's
+    images/s and state bytes against the unsharded one's."""
+    def fake_run(argv: list[str], env: dict[str, str] | None = None) -> dict:
+        if "benchmarks.throughput.peer" in argv:
+            return {"images_per_s": 1000.0, "peer": "x", "peak_mem_bytes": 9e9}
+        sharded = "--set=reducer.shard=optimizer" in argv
+        return {"images_per_s": 990.0 if sharded else 1100.0, "compiled": True, "peak_mem_bytes": 9e9, "exposed_comm_ms": 0.0,
+                "state_bytes_per_rank": 5e8 if sharded else 1e9, "device": "NVIDIA H200", "versions": {"torch": "2.11"}}
+
+    monkeypatch.setattr(throughput, "run_json", fake_run)
+    for stage, suite, only in (("autocast", "autocast_gpu", "autocast bf16 vs torch autocast"),
+                               ("byo", "byo_gpu", "ViT-B/16 bf16 vs torch autocast"), ("shard", "shard_gpu", "")):
+        monkeypatch.setattr(sys, "argv", ["throughput.py", "--suite", suite, "--repeats", "1", "--out",
+                                          str(tmp_path / "results"), *(["--only", only] if only else [])])
+        assert throughput.main() == 0
+        (tmp_path / f"{stage}.log").write_text(capsys.readouterr().out)
+    (tmp_path / "status.tsv").write_text("autocast\t0\t200\t300\nbyo\t0\t200\t300\nshard\t0\t100\t200\n"
+                                         "worst stage status: 0\n")
+    text = session_summary.render(tmp_path, ["autocast", "byo", "shard"])
+    figures = {ln.split("  ")[1].strip(): ln.split()[-1] for ln in text.splitlines() if ": " in ln and ln.startswith("  ")}
+    assert figures["ResNet-50 autocast bf16: dptrain / eager peer"] == "1.100"
+    assert figures["ViT-B/16 bf16: dptrain / eager peer"] == "1.100"
+    assert figures["ResNet-50 fp16: sharded / unsharded img/s"] == "0.900"
+    assert figures["ResNet-50 fp16: sharded / unsharded state bytes"] == "0.500"
