@@ -40,13 +40,19 @@ def _wire_rank(rank, world, out):
     reference = copy.deepcopy(t.model)
     scale = float(t.scaler.scale)
     sent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    real_launch = Reducer._launch
+    real_launch, real_allreduce = Reducer._launch, t.reducer._collective.allreduce_async
+    wire: dict[int, torch.Tensor] = {}
+
+    def allreduce(tensor, tag=-1):  # what goes on the wire, before the sum replaces it
+        wire[tag] = tensor.clone()
+        return real_allreduce(tensor, tag=tag)
 
     def launch(self, b):  # the local fp32 bucket as launched, and what went on the wire
         view = self.flat.groups[b.group].grads[b.start : b.stop].clone()
         real_launch(self, b)
-        sent[b.index] = (view, self._launched[-1].wire.clone())
+        sent[b.index] = (view, wire[b.index])
 
+    t.reducer._collective.allreduce_async = allreduce
     Reducer._launch = launch
     batch = {}
     real_next = t._next_batch
