@@ -267,3 +267,26 @@ def test_resume_checks_a_torn_file_first_and_says_so_when_every_snapshot_is_torn
                                             r"\(snapshot_iter_4.pt \(unreadable\)\)"):
         resolve_resume("auto", run)
     assert resolve_resume("auto", tmp_path / "empty") is None  # no snapshot at all: a fresh start
+
+
+def test_resume_given_a_folder_takes_its_newest_good_snapshot(tmp_path, empty_cfg, caplog):
+    """--resume DIR means "continue from what DIR holds": its newest readable snapshot not marked diverging,
+    as --resume auto picks in train.run_dir; a folder without any snapshot is refused in one line."""
+    import logging
+
+    from dptrain.errors import SnapshotError
+    from dptrain.snapshots import mark_diverging
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", empty_cfg, *_args(run, "solver.max_iter=4", "solver.snapshot=2")]) == 0
+    mark_diverging(run / "snapshot_iter_4.pt", "a test mark")
+    assert resolve_resume(str(run), tmp_path / "elsewhere") == run / "snapshot_iter_2.pt"
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert main(["train", "--config", empty_cfg, "--resume", str(run), *_args(run, "solver.max_iter=6")]) == 0
+    assert f"--resume {run} is a folder: resuming from its newest good snapshot, snapshot_iter_2.pt" in caplog.text
+    assert f"resumed from {run / 'snapshot_iter_2.pt'} at iteration 2" in caplog.text
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SnapshotError, match=r"--resume '.*empty' is a folder without a snapshot_iter_<N>\.pt; pass "
+                                            r"a snapshot file, or --resume auto for train\.run_dir"):
+        resolve_resume(str(tmp_path / "empty"), run)
