@@ -100,6 +100,21 @@ def test_a_taken_master_port_is_one_line_and_exit_2(silent_listener):
         assert (proc.returncode, proc.stderr) == (2, want), proc.stderr[-3000:]
 
 
+def test_a_rendezvous_endpoint_that_never_answers_is_one_line_within_the_bound(silent_listener):
+    """c10d rendezvous on a port a silent program holds: torch's store client would wait forever. The bound
+    is --rdzv-conf read_timeout (here through PET_RDZV_CONF, torchrun's environment form, for run-multinode)."""
+    want = ("accepts connections but does not answer as a rendezvous store within 1 s: another program holds that "
+            "port; stop it, or choose another port (--master-port / MASTER_PORT, or --rdzv-endpoint)\n")
+    direct = _launch([sys.executable, "-m", "dptrain.torchrun", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint=localhost:{silent_listener}", "--rdzv-conf=read_timeout=1", "-m", "dptrain",
+                      "train", "--config", "x.toml"])
+    multinode = _launch([str(REPO / "launch" / "run-multinode"), "train", "--config", "x.toml"], NNODES="2",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(silent_listener), PET_RDZV_CONF="read_timeout=1")
+    for proc, host in ((direct, "localhost"), (multinode, "127.0.0.1")):
+        assert (proc.returncode, proc.stderr) == (2, f"dptrain: error: rendezvous endpoint {host}:{silent_listener} "
+                                                     f"{want}"), proc.stderr[-3000:]
+
+
 def _parent_of(proc: Path) -> int:
     try:
         return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
