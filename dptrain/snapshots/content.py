@@ -31,6 +31,7 @@ from dptrain.snapshots.files import (
     SNAPSHOT_FORMAT,
     load_snapshot,
     mark_diverging,
+    prune_snapshots,
     save_snapshot,
     snapshot_path,
     unmark_diverging,
@@ -152,6 +153,8 @@ class Snapshots:
         self.health, self.metrics = health, metrics
         self.saved_at: int | None = None
         """Iteration of the snapshot last written or resumed from: a stop there writes nothing new."""
+        self.keep = int(config.get("solver", {}).get("snapshot_keep", 0))
+        """``solver.snapshot_keep``, read from the run's config (the dict that goes into each snapshot)."""
 
     def save(self, iteration: int, data: dict[str, int], display: Display) -> Path | None:
         """Write snapshot_iter_<iteration>.pt (rank 0, which gets the path); collective.
@@ -175,7 +178,14 @@ class Snapshots:
             log.warning("snapshot %s (marked diverging)", path)
         else:
             log.info("snapshot %s", path)
+        self._prune(iteration)
         return path
+
+    def _prune(self, iteration: int) -> None:
+        """Delete what ``solver.snapshot_keep`` leaves out (rank 0), now that snapshot ``iteration`` is
+        durable and marked (:func:`dptrain.snapshots.files.prune_snapshots`)."""
+        if deleted := prune_snapshots(self.run_dir, iteration, self.keep):
+            log.info("deleted %s (solver.snapshot_keep = %d)", ", ".join(p.name for p in deleted), self.keep)
 
     def resume(self, path: Path, data_at: Callable[[int], dict[str, int]]) -> dict[str, Any]:
         """Load snapshot ``path`` into the parts once every rank starts at its iteration; returns

@@ -8,6 +8,8 @@
   never runs code; a file of another format or a foreign one is refused with one line.
 * **Markers**: ``snapshot_iter_<N>.pt.diverging`` beside a snapshot written while the run was
   diverging (``dptrain.train.health``); such a snapshot is never offered as good.
+* **Retention** (:func:`prune_snapshots`): ``solver.snapshot_keep`` deletes older snapshots once a
+  new one is durable, never the last good one.
 * **Resume policy** (:func:`resolve_resume`): ``--resume auto`` takes the newest readable
   snapshot, ``--resume PATH`` that file (a folder: its newest readable one), checked before anything
   is built. A folder given for a file elsewhere (``export``, ``--weights``) is refused naming its
@@ -166,6 +168,35 @@ def folder_given(folder: Path, what: str) -> SnapshotError:
     else:
         hint = "it holds no snapshot_iter_<N>.pt; pass a snapshot file"
     return SnapshotError(f"{what} {str(folder)!r} is a folder, not a file; {hint}")
+
+
+def prune_snapshots(run_dir: str | Path, newest: int, keep: int) -> list[Path]:
+    """Delete the snapshots older than ``newest`` that ``solver.snapshot_keep = keep`` leaves out (0:
+    none); the ones deleted. Called only once snapshot ``newest`` is durable (fsynced and renamed into
+    place) and marked if it is suspect.
+
+    Kept: the newest ``keep`` (``newest`` and the ``keep - 1`` before it), and the newest snapshot
+    before ``newest`` not marked diverging. That one is the last good snapshot a divergence stop names
+    while ``newest`` is marked, and it becomes so if the losses just after ``newest`` start a
+    divergence that marks ``newest`` too. Snapshots past ``newest`` (left by a run resumed from an
+    earlier one) are not touched; a file that cannot be deleted is logged and stays.
+    """
+    if keep <= 0:
+        return []
+    older = [p for it, p in list_snapshots(run_dir) if it < newest]
+    last_good = next((p for p in older if not is_diverging(p)), None)
+    deleted = []
+    for p in older[keep - 1:]:
+        if p == last_good:
+            continue
+        try:
+            p.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("cannot delete %s for solver.snapshot_keep = %d (%s); it stays", p, keep, e)
+            continue
+        unmark_diverging(p)
+        deleted.append(p)
+    return deleted
 
 
 def load_snapshot(path: str | Path) -> dict[str, Any]:

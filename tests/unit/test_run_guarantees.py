@@ -129,6 +129,47 @@ def test_a_stop_on_a_snapshot_iteration_writes_that_snapshot_once(tmp_path, monk
     assert writes == ["snapshot_iter_5.pt"]
 
 
+def test_snapshot_keep_deletes_old_snapshots_only_once_the_new_one_is_written(tmp_path, empty_cfg, monkeypatch):
+    """solver.snapshot_keep = 2 keeps the newest two; when the write of a new one fails (a full disk), the
+    ones it would have replaced are all still there."""
+    import dptrain.snapshots.content as content
+
+    run = tmp_path / "run"
+    keep = ("solver.max_iter=10", "solver.snapshot=2", "solver.snapshot_keep=2")
+    assert main(["train", "--config", empty_cfg, *_args(run, *keep)]) == 0
+    assert [it for it, _ in list_snapshots(run)] == [10, 8]
+
+    def full_at_8(state, path):
+        if path.name == "snapshot_iter_8.pt":
+            raise RunDirError(f"cannot write snapshot {str(path)!r} (OSError: No space left on device)")
+        return save_snapshot(state, path)
+
+    monkeypatch.setattr(content, "save_snapshot", full_at_8)
+    assert main(["train", "--config", empty_cfg, *_args(tmp_path / "full", *keep)]) == 2
+    assert [it for it, _ in list_snapshots(tmp_path / "full")] == [6, 4]
+
+
+def test_pruning_keeps_the_newest_and_the_last_good_one_and_nothing_past_the_newest(tmp_path, caplog):
+    from dptrain.snapshots import mark_diverging, prune_snapshots
+
+    for it in (2, 4, 6, 8, 10, 20):
+        (tmp_path / f"snapshot_iter_{it}.pt").write_bytes(b"x")
+    for it in (4, 8, 10):
+        mark_diverging(tmp_path / f"snapshot_iter_{it}.pt", "a test mark")
+    (tmp_path / "snapshot_iter_1.pt").mkdir()  # cannot be unlinked: logged, and it stays
+    assert prune_snapshots(tmp_path, 10, 0) == []
+    deleted = prune_snapshots(tmp_path, 10, 2)  # 20: left by a run resumed from an earlier snapshot
+    assert deleted == [tmp_path / "snapshot_iter_4.pt", tmp_path / "snapshot_iter_2.pt"]
+    assert [it for it, _ in list_snapshots(tmp_path)] == [20, 10, 8, 6, 1]  # 6: the last good one before 10
+    assert [it for it, _ in good_snapshots(tmp_path)] == [20, 6, 1]
+    assert not (tmp_path / "snapshot_iter_4.pt.diverging").exists()  # its marker went with it
+    assert "cannot delete " in caplog.text and "snapshot_iter_1.pt for solver.snapshot_keep = 2" in caplog.text
+    (tmp_path / "snapshot_iter_1.pt").rmdir()
+    (tmp_path / "snapshot_iter_12.pt").write_bytes(b"x")  # good, as far as is known when it is written
+    assert prune_snapshots(tmp_path, 12, 1) == [tmp_path / f"snapshot_iter_{it}.pt" for it in (10, 8)]
+    assert [it for it, _ in list_snapshots(tmp_path)] == [20, 12, 6]  # 6 stays in case the next losses mark 12
+
+
 # --------------------------------------------------------------------------------------- divergence
 
 
