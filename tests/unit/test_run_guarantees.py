@@ -52,6 +52,20 @@ def test_run_dir_lock_names_its_holder_and_goes_with_the_process(tmp_path):
     again.unlock()
 
 
+def test_a_disk_full_at_start_is_one_line(tmp_path, empty_cfg, capsys):
+    """The lock file's line is the first byte a run writes; here the lock file is /dev/full, where every
+    write fails as on a full disk (ENOSPC)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".dptrain.lock").symlink_to("/dev/full")
+    assert main(["train", "--config", empty_cfg, *_args(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(
+        rf"dptrain: error: train\.run_dir '{run}': cannot write \.dptrain\.lock \(No space left on device; [\d.]+ MiB "
+        rf"free there\); free space or choose another train\.run_dir", err[0]), err
+    assert os.listdir(run) == [".dptrain.lock"]  # nothing else written, and what was there is left alone
+
+
 @pytest.mark.parametrize("resume", [[], ["--resume", "auto"]], ids=["fresh", "resume-auto"])
 def test_two_runs_started_together_on_one_run_dir(tmp_path, empty_cfg, resume):
     """Both start at once: one trains, the other exits 2 naming the holder; nothing is interleaved."""
