@@ -198,6 +198,7 @@ class Snapshots:
         restore(self.parts, state)
         self.saved_at = iteration
         self._warn_if_data_setup_changed(state["data"], data_at(iteration))
+        self._warn_if_data_changed(state["config"].get("data", {}), self.config.get("data", {}))
         dropped = self.metrics.drop_after(iteration)  # lines a crashed run wrote past its last snapshot
         log.info("resumed from %s at iteration %d%s", path, iteration,
                  f"; dropped {dropped} metrics.jsonl line(s) past it" if dropped else "")
@@ -209,6 +210,21 @@ class Snapshots:
         dropped = self.metrics.drop_after(0)  # the crashed run's lines: this run writes them again
         log.info("--resume auto: no snapshot in %s; starting fresh%s", self.run_dir,
                  f" (dropped {dropped} metrics.jsonl line(s) of the earlier run)" if dropped else "")
+
+    def _warn_if_data_changed(self, then: dict[str, Any], now: dict[str, Any]) -> None:
+        """Resuming on other data (``data.source``, ``data.path``, ``data.test_path``) is allowed with a
+        warning, as another batch size is, not refused: the same samples move (a copy on node-local
+        disk, another mount) or change format (the built-in digits written by ``make-lmdb --digits``
+        train bit for bit alike), and dptrain cannot tell such a copy from another data set without
+        reading both. A refusal would leave such a run only ``--weights``, which drops its iteration
+        and solver state; the warning puts both values in the log, as config.toml now holds the new."""
+        changed = [f"data.{k} {then.get(k, '')!r} -> {now.get(k, '')!r}" for k in ("source", "path", "test_path")
+                   if then.get(k, "") != now.get(k, "")]
+        if changed and self.comm.rank == 0:
+            log.warning("resuming on other data than the snapshot's (%s): training goes on from the snapshot's "
+                        "iteration on this data, which continues the interrupted run only if it holds the same "
+                        "samples; to start a new run from the snapshot's weights instead, use --weights PATH",
+                        ", ".join(changed))
 
     def _warn_if_data_setup_changed(self, then: dict[str, int], now: dict[str, int]) -> None:
         """Resuming with another batch size, world size, iter_size or seed is allowed, but the run

@@ -184,6 +184,31 @@ def test_pruning_keeps_the_newest_and_the_last_good_one_and_nothing_past_the_new
     assert [it for it, _ in list_snapshots(tmp_path)] == [20, 12, 6]  # 6 stays in case the next losses mark 12
 
 
+def test_resuming_on_other_data_warns_with_both_values_and_goes_on(tmp_path, empty_cfg, caplog):
+    """digits -> an LMDB of the same digits (make-lmdb --digits): allowed, as a moved or converted data set
+    must be, with one warning naming the old and new data.source and data.path."""
+    import logging
+
+    from dptrain.tools.make_lmdb import make_digits_lmdb
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", empty_cfg, *_args(run, "solver.max_iter=2")]) == 0
+    make_digits_lmdb(tmp_path / "lmdb", encoded=False)
+    lmdb = [f"data.source={json.dumps('lmdb')}", f"data.path={json.dumps(str(tmp_path / 'lmdb' / 'train'))}"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--config", empty_cfg, "--resume", "auto", *_args(run, "solver.max_iter=3", *lmdb)]) == 0
+    warned = [r.getMessage() for r in caplog.records if "resuming on other data" in r.getMessage()]
+    assert warned == [f"resuming on other data than the snapshot's (data.source 'digits' -> 'lmdb', data.path '' -> "
+                      f"{str(tmp_path / 'lmdb' / 'train')!r}): training goes on from the snapshot's iteration on this "
+                      f"data, which continues the interrupted run only if it holds the same samples; to start a new "
+                      f"run from the snapshot's weights instead, use --weights PATH"], caplog.text[-3000:]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the same data again: nothing to say
+        assert main(["train", "--config", empty_cfg, "--resume", "auto", *_args(run, "solver.max_iter=4", *lmdb)]) == 0
+    assert "resuming on other data" not in caplog.text
+
+
 # --------------------------------------------------------------------------------------- divergence
 
 
