@@ -268,6 +268,13 @@ class SolverConfig:
     """Test batches per test phase and solver. 0 = the whole test set."""
     snapshot: int = 0
     """Write a snapshot every this many iterations, and at the end. 0 = only at the end."""
+    snapshot_keep: int = 0
+    """Snapshots kept in train.run_dir: each time a new one is durable (fsynced and renamed into place),
+    older ones beyond the newest snapshot_keep are deleted, except the newest one before it not marked
+    diverging, the last good snapshot should the losses just after the new one start a divergence (so
+    1 keeps two files). Snapshots past the current iteration, left by a run resumed from an earlier
+    one, are not touched. Fewer: less disk (each holds the model and its solver state); more: more
+    points to go back to. 0 = keep all."""
     clip_gradients: float = 0.0
     """Clip the global L2 norm of the unscaled gradient to this value. 0 = off."""
     label_smoothing: float = 0.0
@@ -306,7 +313,7 @@ class SolverConfig:
         _positive("solver.stepsize", self.stepsize)
         _positive("solver.max_iter", self.max_iter)
         _positive("solver.iter_size", self.iter_size)
-        for key in ("warmup_iter", "display", "test_interval", "test_iter", "snapshot"):
+        for key in ("warmup_iter", "display", "test_interval", "test_iter", "snapshot", "snapshot_keep"):
             _positive(f"solver.{key}", getattr(self, key), allow_zero=True)
         _positive("solver.clip_gradients", self.clip_gradients, allow_zero=True)
         _positive("solver.max_nonfinite", self.max_nonfinite)

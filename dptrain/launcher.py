@@ -13,9 +13,17 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from dptrain.errors import EXIT_USER_ERROR
+from dptrain.distributed.rendezvous import RDZV_ANSWER_S, check_store_answers, port_in_use, port_in_use_error
+from dptrain.errors import EXIT_USER_ERROR, SetupError
+
+STATIC_DEFAULT_PORT = 29500
+"""torchrun's ``--master-port`` default for the static rendezvous."""
+C10D_DEFAULT_PORT = 29400
+"""The port of a c10d ``--rdzv-endpoint`` given without one (torch's c10d backend)."""
 
 
 def say(line: str) -> None:
@@ -81,20 +89,40 @@ def torchrun_main(argv: list[str] | None = None) -> int:
     torchrun forwards to the solvers (they snapshot and stop), exits 0 when every solver of
     this node reported exit 0 (each writes its code into :data:`EXIT_DIR_ENV`), as a stop
     signal to one solver does; otherwise one line naming the ranks and 128 + signal.
+    The rendezvous store (:func:`_rendezvous_store`) is one line and exit 2 where torch would give
+    a traceback (its port taken, for the store this launcher creates) or wait without end (a
+    store to join that never answers: :func:`dptrain.distributed.rendezvous.check_store_answers`).
     Everything else (arguments, rendezvous, restarts) is torchrun's own.
     """
     import tempfile
 
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as run
     from torch.distributed.run import parse_args
 
-    nproc = getattr(parse_args(argv), "nproc_per_node", None)
+    args = parse_args(argv)
+    nproc = getattr(args, "nproc_per_node", None)
+    if str(nproc).isdigit() and int(nproc) > 1:
+        # torchrun would set the same value and announce it in a four-line warning on every launch
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    store = _rendezvous_store(args)
+    if store is not None and not store.hosted_here:
+        try:
+            check_store_answers(store.host, store.port, store.answer_s)
+        except SetupError as e:
+            say(f"dptrain: error: {e}")
+            return EXIT_USER_ERROR
     with tempfile.TemporaryDirectory(prefix="dptrain-exit-") as folder:
         os.environ[EXIT_DIR_ENV] = folder
         try:
             run(argv)
+        except DistNetworkError as e:  # the agent's own store: only a taken port is the user's to fix
+            if store is None or not port_in_use(e):
+                raise
+            say(f"dptrain: error: {port_in_use_error(store.port)}")
+            return EXIT_USER_ERROR
         except ChildFailedError as e:
             codes = {rank: f.exitcode for rank, f in sorted(e.failures.items())}
             say(failure_summary(codes))
@@ -116,6 +144,44 @@ def torchrun_main(argv: list[str] | None = None) -> int:
         finally:
             os.environ.pop(EXIT_DIR_ENV, None)
     return 0
+
+
+@dataclass(frozen=True)
+class _Store:
+    """Where torchrun's rendezvous store will be, and whether this launcher creates it (static
+    rendezvous, node rank 0) or joins it (another node's, or whichever c10d agent binds first)."""
+
+    host: str
+    port: int
+    hosted_here: bool
+    answer_s: float
+    """How long the store may take to answer its handshake (:data:`RDZV_ANSWER_S`, or the
+    ``read_timeout`` of ``--rdzv-conf``)."""
+
+
+def _rendezvous_store(args: Any) -> _Store | None:
+    """The store torchrun will use for ``args`` (as torch.distributed.run decides it); None where
+    torchrun picks a free port itself (``--standalone``, one node without ``--master-port``) or
+    the backend is not a TCP store."""
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config, parse_rendezvous_endpoint
+    from torch.distributed.run import parse_min_max_nnodes
+
+    conf = _parse_rendezvous_config(args.rdzv_conf)
+    raw = conf.get("read_timeout", "")
+    answer_s = float(raw) if raw.isdigit() and int(raw) > 0 else RDZV_ANSWER_S  # torch refuses other values itself
+    if args.standalone:
+        return None
+    if args.rdzv_backend == "static":
+        if not args.rdzv_endpoint and args.master_port is None and parse_min_max_nnodes(args.nnodes)[1] == 1:
+            return None  # torchrun switches to c10d on a free port
+        endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or STATIC_DEFAULT_PORT}"
+        host, port = parse_rendezvous_endpoint(endpoint, -1)
+        return None if port == -1 else _Store(host, port, args.node_rank == 0, answer_s)  # -1: torch refuses it
+    if args.rdzv_backend != "c10d":
+        return None
+    host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, C10D_DEFAULT_PORT)
+    # whichever agent binds first hosts it; the others, and one that finds the port taken, join it
+    return None if port == 0 else _Store(host, port, False, answer_s)
 
 
 def report_exit(code: int) -> None:

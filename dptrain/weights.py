@@ -28,7 +28,7 @@ from torch import nn
 from dptrain.errors import ConfigError, SnapshotError, first_line
 from dptrain.flat import FlatParams
 from dptrain.models import is_import_path
-from dptrain.snapshots import check_snapshot, free_space, load_snapshot, load_tensors, save_atomically
+from dptrain.snapshots import check_snapshot, folder_given, free_space, load_snapshot, load_tensors, save_atomically
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,11 @@ def from_torchvision(model_name: str, state: dict[str, torch.Tensor]) -> dict[st
 
 
 def check_weights_path(path: str) -> Path:
-    """``--weights PATH`` must be a file; checked before anything slow is built."""
+    """``--weights PATH`` must be a file; checked before anything slow is built. A folder is refused
+    naming its newest snapshot: a state_dict could be any file there, so none is taken for the user."""
     p = Path(path)
+    if p.is_dir():
+        raise folder_given(p, "--weights")
     if not p.is_file():
         raise SnapshotError(f"--weights {path!r}: no such file; pass a dptrain snapshot_iter_<N>.pt or a file saved "
                             f"with torch.save(model.state_dict(), PATH)")

@@ -15,7 +15,7 @@
  *      the [out_h, out_w, C] RGB (or grey) row of the ring slot, its label and its crop window.
  *
  * A record it does not take (not a JPEG or raw Datum, CMYK, an EXIF rotation, an MPO file, a
- * stream libjpeg warns about, float_data, a label out of range, a wire-type error, an image
+ * stream libjpeg warns about, float_data, no label or one out of range, a wire-type error, an image
  * Pillow would call a bomb, an image smaller than a crop) gets a non-zero status and is left to
  * the Python path (dptrain/data/transforms/render.py), which renders it or reports it as a bad record with
  * its own messages. So this file never decides that a record is bad: Pillow's verdict stands.
@@ -57,7 +57,7 @@ typedef struct {
 enum {
   DPT_OK = 0,
   DPT_UNPARSED = 1,   /* not a Datum this parser takes (wire-type error, groups, float_data, ...) */
-  DPT_LABEL = 2,      /* label outside [0, num_classes) */
+  DPT_LABEL = 2,      /* no label field, or a label outside [0, num_classes) */
   DPT_FORMAT = 3,     /* encoded, but not a JPEG this path takes (PNG, CMYK, EXIF rotation, MPO) */
   DPT_GEOMETRY = 4,   /* a stage refuses the image (smaller than a crop, another size than expected) */
   DPT_DECODE = 5,     /* libjpeg refused or warned: Pillow decides */
@@ -69,6 +69,7 @@ enum {
 
 typedef struct {
   int64_t channels, height, width, label;
+  int has_label; /* protobuf would read a missing label as 0: Python reports such a record */
   int encoded;
   const unsigned char *data;
   uint64_t data_len;
@@ -109,7 +110,10 @@ static int dpt_parse_datum(const unsigned char *p, uint64_t len, dpt_datum *d) {
         if (field == 1) d->channels = (int32_t)(uint32_t)v;
         else if (field == 2) d->height = (int32_t)(uint32_t)v;
         else if (field == 3) d->width = (int32_t)(uint32_t)v;
-        else if (field == 5) d->label = (int32_t)(uint32_t)v;
+        else if (field == 5) {
+          d->label = (int32_t)(uint32_t)v;
+          d->has_label = 1;
+        }
         else if (field == 7) d->encoded = v != 0;
         break;
       case 1:
@@ -672,7 +676,7 @@ int dptrain_render_chunk(const dpt_chunk *c) {
   for (int i = 0; i < c->n; i++) {
     dpt_datum d;
     int rc = dpt_parse_datum(c->values[i], c->lengths[i], &d);
-    if (rc == DPT_OK && !(d.label >= 0 && d.label < c->num_classes)) rc = DPT_LABEL;
+    if (rc == DPT_OK && !(d.has_label && d.label >= 0 && d.label < c->num_classes)) rc = DPT_LABEL;
     if (rc == DPT_OK) {
       dpt_sample s;
       uint64_t key[4] = {c->seed, c->epochs[i], c->indices[i], 0};

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.distributed.flight import FlightRecorder, progress_store
+from dptrain.distributed.rendezvous import port_in_use, port_in_use_error
 from dptrain.errors import PeerStartupError, RankFailure, SetupError, StartupStopped, first_line
 from dptrain.inductor import point_caches
 from dptrain.observe.trace import now_us
@@ -227,14 +228,21 @@ def join_store(topology: Topology, timeout_s: float) -> dist.Store | None:
     the one ``init_process_group`` would open; None for one solver.
 
     Opened before the process group so that the ranks can agree to start (:func:`agree_to_start`)
-    without any of them blocking inside the group's rendezvous, where no signal is served.
+    without any of them blocking inside the group's rendezvous, where no signal is served. Without a
+    launcher's agent store, rank 0 creates it on MASTER_PORT: a port another program holds is a
+    :class:`SetupError`.
     """
     if topology.world_size <= 1:
         return None
     _check_rendezvous_env(topology)
     import_dynamo_first()
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, _, _ = next(dist.rendezvous("env://", topology.rank, topology.world_size, timeout=timeout))
+    try:
+        store, _, _ = next(dist.rendezvous("env://", topology.rank, topology.world_size, timeout=timeout))
+    except dist.DistNetworkError as e:  # rank 0 creates the store where no launcher's agent holds one
+        if not port_in_use(e):
+            raise
+        raise port_in_use_error(int(os.environ["MASTER_PORT"])) from e
     store.set_timeout(timeout)
     return store
 

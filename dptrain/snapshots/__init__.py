@@ -5,6 +5,7 @@ from dptrain.snapshots.content import Snapshots, StateParts, capture, check_same
 from dptrain.snapshots.files import (
     SNAPSHOT_FORMAT,
     check_snapshot,
+    folder_given,
     free_space,
     good_snapshots,
     is_diverging,
@@ -12,6 +13,7 @@ from dptrain.snapshots.files import (
     load_snapshot,
     load_tensors,
     mark_diverging,
+    prune_snapshots,
     remove_stale_temporaries,
     resolve_resume,
     save_atomically,
@@ -21,6 +23,6 @@ from dptrain.snapshots.files import (
 from dptrain.snapshots.rundir import RunDir
 
 __all__ = ["SNAPSHOT_FORMAT", "RunDir", "Snapshots", "StateParts", "capture", "check_same_start", "check_snapshot",
-           "free_space", "good_snapshots", "is_diverging", "list_snapshots", "load_snapshot", "load_tensors",
-           "mark_diverging", "remove_stale_temporaries", "resolve_resume", "restore", "save_atomically",
-           "save_snapshot", "snapshot_path"]
+           "folder_given", "free_space", "good_snapshots", "is_diverging", "list_snapshots", "load_snapshot",
+           "load_tensors", "mark_diverging", "prune_snapshots", "remove_stale_temporaries", "resolve_resume", "restore",
+           "save_atomically", "save_snapshot", "snapshot_path"]

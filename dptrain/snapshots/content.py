@@ -31,6 +31,7 @@ from dptrain.snapshots.files import (
     SNAPSHOT_FORMAT,
     load_snapshot,
     mark_diverging,
+    prune_snapshots,
     save_snapshot,
     snapshot_path,
     unmark_diverging,
@@ -152,6 +153,8 @@ class Snapshots:
         self.health, self.metrics = health, metrics
         self.saved_at: int | None = None
         """Iteration of the snapshot last written or resumed from: a stop there writes nothing new."""
+        self.keep = int(config.get("solver", {}).get("snapshot_keep", 0))
+        """``solver.snapshot_keep``, read from the run's config (the dict that goes into each snapshot)."""
 
     def save(self, iteration: int, data: dict[str, int], display: Display) -> Path | None:
         """Write snapshot_iter_<iteration>.pt (rank 0, which gets the path); collective.
@@ -178,7 +181,14 @@ class Snapshots:
             log.warning("snapshot %s (marked diverging)", path)
         else:
             log.info("snapshot %s", path)
+        self._prune(iteration)
         return path
+
+    def _prune(self, iteration: int) -> None:
+        """Delete what ``solver.snapshot_keep`` leaves out (rank 0), now that snapshot ``iteration`` is
+        durable and marked (:func:`dptrain.snapshots.files.prune_snapshots`)."""
+        if deleted := prune_snapshots(self.run_dir, iteration, self.keep):
+            log.info("deleted %s (solver.snapshot_keep = %d)", ", ".join(p.name for p in deleted), self.keep)
 
     def resume(self, path: Path, data_at: Callable[[int], dict[str, int]]) -> dict[str, Any]:
         """Load snapshot ``path`` into the parts once every rank starts at its iteration; returns
@@ -191,6 +201,7 @@ class Snapshots:
         restore(self.parts, state)
         self.saved_at = iteration
         self._warn_if_data_setup_changed(state["data"], data_at(iteration))
+        self._warn_if_data_changed(state["config"].get("data", {}), self.config.get("data", {}))
         dropped = self.metrics.drop_after(iteration)  # lines a crashed run wrote past its last snapshot
         log.info("resumed from %s at iteration %d%s", path, iteration,
                  f"; dropped {dropped} metrics.jsonl line(s) past it" if dropped else "")
@@ -202,6 +213,21 @@ class Snapshots:
         dropped = self.metrics.drop_after(0)  # the crashed run's lines: this run writes them again
         log.info("--resume auto: no snapshot in %s; starting fresh%s", self.run_dir,
                  f" (dropped {dropped} metrics.jsonl line(s) of the earlier run)" if dropped else "")
+
+    def _warn_if_data_changed(self, then: dict[str, Any], now: dict[str, Any]) -> None:
+        """Resuming on other data (``data.source``, ``data.path``, ``data.test_path``) is allowed with a
+        warning, as another batch size is, not refused: the same samples move (a copy on node-local
+        disk, another mount) or change format (the built-in digits written by ``make-lmdb --digits``
+        train bit for bit alike), and dptrain cannot tell such a copy from another data set without
+        reading both. A refusal would leave such a run only ``--weights``, which drops its iteration
+        and solver state; the warning puts both values in the log, as config.toml now holds the new."""
+        changed = [f"data.{k} {then.get(k, '')!r} -> {now.get(k, '')!r}" for k in ("source", "path", "test_path")
+                   if then.get(k, "") != now.get(k, "")]
+        if changed and self.comm.rank == 0:
+            log.warning("resuming on other data than the snapshot's (%s): training goes on from the snapshot's "
+                        "iteration on this data, which continues the interrupted run only if it holds the same "
+                        "samples; to start a new run from the snapshot's weights instead, use --weights PATH",
+                        ", ".join(changed))
 
     def _warn_if_data_setup_changed(self, then: dict[str, int], now: dict[str, int]) -> None:
         """Resuming with another batch size, world size, iter_size or seed is allowed, but the run

@@ -8,8 +8,12 @@
   never runs code; a file of another format or a foreign one is refused with one line.
 * **Markers**: ``snapshot_iter_<N>.pt.diverging`` beside a snapshot written while the run was
   diverging (``dptrain.train.health``); such a snapshot is never offered as good.
+* **Retention** (:func:`prune_snapshots`): ``solver.snapshot_keep`` deletes older snapshots once a
+  new one is durable, never the last good one.
 * **Resume policy** (:func:`resolve_resume`): ``--resume auto`` takes the newest readable
-  snapshot, ``--resume PATH`` that file, checked before anything is built.
+  snapshot, ``--resume PATH`` that file (a folder: its newest readable one), checked before anything
+  is built. A folder given for a file elsewhere (``export``, ``--weights``) is refused naming its
+  newest snapshot (:func:`folder_given`).
 """
 from __future__ import annotations
 
@@ -150,9 +154,56 @@ def list_snapshots(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def folder_given(folder: Path, what: str) -> SnapshotError:
+    """The error for a folder given where a snapshot or weights file is expected (``what``: "snapshot",
+    "--weights"): it says so and names the file most likely meant, the folder's newest snapshot not
+    marked diverging."""
+    found = list_snapshots(folder)
+    good = [p for _, p in found if not is_diverging(p)]
+    if good:
+        hint = f"pass a file: its newest good snapshot is {str(good[0])!r}"
+    elif found:
+        hint = (f"pass a file: its {len(found)} snapshot(s) are all marked diverging, the newest is "
+                f"{str(found[0][1])!r}")
+    else:
+        hint = "it holds no snapshot_iter_<N>.pt; pass a snapshot file"
+    return SnapshotError(f"{what} {str(folder)!r} is a folder, not a file; {hint}")
+
+
+def prune_snapshots(run_dir: str | Path, newest: int, keep: int) -> list[Path]:
+    """Delete the snapshots older than ``newest`` that ``solver.snapshot_keep = keep`` leaves out (0:
+    none); the ones deleted. Called only once snapshot ``newest`` is durable (fsynced and renamed into
+    place) and marked if it is suspect.
+
+    Kept: the newest ``keep`` (``newest`` and the ``keep - 1`` before it), and the newest snapshot
+    before ``newest`` not marked diverging. That one is the last good snapshot a divergence stop names
+    while ``newest`` is marked, and it becomes so if the losses just after ``newest`` start a
+    divergence that marks ``newest`` too. Snapshots past ``newest`` (left by a run resumed from an
+    earlier one) are not touched; a file that cannot be deleted is logged and stays.
+    """
+    if keep <= 0:
+        return []
+    older = [p for it, p in list_snapshots(run_dir) if it < newest]
+    last_good = next((p for p in older if not is_diverging(p)), None)
+    deleted = []
+    for p in older[keep - 1:]:
+        if p == last_good:
+            continue
+        try:
+            p.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("cannot delete %s for solver.snapshot_keep = %d (%s); it stays", p, keep, e)
+            continue
+        unmark_diverging(p)
+        deleted.append(p)
+    return deleted
+
+
 def load_snapshot(path: str | Path) -> dict[str, Any]:
     """Load a snapshot with ``weights_only=True``; :class:`SnapshotError` names the file if it is unusable."""
     p = Path(path)
+    if p.is_dir():
+        raise folder_given(p, "snapshot")
     if not p.is_file():
         raise SnapshotError(f"snapshot {str(p)!r} not found; pass an existing snapshot_iter_<N>.pt or --resume auto")
     state = load_tensors(p, "snapshot", foreign="use a snapshot written by dptrain",
@@ -200,16 +251,30 @@ def _unpickler_detail(e: Exception) -> str:
 
 def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
     """``--resume auto`` -> the newest readable snapshot in ``run_dir`` not marked diverging (None if
-    the folder holds no snapshot at all); anything else is a path that must exist and load. Both
-    are checked now, before anything is built."""
+    the folder holds no snapshot at all); ``--resume DIR`` -> the same choice in folder DIR (an error
+    if it holds none: the user named it for its snapshots); anything else is a path that must exist
+    and load. All are checked now, before anything is built."""
     if resume != "auto":
         p = Path(resume)
+        if p.is_dir():
+            chosen = _newest_resumable(p, f"--resume {resume!r}")
+            if chosen is None:
+                raise SnapshotError(f"--resume {resume!r} is a folder without a snapshot_iter_<N>.pt; pass a snapshot "
+                                    f"file, or --resume auto for train.run_dir")
+            log.info("--resume %s is a folder: resuming from its newest good snapshot, %s", resume, chosen.name)
+            return chosen
         if not p.is_file():
             raise SnapshotError(f"--resume {resume!r}: no such snapshot file; pass an existing snapshot_iter_<N>.pt "
                                 f"or --resume auto")
         load_snapshot(p)  # a torn or foreign file fails here, not after the model is built
         return p
-    found = list_snapshots(run_dir)
+    return _newest_resumable(Path(run_dir), "--resume auto")
+
+
+def _newest_resumable(folder: Path, how: str) -> Path | None:
+    """The newest readable snapshot in ``folder`` not marked diverging; None if it holds no snapshot
+    at all. ``how`` (the argument given) opens the error when it holds only unusable ones."""
+    found = list_snapshots(folder)
     skipped = []
     for _, p in found:
         if is_diverging(p):
@@ -225,7 +290,7 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
             continue
         return p
     if found:
-        raise SnapshotError(f"--resume auto: none of the {len(found)} snapshot(s) in {str(run_dir)!r} can be resumed "
+        raise SnapshotError(f"{how}: none of the {len(found)} snapshot(s) in {str(folder)!r} can be resumed "
                             f"({', '.join(skipped[:3])}{' ...' if len(skipped) > 3 else ''}); pass one with --resume "
                             f"PATH, or start afresh in another train.run_dir")
     return None

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO
 
 from dptrain.errors import RunDirError
-from dptrain.snapshots.files import list_snapshots, remove_stale_temporaries
+from dptrain.snapshots.files import free_space, list_snapshots, remove_stale_temporaries
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,16 @@ class RunDir:
             f.close()
             raise RunDirError(f"train.run_dir {str(self.path)!r} is in use by another run ({holder}); wait for it "
                               f"to end or choose another train.run_dir") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
-        f.flush()
         self._lock_file = f
+        try:  # unbuffered: a write that fails leaves nothing for close() to fail on again
+            if os.fstat(f.fileno()).st_size:  # an earlier holder's line
+                os.ftruncate(f.fileno(), 0)
+            os.write(f.fileno(), f"host {socket.gethostname()} pid {os.getpid()}\n".encode())
+        except OSError as e:  # a full disk: the first byte this run writes
+            error = RunDirError(f"train.run_dir {str(self.path)!r}: cannot write {LOCK_NAME} ({e.strerror or e}; "
+                                f"{free_space(self.path)}); free space or choose another train.run_dir")
+            self.undo_start()  # gives the lock back and removes what lock() made
+            raise error from e
 
     @staticmethod
     def _holder(f: IO[str]) -> str:

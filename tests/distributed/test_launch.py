@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,6 +68,51 @@ def test_run_multinode_refuses_bad_topology_flags_in_one_line_before_launching()
         proc = subprocess.run([script, "--nnodes", "1", "--master-addr", "localhost", *flags, "train", "--config", "x"],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
+
+
+@pytest.fixture()
+def silent_listener():
+    """A real listener on a free loopback port: it holds the port and completes connections (the kernel's
+    backlog), and never answers."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    yield s.getsockname()[1]
+    s.close()
+
+
+def _launch(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
+    """One launcher run with a bounded wait; its stderr holds nothing but dptrain's line."""
+    env = {**os.environ, "PYTHON": sys.executable, "NPROC": "2", **env}
+    env.pop("OMP_NUM_THREADS", None)  # the launcher must not let torchrun's warning about it through either
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_a_taken_master_port_is_one_line_and_exit_2(silent_listener):
+    """The static rendezvous of dptrain.torchrun and of run-multinode (node rank 0 creates the store)."""
+    want = (f"dptrain: error: rendezvous port {silent_listener} is in use on this host (another program listens on "
+            f"it); choose another port with --master-port or MASTER_PORT\n")
+    direct = _launch([sys.executable, "-m", "dptrain.torchrun", "--nproc-per-node=2",
+                      f"--master-port={silent_listener}", "-m", "dptrain", "train", "--config", "x.toml"])
+    multinode = _launch([str(REPO / "launch" / "run-multinode"), "train", "--config", "x.toml"], NNODES="1",
+                        NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(silent_listener))
+    for proc in (direct, multinode):
+        assert (proc.returncode, proc.stderr) == (2, want), proc.stderr[-3000:]
+
+
+def test_a_rendezvous_endpoint_that_never_answers_is_one_line_within_the_bound(silent_listener):
+    """c10d rendezvous on a port a silent program holds: torch's store client would wait forever. The bound
+    is --rdzv-conf read_timeout (here through PET_RDZV_CONF, torchrun's environment form, for run-multinode)."""
+    want = ("accepts connections but does not answer as a rendezvous store within 1 s: another program holds that "
+            "port; stop it, or choose another port (--master-port / MASTER_PORT, or --rdzv-endpoint)\n")
+    direct = _launch([sys.executable, "-m", "dptrain.torchrun", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint=localhost:{silent_listener}", "--rdzv-conf=read_timeout=1", "-m", "dptrain",
+                      "train", "--config", "x.toml"])
+    multinode = _launch([str(REPO / "launch" / "run-multinode"), "train", "--config", "x.toml"], NNODES="2",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(silent_listener), PET_RDZV_CONF="read_timeout=1")
+    for proc, host in ((direct, "localhost"), (multinode, "127.0.0.1")):
+        assert (proc.returncode, proc.stderr) == (2, f"dptrain: error: rendezvous endpoint {host}:{silent_listener} "
+                                                     f"{want}"), proc.stderr[-3000:]
 
 
 def _parent_of(proc: Path) -> int:

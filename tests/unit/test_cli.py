@@ -113,6 +113,22 @@ def test_a_grey_lmdb_trains_and_no_test_db_means_no_test_phase(cfg, tmp_path, ca
     assert records and not any("test_top1" in r for r in records)  # no data.test_path: no made-up 0 % accuracy
 
 
+def test_a_record_without_a_label_is_one_line_and_exit_2_at_budget_0(cfg, tmp_path, capsys):
+    import lmdb
+
+    from dptrain.data.caffe.datum import Datum
+
+    db = _tiny_lmdb(tmp_path / "db")
+    with lmdb.open(db, subdir=True) as env, env.begin(write=True) as txn:
+        unlabelled = Datum(data=b"\x00" * 3 * 32 * 32, channels=3, height=32, width=32)  # as a buggy writer leaves it
+        txn.put(b"00000006_r6", unlabelled.SerializeToString())
+    assert main(["train", "--config", _lmdb_cfg(cfg, tmp_path, db)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dptrain: error: rank 0: LMDB {db!r} key '00000006_r6': unparsable record: the Datum has no label "
+                   f"field (number 5), which would read as class 0; re-create the DB with a label for every record "
+                   f"(dptrain make-lmdb)"], err
+
+
 @pytest.mark.parametrize("extra, fragment", [
     ("crop_size = 28\n", "model.name 'lenet' cannot take the data's 28x28 samples with 3 channel(s)"),
     ("resize = [64, 64]\n", "model.name 'lenet' cannot take the data's 64x64 samples"),

@@ -64,6 +64,7 @@ def test_wrong_type_names_key(tmp_path):
         ("[precision.loss_scale]\nhysteresis = 0\n", r"precision\.loss_scale\.hysteresis must be > 0"),
         ("[data]\nsource = \"lmdb\"\n", r"data\.path must name a training LMDB"),
         ("[solver]\nlr_policy = \"multistep\"\n", r"solver\.stepvalue must list iterations"),
+        ("[solver]\nsnapshot_keep = -1\n", r"solver\.snapshot_keep must be >= 0, got -1"),
     ],
 )
 def test_out_of_range_and_choices(tmp_path, text, match):

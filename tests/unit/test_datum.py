@@ -205,5 +205,16 @@ def test_a_datum_field_of_the_wrong_wire_type_is_a_bad_record(field, number, wir
     value = encode_datum(label=1, data=b"abc") + bytes([number << 3 | wire]) + payload
     with pytest.raises(DataError, match=f"Datum field {field} \\(number {number}\\) holds a .*, expected "):
         parse_datum(value)
-    assert parse_datum(encode_datum(label=1, data=b"abc")).label == 1  # and no label at all is still 0
-    assert parse_datum(b"").label == 0
+    assert parse_datum(encode_datum(label=1, data=b"abc")).label == 1
+
+
+def test_a_datum_without_a_label_is_a_bad_record():
+    """protobuf reads a missing label as 0: the record would train as class 0 without a word."""
+    from dptrain.data.caffe.datum import Datum, encode_datum, parse_datum
+    from dptrain.errors import DataError
+
+    for value in (Datum(data=b"abc", channels=3, height=1, width=1).SerializeToString(), b""):
+        with pytest.raises(DataError, match=r"unparsable record: the Datum has no label field \(number 5\), which "
+                                            r"would read as class 0; re-create the DB with a label for every record"):
+            parse_datum(value)
+    assert parse_datum(encode_datum(label=0, data=b"abc")).label == 0  # a label of 0 written out is a label

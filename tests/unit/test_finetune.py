@@ -280,6 +280,35 @@ def test_export_and_test_errors_are_one_line(pretrained, cfg, tmp_path, capsys):
     assert "dptrain test needs a test set, and this config has none: set data.test_path" in _one_error_line(capsys)
 
 
+def test_a_folder_given_for_a_file_is_named_a_folder_with_its_newest_good_snapshot(pretrained, cfg, tmp_path,
+                                                                                     capsys):
+    """export, test --weights and train --weights refuse a folder (a state_dict could be any file in it), saying
+    it is one and naming the file most likely meant; nothing is written."""
+    from dptrain.snapshots import mark_diverging
+
+    run, out = pretrained.parent, tmp_path / "out.pt"
+    assert main(["export", str(run), str(out)]) == 2
+    assert _one_error_line(capsys).endswith(f"snapshot {str(run)!r} is a folder, not a file; pass a file: its newest "
+                                            f"good snapshot is {str(pretrained)!r}")
+    for command in ("test", "train"):
+        assert main([command, "--config", cfg, "--weights", str(run), *_sets(tmp_path / "run")]) == 2
+        assert _one_error_line(capsys).endswith(f"--weights {str(run)!r} is a folder, not a file; pass a file: its "
+                                                f"newest good snapshot is {str(pretrained)!r}")
+    empty, marked = tmp_path / "empty", tmp_path / "marked"
+    empty.mkdir()
+    marked.mkdir()
+    for it in (5, 10):
+        (marked / f"snapshot_iter_{it}.pt").write_bytes(b"x")
+        mark_diverging(marked / f"snapshot_iter_{it}.pt", "diverging")
+    assert main(["export", str(empty), str(out)]) == 2
+    assert _one_error_line(capsys).endswith("is a folder, not a file; it holds no snapshot_iter_<N>.pt; pass a "
+                                            "snapshot file")
+    assert main(["export", str(marked), str(out)]) == 2
+    assert _one_error_line(capsys).endswith(f"is a folder, not a file; pass a file: its 2 snapshot(s) are all marked "
+                                            f"diverging, the newest is {str(marked / 'snapshot_iter_10.pt')!r}")
+    assert not out.exists() and not (tmp_path / "run").exists()
+
+
 def _lmdb_without_a_test_set(path: Path) -> str:
     import numpy as np
 

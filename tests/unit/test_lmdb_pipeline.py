@@ -338,6 +338,40 @@ def test_bad_record_raises_with_rank_and_key_and_stops_threads(tmp_path, monkeyp
     assert input_threads() == []
 
 
+def _huge_jpeg_header(width: int, height: int) -> bytes:
+    """A small JPEG whose frame header claims ``width`` x ``height``: Pillow and libjpeg size an image from
+    the header, so it is a decompression bomb in a few hundred bytes."""
+    buf = io.BytesIO()
+    Image.new("L", (16, 16), 100).save(buf, "JPEG")
+    data = bytearray(buf.getvalue())
+    sof = data.index(b"\xff\xc0")  # baseline frame: length (2 bytes), precision (1), height (2), width (2)
+    data[sof + 5:sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(data)
+
+
+def test_a_decompression_bomb_is_one_line_from_dptrain_without_pillows_warning(tmp_path):
+    """12000 x 12000 lies between Pillow's MAX_IMAGE_PIXELS and twice that, where Pillow only warns: its
+    warning used to reach the terminal raw, before dptrain's own line for the record."""
+    import os
+    import subprocess
+    import sys
+
+    values = [raw_value(i) for i in range(40)]
+    keys = [f"{i:08d}_r{i}".encode() for i in range(40)]
+    values[6], keys[6] = encode_datum(label=0, data=_huge_jpeg_header(12000, 12000), encoded=True), b"00000006_bomb"
+    db = write_db(tmp_path / "db", values, keys)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[model]\nname = "lenet"\n[data]\nsource = "lmdb"\npath = "{db}"\nbatch_size = 4\n'
+                   f'shuffle = "none"\nresize = [32, 32]\n[solver]\nmax_iter = 5\n[train]\n'
+                   f'run_dir = "{tmp_path / "run"}"\n')
+    proc = subprocess.run([sys.executable, "-m", "dptrain", "train", "--config", str(cfg)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    own = [ln for ln in proc.stderr.splitlines() if not ln[:8].replace(":", "").isdigit()]  # not a dptrain log line
+    assert own == [f"dptrain: error: rank 0: LMDB {db!r} key '00000006_bomb': decompression bomb: 12000x12000 pixels "
+                   f"exceeds PIL.Image.MAX_IMAGE_PIXELS = {Image.MAX_IMAGE_PIXELS}"], proc.stderr[-3000:]
+
+
 def test_a_bad_record_probed_at_open_names_its_key_and_respects_the_skip_budget(tmp_path):
     values = [raw_value(i) for i in range(12)]
     values[0] = b"\xff\xff"

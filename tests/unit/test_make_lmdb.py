@@ -158,6 +158,35 @@ def test_make_lmdb_errors(folder, tmp_path):
         make_lmdb_main(ap.parse_args(["only_one"]))
 
 
+def _unwritable(tmp_path):
+    """A folder this user cannot create anything in: a read-only one, or for root (whom permissions do not
+    stop) sysfs, where no one may create a folder."""
+    import os
+    from pathlib import Path
+
+    if os.geteuid() == 0:
+        return Path("/sys")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    return locked
+
+
+def test_a_destination_that_cannot_be_written_is_one_line_and_exit_2(folder, tmp_path, capsys):
+    from dptrain.cli import main
+
+    where = _unwritable(tmp_path)
+    out = where / "dptrain-test-lmdb"
+    assert main(["make-lmdb", str(folder), str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dptrain: error: cannot create the LMDB {str(out)!r} ("), err
+    assert err[0].endswith(f": {str(where / '.dptrain-test-lmdb.incomplete')!r}); choose an output path this user "
+                           f"can write to"), err
+    assert main(["make-lmdb", "--digits", str(out)]) == 2  # OUT/train under a folder it cannot create
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot create the LMDB {str(out / 'train')!r} (" in err[0], err
+    assert not out.exists()
+
+
 def test_map_grows_and_bad_options_are_refused(folder, tmp_path, monkeypatch):
     monkeypatch.setattr("dptrain.data.caffe.writer.INITIAL_MAP_BYTES", 64 * 1024)  # forces MDB_MAP_FULL + regrow
     items = [(f"{CLASSES[i // 3]}/{i:02d}.png", i // 3) for i in range(6)]

@@ -163,6 +163,26 @@ def test_a_label_of_the_wrong_wire_type_is_a_bad_record_naming_its_key(lib, tmp_
     assert input_threads() == []
 
 
+def test_a_datum_without_a_label_is_left_to_python_which_names_its_key(lib, tmp_path):
+    """The native parser must not read a missing label as class 0 either: it leaves the record (status 2),
+    and the Python path reports it; with data.max_bad_records it is replaced like any bad record."""
+    from dptrain.data.caffe.datum import Datum
+
+    values = [_jpeg_record(i) for i in range(40)]
+    values[6] = Datum(data=_jpeg(_photo(6)), encoded=True).SerializeToString()  # not among the records probed at open
+    r = native_render.Renderer(lib, stages=[Crop(40, random=False)], channels=3, sample_shape=(40, 40, 3),
+                               num_classes=NUM_CLASSES, seed=0, draft=True, windows=False, max_rows=2)
+    assert r.render(values[5:7], 0, np.arange(2), np.zeros((2, 40, 40, 3), np.uint8), np.zeros(2, np.int64), None) == 1
+    assert r.status[:2].tolist() == [0, 2]
+    db = write_db(tmp_path / "db", values)
+    src = LmdbSource(make_cfg(db, crop_size=40, shuffle="none"), num_classes=NUM_CLASSES, seed=0)
+    with pytest.raises(DataError, match=r"key '00000006_r6': unparsable record: the Datum has no label field"):
+        collect(src.train_batches(SampleOrder(0, 1, 4, seed=0, shuffle=False), 0), 3)
+    assert input_threads() == []
+    src = LmdbSource(make_cfg(db, crop_size=40, shuffle="none", max_bad_records=1), num_classes=NUM_CLASSES, seed=0)
+    assert collect(src.train_batches(SampleOrder(0, 1, 4, seed=0, shuffle=False), 0), 3)[-1][2]["bad_records"] == 1
+
+
 def test_a_damaged_jpeg_inside_a_chunk_is_substituted_as_in_the_python_path(lib, tmp_path, monkeypatch):
     values = [_jpeg_record(i) for i in range(12)]
     values[6] = encode_datum(label=1, data=_jpeg(_photo(6))[:300], encoded=True)  # truncated: Pillow refuses

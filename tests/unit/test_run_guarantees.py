@@ -52,6 +52,20 @@ def test_run_dir_lock_names_its_holder_and_goes_with_the_process(tmp_path):
     again.unlock()
 
 
+def test_a_disk_full_at_start_is_one_line(tmp_path, empty_cfg, capsys):
+    """The lock file's line is the first byte a run writes; here the lock file is /dev/full, where every
+    write fails as on a full disk (ENOSPC)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".dptrain.lock").symlink_to("/dev/full")
+    assert main(["train", "--config", empty_cfg, *_args(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(
+        rf"dptrain: error: train\.run_dir '{run}': cannot write \.dptrain\.lock \(No space left on device; [\d.]+ MiB "
+        rf"free there\); free space or choose another train\.run_dir", err[0]), err
+    assert os.listdir(run) == [".dptrain.lock"]  # nothing else written, and what was there is left alone
+
+
 @pytest.mark.parametrize("resume", [[], ["--resume", "auto"]], ids=["fresh", "resume-auto"])
 def test_two_runs_started_together_on_one_run_dir(tmp_path, empty_cfg, resume):
     """Both start at once: one trains, the other exits 2 naming the holder; nothing is interleaved."""
@@ -127,6 +141,72 @@ def test_a_stop_on_a_snapshot_iteration_writes_that_snapshot_once(tmp_path, monk
     t.close()
     assert result["stopped_by_signal"] and t.iteration == 5
     assert writes == ["snapshot_iter_5.pt"]
+
+
+def test_snapshot_keep_deletes_old_snapshots_only_once_the_new_one_is_written(tmp_path, empty_cfg, monkeypatch):
+    """solver.snapshot_keep = 2 keeps the newest two; when the write of a new one fails (a full disk), the
+    ones it would have replaced are all still there."""
+    import dptrain.snapshots.content as content
+
+    run = tmp_path / "run"
+    keep = ("solver.max_iter=10", "solver.snapshot=2", "solver.snapshot_keep=2")
+    assert main(["train", "--config", empty_cfg, *_args(run, *keep)]) == 0
+    assert [it for it, _ in list_snapshots(run)] == [10, 8]
+
+    def full_at_8(state, path):
+        if path.name == "snapshot_iter_8.pt":
+            raise RunDirError(f"cannot write snapshot {str(path)!r} (OSError: No space left on device)")
+        return save_snapshot(state, path)
+
+    monkeypatch.setattr(content, "save_snapshot", full_at_8)
+    assert main(["train", "--config", empty_cfg, *_args(tmp_path / "full", *keep)]) == 2
+    assert [it for it, _ in list_snapshots(tmp_path / "full")] == [6, 4]
+
+
+def test_pruning_keeps_the_newest_and_the_last_good_one_and_nothing_past_the_newest(tmp_path, caplog):
+    from dptrain.snapshots import mark_diverging, prune_snapshots
+
+    for it in (2, 4, 6, 8, 10, 20):
+        (tmp_path / f"snapshot_iter_{it}.pt").write_bytes(b"x")
+    for it in (4, 8, 10):
+        mark_diverging(tmp_path / f"snapshot_iter_{it}.pt", "a test mark")
+    (tmp_path / "snapshot_iter_1.pt").mkdir()  # cannot be unlinked: logged, and it stays
+    assert prune_snapshots(tmp_path, 10, 0) == []
+    deleted = prune_snapshots(tmp_path, 10, 2)  # 20: left by a run resumed from an earlier snapshot
+    assert deleted == [tmp_path / "snapshot_iter_4.pt", tmp_path / "snapshot_iter_2.pt"]
+    assert [it for it, _ in list_snapshots(tmp_path)] == [20, 10, 8, 6, 1]  # 6: the last good one before 10
+    assert [it for it, _ in good_snapshots(tmp_path)] == [20, 6, 1]
+    assert not (tmp_path / "snapshot_iter_4.pt.diverging").exists()  # its marker went with it
+    assert "cannot delete " in caplog.text and "snapshot_iter_1.pt for solver.snapshot_keep = 2" in caplog.text
+    (tmp_path / "snapshot_iter_1.pt").rmdir()
+    (tmp_path / "snapshot_iter_12.pt").write_bytes(b"x")  # good, as far as is known when it is written
+    assert prune_snapshots(tmp_path, 12, 1) == [tmp_path / f"snapshot_iter_{it}.pt" for it in (10, 8)]
+    assert [it for it, _ in list_snapshots(tmp_path)] == [20, 12, 6]  # 6 stays in case the next losses mark 12
+
+
+def test_resuming_on_other_data_warns_with_both_values_and_goes_on(tmp_path, empty_cfg, caplog):
+    """digits -> an LMDB of the same digits (make-lmdb --digits): allowed, as a moved or converted data set
+    must be, with one warning naming the old and new data.source and data.path."""
+    import logging
+
+    from dptrain.tools.make_lmdb import make_digits_lmdb
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", empty_cfg, *_args(run, "solver.max_iter=2")]) == 0
+    make_digits_lmdb(tmp_path / "lmdb", encoded=False)
+    lmdb = [f"data.source={json.dumps('lmdb')}", f"data.path={json.dumps(str(tmp_path / 'lmdb' / 'train'))}"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--config", empty_cfg, "--resume", "auto", *_args(run, "solver.max_iter=3", *lmdb)]) == 0
+    warned = [r.getMessage() for r in caplog.records if "resuming on other data" in r.getMessage()]
+    assert warned == [f"resuming on other data than the snapshot's (data.source 'digits' -> 'lmdb', data.path '' -> "
+                      f"{str(tmp_path / 'lmdb' / 'train')!r}): training goes on from the snapshot's iteration on this "
+                      f"data, which continues the interrupted run only if it holds the same samples; to start a new "
+                      f"run from the snapshot's weights instead, use --weights PATH"], caplog.text[-3000:]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the same data again: nothing to say
+        assert main(["train", "--config", empty_cfg, "--resume", "auto", *_args(run, "solver.max_iter=4", *lmdb)]) == 0
+    assert "resuming on other data" not in caplog.text
 
 
 # --------------------------------------------------------------------------------------- divergence
@@ -267,3 +347,26 @@ def test_resume_checks_a_torn_file_first_and_says_so_when_every_snapshot_is_torn
                                             r"\(snapshot_iter_4.pt \(unreadable\)\)"):
         resolve_resume("auto", run)
     assert resolve_resume("auto", tmp_path / "empty") is None  # no snapshot at all: a fresh start
+
+
+def test_resume_given_a_folder_takes_its_newest_good_snapshot(tmp_path, empty_cfg, caplog):
+    """--resume DIR means "continue from what DIR holds": its newest readable snapshot not marked diverging,
+    as --resume auto picks in train.run_dir; a folder without any snapshot is refused in one line."""
+    import logging
+
+    from dptrain.errors import SnapshotError
+    from dptrain.snapshots import mark_diverging
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", empty_cfg, *_args(run, "solver.max_iter=4", "solver.snapshot=2")]) == 0
+    mark_diverging(run / "snapshot_iter_4.pt", "a test mark")
+    assert resolve_resume(str(run), tmp_path / "elsewhere") == run / "snapshot_iter_2.pt"
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert main(["train", "--config", empty_cfg, "--resume", str(run), *_args(run, "solver.max_iter=6")]) == 0
+    assert f"--resume {run} is a folder: resuming from its newest good snapshot, snapshot_iter_2.pt" in caplog.text
+    assert f"resumed from {run / 'snapshot_iter_2.pt'} at iteration 2" in caplog.text
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SnapshotError, match=r"--resume '.*empty' is a folder without a snapshot_iter_<N>\.pt; pass "
+                                            r"a snapshot file, or --resume auto for train\.run_dir"):
+        resolve_resume(str(tmp_path / "empty"), run)

@@ -104,7 +104,8 @@ def parse_datum(value: bytes) -> DatumLike:
 
     A field of the Datum sent with another wire type (a label written as bytes or as a float)
     is a bad record: protobuf would keep it as an unknown field and leave the field at its
-    default, so the record would train as class 0 without a word.
+    default, so the record would train as class 0 without a word. A Datum without a label field
+    is one for the same reason (Caffe's writers always set it, 0 included).
     """
     d = Datum()
     try:
@@ -117,6 +118,9 @@ def parse_datum(value: bytes) -> DatumLike:
             raise DataError(f"unparsable record: Datum field {f.name} (number {f.number}) holds a "
                             f"{_WIRE_TYPES.get(u.wire_type, str(u.wire_type))} value, expected "
                             f"{_expected_wire(f)}; re-create the DB with dptrain make-lmdb")
+    if not d.HasField("label"):
+        raise DataError("unparsable record: the Datum has no label field (number 5), which would read as class 0; "
+                        "re-create the DB with a label for every record (dptrain make-lmdb)")
     return d
 
 

@@ -7,6 +7,7 @@ image files with them, so a file make-lmdb accepts decodes the same way in train
 from __future__ import annotations
 
 import io
+import warnings
 
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
@@ -17,9 +18,19 @@ GRAY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 """Pillow modes of one-channel images (LA: grey with alpha, which is dropped)."""
 _SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
 
+# Pillow warns (DecompressionBombWarning, printed raw with a source line of Pillow's) when an image has
+# more than MAX_IMAGE_PIXELS pixels and raises above twice that. open_image refuses every such image
+# itself, with a DataError naming the record, so Pillow's copy of the message is silenced for the
+# process: a filter around each call (warnings.catch_warnings) would not be thread-safe, and the
+# renderer threads open images concurrently.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
 
 def open_image(data: bytes) -> Image.Image:
     """Open an encoded image lazily (header only), refusing decompression bombs, turned upright.
+
+    A bomb is an image of more than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels (Pillow's own limit, which
+    the native renderer also applies): a :class:`DataError` here, and no warning of Pillow's.
 
     An EXIF orientation other than 1 is applied (the image is then decoded here, so JPEG
     draft mode does not apply to it), as OpenCV's ``imread`` does for Caffe's

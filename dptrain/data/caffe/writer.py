@@ -71,11 +71,16 @@ def write_lmdb(out: str | Path, records: Iterator[tuple[bytes, bytes]], total: i
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise InputError(f"cannot create {str(out)!r}: {str(blocker)!r} is a file; choose another output path")
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.incomplete"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier run that died
-    tmp.mkdir()
-    env = lmdb.open(str(tmp), map_size=INITIAL_MAP_BYTES, subdir=True, meminit=False)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier run that died
+        tmp.mkdir()
+        env = lmdb.open(str(tmp), map_size=INITIAL_MAP_BYTES, subdir=True, meminit=False)
+    except (OSError, lmdb.Error) as e:  # a folder this user may not write to, a read-only filesystem
+        why = f"{e.strerror}: {str(e.filename)!r}" if isinstance(e, OSError) and e.strerror else str(e)
+        raise InputError(f"cannot create the LMDB {str(out)!r} ({why}); choose an output path this user can "
+                         f"write to") from e
     written, done = 0, False
     try:
         bar = tqdm(total=total, unit="img", desc=f"make-lmdb {out.name}", disable=not sys.stderr.isatty())

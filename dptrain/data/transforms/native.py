@@ -77,7 +77,7 @@ STAGE_WORDS = 8
 """Doubles per stage in the table the C code reads: an op code, then its parameters."""
 _OPS = {Resize: 1, Crop: 2, RandomResizedCrop: 3, CenterResizedCrop: 4, Mirror: 5, ExpectSize: 6}
 
-REASONS = {1: "not a Datum the native parser takes", 2: "label out of range", 3: "not a plain JPEG",
+REASONS = {1: "not a Datum the native parser takes", 2: "no label, or out of range", 3: "not a plain JPEG",
            4: "geometry refused", 5: "libjpeg refused the stream", 6: "raw record needs the Python path",
            7: "out of memory"}
 """Status codes of ``dptrain_render_chunk`` (record_render.c's DPT_* values), for logs and tests."""
