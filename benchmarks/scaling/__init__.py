@@ -37,21 +37,31 @@ The input ceilings are stated, never fitted to a scaling result: an input path
 :func:`input_rates` turns into a node's rate with the machine's CPU cores. A path with no rate is
 not modelled, and a prediction made with it says so (compute and communication only).
 
+Sharded runs (``--shard optimizer``: ``reducer.shard = "optimizer"``, ZeRO-1; module ``shard``): each bucket,
+padded to a multiple of N x 64 elements, is reduce-scattered in backward (a ring's n - 1 steps,
+(n-1)/n of the bucket on the wire: half the allreduce's bytes and transfer time), the update runs on 1/N
+of the parameters (memory-bound: its time falls by N), one small allreduce of partial norms sits before
+it, and the updated weights are all-gathered first layers first against the next forward, each bucket
+needed before the first layer holding its parameters runs. ``memory`` gives the memory per GPU (16-bit
+weights and grads whole, fp32 masters and optimizer state divided by N when sharded).
+
 Machines (``benchmarks/scaling/profiles/machines/*.toml``: GPUs per node, HBM, NVLink/NVSwitch, NIC,
-contention) and workloads (``benchmarks/scaling/profiles/workloads/*.toml``: one-GPU rate, batch,
-gradient bytes, jitter, input path per machine) are data files to copy and edit for your
+contention) and workloads (``benchmarks/scaling/profiles/workloads/*.toml``: the model, its update bytes per parameter,
+one-GPU rate, batch, gradient bytes, jitter, input path per machine; ResNet-50 and ViT-L/16) are data files to copy and edit for your
 cluster. ``benchmarks/scaling/scaling_validate.py`` checks the model against published tables.
 
 Modules, by role: ``profile`` (one solver's step: trace, JSON, re-bucketing, step time in the batch),
 ``machine`` (machines and input paths from ``profiles/``), ``allreduce`` (collective costs and the
-alpha-beta fit), ``simulation`` (the overlap, the terms, efficiencies, bucket plans), ``workload`` (the
-workload file and the reference ResNet-50 profile), ``report`` (the markdown tables), ``cli`` (the
-command). Beside them, scripts that measure or check it: ``scaling`` (the measured scaling study),
+alpha-beta fit), ``simulation`` (the overlap, the terms, efficiencies, bucket plans), ``shard`` (the
+sharded step against the unsharded one per GPU count), ``memory`` (memory per GPU), ``workload`` (the
+workload file and the reference profiles from a model's layer list), ``report`` (the markdown tables),
+``cli`` (the command). Beside them, scripts that measure or check it: ``scaling`` (the measured scaling study),
 ``scaling_calibrate`` (the model on measured gloo runs), ``scaling_validate`` (against published
 tables) and ``collective_bench`` (gloo allreduce alone).
 
     python -m benchmarks.scaling                       # DGX H100, reference ResNet-50 profile
     python -m benchmarks.scaling --profile runs/t.rank0.json --profile-batch 32 --machines dgx-h100,dgx-a100
+    python -m benchmarks.scaling --workload resnet50,vit_l --shard optimizer --json shard.json
     python -m benchmarks.scaling --calibrate           # gloo alpha/beta on this machine, 2 processes
     python -m benchmarks.scaling --calibrate --measured-bench bench2.jsonl --bench-profile t.rank0.json
 """
@@ -64,7 +74,11 @@ from benchmarks.scaling.allreduce import (
     comm_fn,
     fit_alpha_beta,
     ring_allreduce,
+    ring_scatter_gather,
+    scatter_gather_cost,
+    scatter_gather_fn,
     tree_allreduce,
+    wire_bytes,
 )
 from benchmarks.scaling.cli import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB, main
 from benchmarks.scaling.machine import (
@@ -80,6 +94,7 @@ from benchmarks.scaling.machine import (
     load_inputs,
     load_machine,
 )
+from benchmarks.scaling.memory import MemoryPerGpu, memory_per_gpu, padded_numel
 from benchmarks.scaling.profile import (
     MIB,
     BatchCost,
@@ -110,6 +125,7 @@ from benchmarks.scaling.report import (
     strong_rows,
     weak_rows,
 )
+from benchmarks.scaling.shard import ShardedStep, compare_rows, simulate_sharded_step
 from benchmarks.scaling.simulation import (
     StepPrediction,
     Terms,
@@ -123,11 +139,12 @@ from benchmarks.scaling.simulation import (
     weak_efficiency,
 )
 from benchmarks.scaling.workload import (
-    UPDATE_BYTES_PER_PARAM,
+    MODELS,
     Workload,
     load_workload,
     reference_profile,
     resnet50_params,
+    vit_l16_params,
 )
 
 __all__ = [
@@ -144,13 +161,15 @@ __all__ = [
     "Link",
     "MACHINES",
     "MIB",
+    "MODELS",
     "Machine",
+    "MemoryPerGpu",
     "PROFILES",
     "Profile",
+    "ShardedStep",
     "StepPrediction",
     "Terms",
     "TermsFn",
-    "UPDATE_BYTES_PER_PARAM",
     "Workload",
     "allreduce_cost",
     "auto_plan",
@@ -159,6 +178,7 @@ __all__ = [
     "calibration_report",
     "comm_fn",
     "comm_step_ms",
+    "compare_rows",
     "emit_report",
     "explain",
     "fit_alpha_beta",
@@ -173,7 +193,9 @@ __all__ = [
     "load_profile",
     "load_workload",
     "main",
+    "memory_per_gpu",
     "one_solver_ms",
+    "padded_numel",
     "plain_terms",
     "profile_from_json",
     "profile_from_trace",
@@ -184,13 +206,19 @@ __all__ = [
     "report_predictions",
     "resnet50_params",
     "ring_allreduce",
+    "ring_scatter_gather",
     "scale_compute",
     "scale_to_batch",
+    "scatter_gather_cost",
+    "scatter_gather_fn",
+    "simulate_sharded_step",
     "simulate_step",
     "strong_efficiency",
     "strong_rows",
     "sweep_bucket_sizes",
     "tree_allreduce",
+    "vit_l16_params",
     "weak_efficiency",
     "weak_rows",
+    "wire_bytes",
 ]

@@ -93,18 +93,20 @@ def strong_rows(p: Profile, m: Machine, nodes_list: list[int], global_batch: int
 def report_predictions(raw: Profile, key: str, nodes_list: list[int], *, bucket_mb: float | None,
                        first_bucket_mb: float, global_batch: int, sweep_mb: list[float], algorithm: Algorithm,
                        terms: TermsFn | None = None, real_data: TermsFn | None = None,
-                       cost: BatchCost | None = None, input_name: str = "the input path") -> str:
+                       cost: BatchCost | None = None, input_name: str = "the input path",
+                       title: str | None = None) -> str:
     """Markdown: weak scaling at ``nodes_list``, bucket sweep, strong scaling and where scaling breaks.
 
     ``raw`` is re-bucketed to ``bucket_mb`` (None: keep its plan); the sweep re-buckets ``raw``.
     ``terms``: the per-step terms with synthetic data; ``real_data``: with the input ceiling too;
-    ``cost``: the step time in the batch for strong scaling (None: compute linear in the batch).
+    ``cost``: the step time in the batch for strong scaling (None: compute linear in the batch);
+    ``title``: the section heading (default: the machine's name).
     """
     m = MACHINES[key]
     terms = terms or plain_terms(m)
     p = rebucket(raw, bucket_mb, first_bucket_mb) if bucket_mb else raw
     real = {r["nodes"]: r for r in weak_rows(p, m, nodes_list, algorithm, real_data)} if real_data else {}
-    out = [f"### {m.name}", "", f"Profile: {p.source}. Forward {p.forward_ms:.2f} ms, backward {p.backward_ms:.2f} ms, "
+    out = [f"### {title or m.name}", "", f"Profile: {p.source}. Forward {p.forward_ms:.2f} ms, backward {p.backward_ms:.2f} ms, "
            f"update {p.update_ms:.2f} ms, {p.total_bytes / MIB:.1f} MiB of gradients in {len(p.buckets)} buckets; "
            f"algorithm {algorithm}.", "",
            "| nodes | GPUs | largest bucket allreduce | comm busy ms | exposed ms | contention ms | jitter ms | step ms "
@@ -195,3 +197,54 @@ def emit_report(text: str, out: str | None, stem: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}")
+
+
+def shard_report(p: Profile, m: Machine, rows: list[dict[str, Any]], *, update_bytes_per_param: int,
+                 gather_wait: str = "forward", caps: list[dict[str, Any]] | None = None) -> str:
+    """Markdown: the sharded step against the unsharded one per GPU count (:func:`benchmarks.scaling.shard.compare_rows`
+    rows), by bucket cap at the largest count (``caps``: :func:`benchmarks.scaling.shard.sweep_caps`), and the
+    memory per GPU for SGD-momentum and Adam-type state, sharded and not."""
+    wait = ("each bucket's all-gather waited for just before the first layer that needs it runs in the next "
+            "forward (`gather_wait = \"forward\"`)" if gather_wait == "forward" else
+            "every all-gather waited for before the next forward (`gather_wait = \"step\"`)")
+    out = ["#### Sharded optimizer state (`reducer.shard = \"optimizer\"`) against unsharded", "",
+           f"The same {len(p.buckets)} buckets, each padded to a multiple of N x 64 elements; reduce-scatter in "
+           "backward and all-gather after the update priced as NCCL runs them (ring, or NVLS on one node: each "
+           f"(n-1)/n of the bucket on the wire, an allreduce's bytes together); {wait}; the "
+           "per-step norm allreduce exposed. The update moves "
+           f"{update_bytes_per_param} B per parameter at {m.hbm_gbs:g} GB/s: {p.update_ms:.2f} ms unsharded, "
+           "divided by N sharded. Weak efficiency = T_1 / T_N against the same one-GPU step.", "",
+           "| GPUs | nodes | step ms, unsharded | sharded | weak efficiency, unsharded | sharded | exposed comm ms, "
+           "unsharded (allreduce) | sharded (reduce-scatter + norm + all-gather) | update ms, unsharded | sharded "
+           "| padding KiB |",
+           "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        u, s = r["unsharded"], r["sharded"]
+        out.append(f"| {r['gpus']} | {r['nodes']} | {u['step_ms']:.2f} | {s['step_ms']:.2f} | {u['efficiency']:.3f} | "
+                   f"{s['efficiency']:.3f} | {u['exposed_ms']:.3f} | {s['exposed_ms']:.3f} ({s['scatter_exposed_ms']:.3f}"
+                   f" + {s['norm_ms']:.3f} + {s['gather_exposed_ms']:.3f}) | {u['update_ms']:.3f} | "
+                   f"{s['update_ms']:.3f} | {s['padding_bytes'] / 1024:.1f} |")
+    if caps:
+        out += ["", f"Step ms at {rows[-1]['gpus']} GPUs by bucket cap (MiB; the bucket count in brackets), best "
+                "sharded cap in bold:", "",
+                "| | " + " | ".join(f"{c['cap_mb']:g} ({c['buckets']})" for c in caps) + " |",
+                "|---|" + "---:|" * len(caps)]
+        best = min(caps, key=lambda c: c["sharded_step_ms"])
+        out += ["| sharded | " + " | ".join(f"**{c['sharded_step_ms']:.2f}**" if c is best else
+                                            f"{c['sharded_step_ms']:.2f}" for c in caps) + " |",
+                "| unsharded | " + " | ".join(f"{c['unsharded_step_ms']:.2f}" for c in caps) + " |"]
+    out += ["", "Memory per GPU for the parameters, GB (1e9 B; activations and workspace not counted, they do not "
+            "depend on N): 16-bit weights and gradients whole on every GPU; fp32 masters (4 B per parameter) and "
+            "the optimizer state divided by N when sharded, the padding included.", ""]
+    for opt, what in (("sgd", "SGD with momentum (4 B of state per parameter)"),
+                      ("adam", "Adam, AdamW, LAMB (8 B of state per parameter)")):
+        out += [f"{what}:", "",
+                "| GPUs | weights | grads | masters | state | total | masters, sharded | state, sharded | "
+                "total, sharded | saved |", "|---:|" + "---:|" * 9]
+        for r in rows:
+            u, s = r["unsharded"]["memory"][opt].gb(), r["sharded"]["memory"][opt].gb()
+            out.append(f"| {r['gpus']} | {u['weights']:.3f} | {u['grads']:.3f} | {u['masters']:.3f} | {u['state']:.3f} | "
+                       f"{u['total']:.3f} | {s['masters']:.3f} | {s['state']:.3f} | {s['total']:.3f} | "
+                       f"{round(u['total'] - s['total'], 3) + 0.0:.3f} |")  # + 0.0: no "-0.000"
+        out.append("")
+    return "\n".join(out)

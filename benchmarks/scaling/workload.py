@@ -1,7 +1,9 @@
 """The workload: a model's per-machine figures (one-GPU rate, batch, gradient bytes, jitter, input path)
-from its data file, and the reference ResNet-50 profile derived from them (not measured)."""
+from its data file, and the reference profile derived from them and the model's layer list (ResNet-50
+or ViT-L/16; not measured)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ class Workload:
 
     model: str
     update_bytes_per_param: int
+    """Bytes the update moves per parameter; the update is memory-bound, so it takes this x parameters / HBM bandwidth."""
     stats_bytes: int
     jitter_cv: float
     host_ms_per_step: float
@@ -73,10 +76,6 @@ def load_workload(path: Path = PROFILES / "workloads" / "resnet50.toml") -> Work
     return wl
 
 
-UPDATE_BYTES_PER_PARAM = 20
-"""Master SGD traffic per parameter: fp32 master and momentum read+write (16 B), fp16 grad read and weight write (4 B)."""
-
-
 def resnet50_params() -> list[tuple[str, int, int]]:
     """(name, numel, forward MACs of its layer or 0) of torchvision ResNet-50 v1.5 at 224x224, registration order."""
     out: list[tuple[str, int, int]] = []
@@ -107,27 +106,69 @@ def resnet50_params() -> list[tuple[str, int, int]]:
     return out
 
 
+def vit_l16_params(image: int = 224, patch: int = 16, dim: int = 1024, depth: int = 24, mlp: int = 4096,
+                   classes: int = 1000) -> list[tuple[str, int, int]]:
+    """(name, numel, forward MACs of its layer or 0) of timm's ViT-L/16 (vit_large_patch16_224) at
+    ``image`` px, registration order: 304,326,632 parameters, 61.6 GMACs (timm's model card counts).
+
+    The attention's two matrix products (QK^T and AV, 2 tokens^2 dim MACs, no parameters) are counted
+    with the qkv projection, whose gradient backward reaches after them; LayerNorms, biases and the
+    embeddings are counted as free, so they are ready with the next layer backward reaches."""
+    tokens = (image // patch) ** 2 + 1  # the patches and the class token
+    out = [("cls_token", dim, 0), ("pos_embed", tokens * dim, 0),
+           ("patch_embed.proj.weight", 3 * patch * patch * dim, 3 * patch * patch * dim * (tokens - 1)),
+           ("patch_embed.proj.bias", dim, 0)]
+    for i in range(depth):
+        b = f"blocks.{i}"
+        out += [(f"{b}.norm1.weight", dim, 0), (f"{b}.norm1.bias", dim, 0),
+                (f"{b}.attn.qkv.weight", 3 * dim * dim, 3 * dim * dim * tokens + 2 * tokens * tokens * dim),
+                (f"{b}.attn.qkv.bias", 3 * dim, 0),
+                (f"{b}.attn.proj.weight", dim * dim, dim * dim * tokens), (f"{b}.attn.proj.bias", dim, 0),
+                (f"{b}.norm2.weight", dim, 0), (f"{b}.norm2.bias", dim, 0),
+                (f"{b}.mlp.fc1.weight", dim * mlp, dim * mlp * tokens), (f"{b}.mlp.fc1.bias", mlp, 0),
+                (f"{b}.mlp.fc2.weight", mlp * dim, mlp * dim * tokens), (f"{b}.mlp.fc2.bias", dim, 0)]
+    out += [("norm.weight", dim, 0), ("norm.bias", dim, 0), ("head.weight", dim * classes, dim * classes),
+            ("head.bias", classes, 0)]
+    return out
+
+
+MODELS: dict[str, tuple[str, Callable[[], list[tuple[str, int, int]]]]] = {
+    "resnet50": ("ResNet-50 v1.5", resnet50_params),
+    "vit_l16": ("ViT-L/16", vit_l16_params),
+}
+"""A workload file's ``model`` -> (its name in reports, its layer list for :func:`reference_profile`)."""
+
+
 def reference_profile(machine: str, batch_size: int | None = None, *, images_per_s: float | None = None,
                       grad_bytes: int | None = None, workload: Workload | None = None) -> Profile:
-    """A per-parameter ResNet-50 profile for ``machine`` from the workload file, derived, not measured.
+    """A per-parameter profile of the workload's model for ``machine`` from the workload file, derived,
+    not measured (default: the ResNet-50 workload).
 
     The one-GPU rate, batch and gradient bytes come from the workload's entry for the machine
     unless given (the validation passes a published row's).
 
-    Step time = batch / images_per_s; update = params x 20 B / HBM bandwidth; the rest splits
-    forward:backward = 1:2 (backward computes data and weight gradients). Backward visits
-    layers in reverse; a parameter is ready when its layer's backward is done, time
-    proportional to cumulative MACs (BatchNorm counted as free, so its parameters are ready
-    with the next layer backward reaches).
+    Step time = batch / images_per_s; update = params x the workload's update bytes per parameter /
+    HBM bandwidth; the rest splits forward:backward = 1:2 (backward computes data and weight
+    gradients). Backward visits layers in reverse; a parameter is ready when its layer's backward is
+    done, time proportional to cumulative MACs (BatchNorm and LayerNorm counted as free, so their
+    parameters are ready with the next layer backward reaches).
     """
-    w = (workload or load_workload()).machines.get(machine, {})
+    wl = workload or load_workload()
+    if wl.model not in MODELS:
+        raise ValueError(f"workload model {wl.model!r} has no layer list; choose from {sorted(MODELS)} or pass "
+                         "a measured profile (--profile)")
+    if machine not in wl.machines and images_per_s is None:
+        raise ValueError(f"workload {wl.model!r} has no [machines.{machine}] entry (it has {sorted(wl.machines)}): "
+                         "add the machine's one-GPU rate, batch and gradient bytes to its file")
+    w = wl.machines.get(machine, {})
     rate = images_per_s or float(w["images_per_s"])
     batch_size = batch_size or int(w["batch_size"])
     grad_bytes = grad_bytes or int(w["grad_bytes_per_param"])
     why = w.get("rate_source", f"{rate:g} img/s on one GPU") if images_per_s is None else f"{rate:g} img/s on one GPU"
-    params = resnet50_params()
+    name, layers = MODELS[wl.model]
+    params = layers()
     n_params = sum(n for _, n, _ in params)
-    update_ms = n_params * UPDATE_BYTES_PER_PARAM / (MACHINES[machine].hbm_gbs * GB) * 1e3
+    update_ms = n_params * wl.update_bytes_per_param / (MACHINES[machine].hbm_gbs * GB) * 1e3
     fwd_ms = (batch_size / rate * 1e3 - update_ms) / 3
     total_macs, cum, buckets = sum(m for _, _, m in params), 0, []
     for _, numel, macs in reversed(params):
@@ -135,5 +176,5 @@ def reference_profile(machine: str, batch_size: int | None = None, *, images_per
         buckets.append(BucketTiming(numel * grad_bytes, 2 * fwd_ms * cum / total_macs))
     return Profile(forward_ms=fwd_ms, backward_ms=2 * fwd_ms, update_ms=update_ms, buckets=tuple(buckets),
                    batch_size=batch_size, granularity="parameter",
-                   source=f"reference ResNet-50 v1.5, {grad_bytes} B gradients, {n_params:,} parameters, batch "
+                   source=f"reference {name}, {grad_bytes} B gradients, {n_params:,} parameters, batch "
                           f"{batch_size}: {why}; update at {MACHINES[machine].hbm_gbs:g} GB/s HBM")
