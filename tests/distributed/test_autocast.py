@@ -74,10 +74,14 @@ def _wire_rank(rank, world, out):
     torch.save({"sent": sent, "scale": scale, "local": local,
                 "segments": [(s.name, s.offset, s.numel) for g in t.flat.groups for s in g.segments],
                 "buckets": [(b.index, b.start, b.stop) for b in t.reducer.plan.buckets]}, Path(out) / f"rank{rank}.pt")
+    t.close()
+    _resume_rank(rank, world, f"{out}/resume")  # the same processes: resume, and across modes
 
 
-def test_autocast_reduces_loss_scaled_gradients_in_fp16(tmp_path):
+def test_autocast_reduces_loss_scaled_gradients_in_fp16_resumes_bit_exactly_and_refuses_other_modes(tmp_path):
+    (tmp_path / "resume").mkdir()
     run_ranks(2, _wire_rank, str(tmp_path))
+    _check_resume(tmp_path / "resume")
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt")
         assert got["scale"] == 65536.0 and got["sent"], "dynamic loss scaling, buckets launched"
@@ -119,8 +123,8 @@ def _resume_rank(rank, world, out):
                Path(out) / f"rank{rank}.pt")
 
 
-def test_autocast_resumes_bit_exactly_and_refuses_a_resume_across_modes(tmp_path):
-    run_ranks(2, _resume_rank, str(tmp_path))
+def _check_resume(tmp_path: Path) -> None:
+    """Resumed in autocast mode, bit-exactly; a storage-mode run refuses the autocast snapshot."""
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt")
         for name, v in got["whole"].items():
@@ -151,7 +155,7 @@ def test_every_zoo_model_trains_a_step_under_autocast(tmp_path, capsys, name):
     (tmp_path / "r.toml").write_text("")
     sets = [f"model.name={name}", "model.width=8", "data.source=synthetic", f"data.image_size={size}",
             "data.batch_size=2", "precision.mode=autocast", "precision.storage=bf16", "solver.max_iter=2",
-            "solver.display=1", f"train.run_dir={json.dumps(str(tmp_path / 'run'))}"]
+            "solver.display=1", "solver.test_iter=1", f"train.run_dir={json.dumps(str(tmp_path / 'run'))}"]
     assert main(["train", "--config", str(tmp_path / "r.toml"), *[a for s in sets for a in ("--set", s)]]) == 0
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in lines if "loss" in r] == [1, 2] and all(r["loss"] > 0 for r in lines if "loss" in r)

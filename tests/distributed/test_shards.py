@@ -59,11 +59,20 @@ def _equal_rank(rank, world, out):
             t.close()
         got[name] = runs
     torch.save(got, Path(out) / f"rank{rank}.pt")
+    if world == 2:  # the same processes check the overflow skip and the auto plan
+        _overflow_rank(rank, world, f"{out}/overflow")
+        _auto_rank(rank, world, f"{out}/auto")
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_slices_are_padded_and_aligned_and_train_as_unsharded(tmp_path, world):
+    """With 2 ranks the same run also skips an overflow on every rank (``_overflow_rank``) and lets the
+    auto plan re-lay out a sharded run (``_auto_rank``)."""
+    for sub in ("overflow", "auto"):
+        (tmp_path / sub).mkdir()
     run_ranks(world, _equal_rank, str(tmp_path))
+    if world == 2:
+        _check_auto(tmp_path / "auto")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for r, got in enumerate(ranks):
         lay = got["layout"]
@@ -108,10 +117,6 @@ def _overflow_rank(rank, world, out):
     assert not all(torch.equal(after[k], v) for k, v in t.flat.master_state().items())
 
 
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_when_sharded(tmp_path):
-    run_ranks(2, _overflow_rank, str(tmp_path))
-
-
 # ---------------------------------------------------------------- snapshots across world sizes
 
 SNAP = ["solver.type=adamw", "solver.base_lr=0.001", "solver.snapshot=3", "solver.max_iter=3"]
@@ -140,10 +145,9 @@ def test_a_sharded_snapshot_is_whole_and_resumes_at_any_world_size_sharded_or_no
     snap = load_snapshot(tmp_path / "snapshot_iter_3.pt")
     masters, state = snap["model"], snap["optimizer"]["state"]
     assert set(state) == {"exp_avg", "exp_avg_sq"}
-    for world, shard in ((3, "optimizer"), (2, "none")):
-        run_ranks(world, _resume_rank, str(tmp_path), shard)
+    run_ranks(3, _resume_rank, str(tmp_path), "optimizer")
     _resume_rank(0, 1, str(tmp_path), "none")  # one solver, unsharded
-    for world, shard in ((3, "optimizer"), (2, "none"), (1, "none")):
+    for world, shard in ((3, "optimizer"), (1, "none")):
         got = torch.load(tmp_path / f"loaded{world}{shard}.pt")
         loaded_masters, loaded_state = got["loaded"]
         for k, v in loaded_masters.items():
@@ -191,8 +195,8 @@ def _auto_rank(rank, world, out):
     torch.save(got, Path(out) / f"rank{rank}.pt")
 
 
-def test_the_auto_plan_re_lays_out_a_sharded_run_and_the_gathers_wait_in_forward_or_at_the_step(tmp_path):
-    run_ranks(2, _auto_rank, str(tmp_path))
+def _check_auto(tmp_path: Path) -> None:
+    """The auto plan re-lays out a sharded run (padded buckets), the gathers waited in forward or at the step."""
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for got in ranks:
         for wait, g in got.items():

@@ -55,14 +55,21 @@ def _frozen_rank(rank, world, out):
         aux.train_step()
     normed = _trainer("byo_models:Normed", ["precision.storage=bf16"], f"{out}/normed", world)
     normed.train_step()
+    shared = _trainer("byo_models:Shared", [], f"{out}/shared", world)
+    for _ in range(4):
+        shared.train_step()
+    torch.save(shared.flat.master_state(), Path(out) / f"shared{rank}.pt")
     torch.save({"trainable": sorted(names), "frozen": t.flat.master_state(), "masters": t.flat.master_state(),
                 "model_bias": t.model.trunk[0].bias.detach().clone(), "aux": aux.flat.master_state(),
                 "norm_dtypes": {n: p.dtype for n, p in normed.model.named_parameters()},
                 "test": aux.test()}, Path(out) / f"rank{rank}.pt")
 
 
-def test_frozen_parameters_are_kept_exactly_and_outputs_and_norms_are_handled(tmp_path):
+def test_frozen_shared_and_tied_parameters_outputs_and_norms(tmp_path):
+    """One 2-rank run of four user models: frozen parameters, a dict output, fp32 norms, and a module
+    used twice with a tied weight."""
     run_ranks(2, _frozen_rank, str(tmp_path))
+    _check_shared(tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     start = _initial("byo_models:Frozen")
     frozen = ["trunk.0.weight", "trunk.0.bias"]  # the config's glob, and the model's own requires_grad=False
@@ -87,22 +94,25 @@ def test_frozen_parameters_are_kept_exactly_and_outputs_and_norms_are_handled(tm
 
 # ---------------------------------------------------------------- unused parameters
 
-def _unused_rank(rank, world, out, mode):
-    handler = _warnings(out, rank)
-    try:
-        t = _trainer("byo_models:Unused", [f"model.unused_parameters={mode}", "model.args.threshold=0.0"], out, world)
-        for _ in range(6):
-            t.train_step()
-        torch.save({"masters": t.flat.master_state(), "momentum": t.flat.state_dict()["momentum"],
-                    "candidates": t.unused.candidates, "taken": t.model.taken}, Path(out) / f"rank{rank}.pt")
-    except ConfigError as e:
-        Path(out, f"error{rank}.txt").write_text(str(e))
-    finally:
-        logging.getLogger("dptrain").removeHandler(handler)
+def _unused_rank(rank, world, out):
+    for mode in ("auto", "error"):
+        handler = _warnings(out, rank) if mode == "auto" else None
+        try:
+            t = _trainer("byo_models:Unused", [f"model.unused_parameters={mode}", "model.args.threshold=0.0"],
+                         f"{out}/{mode}", world)
+            for _ in range(6):
+                t.train_step()
+            torch.save({"masters": t.flat.master_state(), "momentum": t.flat.state_dict()["momentum"],
+                        "candidates": t.unused.candidates, "taken": t.model.taken}, Path(out) / f"rank{rank}.pt")
+        except ConfigError as e:
+            Path(out, f"error{rank}.txt").write_text(str(e))
+        finally:
+            if handler is not None:
+                logging.getLogger("dptrain").removeHandler(handler)
 
 
-def test_unused_parameters_are_reduced_as_zeros_and_left_alone_by_the_update(tmp_path):
-    run_ranks(2, _unused_rank, str(tmp_path), "auto")
+def test_unused_parameters_are_reduced_as_zeros_and_left_alone_by_the_update_or_an_error(tmp_path):
+    run_ranks(2, _unused_rank, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     start = _initial("byo_models:Unused")
     for r in ranks:
@@ -118,32 +128,19 @@ def test_unused_parameters_are_reduced_as_zeros_and_left_alone_by_the_update(tmp
     warned = (tmp_path / "warnings0.log").read_text()
     assert warned.count("got no gradient") == 1 and "dead.weight" in warned, warned
     assert (tmp_path / "warnings1.log").read_text() == ""  # rank 0 says it, once
-
-
-def test_unused_parameters_can_be_an_error_on_every_rank(tmp_path):
-    run_ranks(2, _unused_rank, str(tmp_path), "error")
-    for r in range(2):
+    for r in range(2):  # model.unused_parameters = "error": every rank stops with the same line
         msg = (tmp_path / f"error{r}.txt").read_text()
         assert msg.startswith("model.unused_parameters = \"error\"") and "dead.weight" in msg, msg
 
 
-# ---------------------------------------------------------------- shared parameters
-
-def _shared_rank(rank, world, out):
-    t = _trainer("byo_models:Shared", [], out, world)
-    for _ in range(4):
-        t.train_step()
-    torch.save(t.flat.master_state(), Path(out) / f"rank{rank}.pt")
-
-
-def test_a_module_used_twice_and_a_tied_weight_are_reduced_once(tmp_path):
-    run_ranks(2, _shared_rank, str(tmp_path))
+def _check_shared(tmp_path: Path) -> None:
+    """A module used twice and a tied weight are reduced once: 2 ranks x B train as 1 rank x 2B."""
     ref = _trainer("byo_models:Shared", ["data.batch_size=16"], str(tmp_path / "ref"), 1)
     assert ref.model.proj.weight is ref.model.back.weight
     assert sum(1 for g in ref.flat.groups for s in g.segments if s.name.endswith("proj.weight")) == 1
     for _ in range(4):
         ref.train_step()
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    r0, r1 = (torch.load(tmp_path / f"shared{r}.pt") for r in range(2))
     for name, w in ref.flat.master_state().items():  # a gradient reduced twice would be twice the reference's
         assert torch.equal(r0[name], r1[name]), name
         torch.testing.assert_close(r0[name], w, rtol=1e-5, atol=1e-6, msg=f"{name} vs 1 rank x 2B")
@@ -168,10 +165,14 @@ def _buffers_rank(rank, world, out):
     torch.save({"whole": {**whole.flat.master_state(), **dict(whole.model.named_buffers())},
                 "resumed": {**second.flat.master_state(), **dict(second.model.named_buffers())}},
                Path(out) / f"rank{rank}.pt")
+    _vit_rank(rank, world, f"{out}/vit")
 
 
-def test_buffers_are_averaged_broadcast_or_own_and_resume_bit_exactly(tmp_path):
+def test_buffers_are_averaged_broadcast_or_own_and_resume_bit_exactly_and_the_example_vit_in_fp16(tmp_path):
+    """One 2-rank run: the buffers' model, then the example ViT resumed in fp16 (``_vit_rank``)."""
+    (tmp_path / "vit").mkdir()
     run_ranks(2, _buffers_rank, str(tmp_path))
+    _check_vit(tmp_path / "vit")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
         for name, v in r["whole"].items():
@@ -208,8 +209,8 @@ def _vit_rank(rank, world, out):
     torch.save({"whole": state(whole), "resumed": state(second)}, Path(out) / f"rank{rank}.pt")
 
 
-def test_the_example_vit_resumes_bit_exactly_in_fp16(tmp_path):
-    run_ranks(2, _vit_rank, str(tmp_path))
+def _check_vit(tmp_path: Path) -> None:
+    """The example ViT resumes bit-exactly in fp16 (loss scale, moments and masters)."""
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt")
         for name, v in got["whole"].items():
