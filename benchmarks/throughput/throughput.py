@@ -221,6 +221,20 @@ def autocast_gpu_cases() -> list[Case]:
     return cases
 
 
+def shard_cases(quick: bool) -> list[Case]:
+    """ZeRO-1 on 2 gloo solvers: ResNet-18 CIFAR width 32, bf16, AdamW, unsharded against sharded with the
+    gathers waited in forward and at the step; dptrain alone (the issue's goals compare dptrain with itself:
+    throughput, the update's time per step, ``state_bytes_per_rank``)."""
+    common = dict(model="resnet18_cifar", width=8 if quick else 32, num_classes=10, image_size=32, batch_size=32,
+                  precision="bf16", channels_last=None, peer=False)
+    adamw = ["solver.type=adamw", "solver.base_lr=0.001"]
+    return [Case("ResNet-18 CIFAR 2 solvers bf16 AdamW, unsharded", 2, extra_sets=adamw, **common),
+            Case("ResNet-18 CIFAR 2 solvers bf16 AdamW, sharded, gathers waited in forward", 2,
+                 extra_sets=[*adamw, "reducer.shard=optimizer", "reducer.gather_wait=forward"], **common),
+            Case("ResNet-18 CIFAR 2 solvers bf16 AdamW, sharded, gathers waited at the step", 2,
+                 extra_sets=[*adamw, "reducer.shard=optimizer", "reducer.gather_wait=step"], **common)]
+
+
 def shard_gpu_cases() -> list[Case]:
     """ResNet-50 fp16, batch 256, one GPU (the one-rank communicator path of ``reducer.shard``): sharded
     against unsharded dptrain, no peer (gpu_session.sh's shard stage)."""
@@ -247,7 +261,8 @@ def user_model_gpu_cases() -> list[Case]:
 
 SUITES = {"cpu": cpu_cases, "layout": lambda quick: layout_cases(), "buckets": lambda quick: bucket_cases(),
           "gpu": lambda quick: gpu_cases(), "vit": vit_cases, "autocast": autocast_cases, "byo_gpu": lambda quick: user_model_gpu_cases(),
-          "autocast_gpu": lambda quick: autocast_gpu_cases(), "shard_gpu": lambda quick: shard_gpu_cases()}
+          "autocast_gpu": lambda quick: autocast_gpu_cases(), "shard_gpu": lambda quick: shard_gpu_cases(),
+          "shard": shard_cases}
 """The suites by name, each called with ``--quick`` (the CPU suite's tiny widths)."""
 GPU_SUITES = ("gpu", "byo_gpu", "autocast_gpu", "shard_gpu")
 """The suites run on a GPU (every other suite's dtypes are filtered for the CPU's native kernels)."""
@@ -318,7 +333,8 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} printed a line that is not JSON ({e}): {lines[-1][:200]}") from e
 
 
-PROGRESS_KEYS = ("compiled", "cuda_graphs", "compile_s", "startup_s", "peak_mem_bytes", "state_bytes_per_rank")
+PROGRESS_KEYS = ("compiled", "cuda_graphs", "compile_s", "startup_s", "peak_mem_bytes", "state_bytes_per_rank",
+                 "update_ms")
 """Fields of a run's record repeated in its progress line, beside images/s: what
 benchmarks/gpu/session_summary.py reads from a stage log (whether dptrain really ran compiled, and
 each side's peak memory), even when the stage is cut off before the results file is written."""
