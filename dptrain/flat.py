@@ -64,6 +64,14 @@ def _view(flat: torch.Tensor, like: torch.Tensor, offset: int) -> torch.Tensor:
     return flat.as_strided(like.size(), like.stride(), offset)
 
 
+def _detached(flat: torch.Tensor, like: torch.Tensor, offset: int, *, copy: bool) -> torch.Tensor:
+    """``like``'s values in ``flat`` at ``offset``, detached: a contiguous copy when ``copy`` (a live
+    buffer, which later steps change), else a view in ``like``'s layout (NHWC weights stay strided:
+    a contiguous copy would double what a snapshot of a gathered buffer holds)."""
+    v = _view(flat, like, offset).detach()
+    return v.clone(memory_format=torch.contiguous_format) if copy else v
+
+
 class FlatGroup:
     """The parameters of one dtype: model weights, grads, masters and optimizer state, all flat."""
 
@@ -229,10 +237,12 @@ class FlatGroup:
                 )
 
     def master_state(self, full: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """FP32 master values per parameter name, for snapshots (clones, unpadded); ``full``: the whole
-        group's masters when sharded (gathered by the caller)."""
+        """FP32 master values per parameter name, for snapshots (unpadded); ``full``: the whole group's
+        masters when sharded (gathered by the caller). Values of live buffers are copies; those of a
+        gathered ``full`` are its views, so a snapshot holds no second copy of what it gathered."""
         master = self.master if full is None else full
-        return {s.name: _view(master, s.param, s.offset).detach().clone().contiguous() for s in self.segments}
+        return {s.name: _detached(master, s.param, s.offset, copy=full is None or full is self.params)
+                for s in self.segments}
 
     def load_master_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load FP32 masters by name and re-derive the model weights from them (sharded: every weight,
@@ -247,9 +257,9 @@ class FlatGroup:
                 self.master[p.offset : p.offset + p.size].copy_(full[p.start : p.stop])
 
     def state_dict(self, full: dict[str, torch.Tensor] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-        """The optimizer state per state name, then per parameter name (clones, unpadded); ``full``: the
-        whole group's state when sharded (gathered by the caller)."""
-        return {k: {s.name: _view(buf, s.param, s.offset).clone().contiguous() for s in self.segments}
+        """The optimizer state per state name, then per parameter name (unpadded); ``full``: the whole
+        group's state when sharded (gathered by the caller, whose views the values then are)."""
+        return {k: {s.name: _detached(buf, s.param, s.offset, copy=full is None) for s in self.segments}
                 for k, buf in (self.state if full is None else full).items()}
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -344,9 +354,10 @@ class FlatParams:
         for g in self.groups:  # before any reducer's hooks, which reduce the flat buffer
             for seg in g.segments:
                 seg.param.register_post_accumulate_grad_hook(g.take_grad)
-        self.gather: Callable[[FlatGroup], tuple[torch.Tensor | None, dict[str, torch.Tensor]]] | None = None
-        """When the groups are sharded: a collective that returns a group's whole masters (None for fp32
-        weights) and state, from every solver's parts (``dptrain.distributed.shards``)."""
+        self.gather: Callable[..., tuple[torch.Tensor | None, dict[str, torch.Tensor]]] | None = None
+        """When the groups are sharded: a collective ``gather(group, with_master=..., with_state=...)`` that returns a
+        group's whole masters (None for fp32 weights, or when not asked for) and state (empty when not asked
+        for), from every solver's parts (``dptrain.distributed.shards``)."""
 
     def release_grads(self) -> None:
         """Before the first backward of a training step, while the flat gradients are zero: every
@@ -422,20 +433,21 @@ class FlatParams:
         for g in self.groups:
             g.check_grad_views()
 
-    def _full(self, g: FlatGroup) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None]:
-        """A sharded group's whole masters and state (collective), or (None, None)."""
+    def _full(self, g: FlatGroup, *, master: bool, state: bool) -> tuple[torch.Tensor | None,
+                                                                         dict[str, torch.Tensor] | None]:
+        """A sharded group's whole masters and/or state, as asked (collective), or (None, None)."""
         if g.parts is None:
             return None, None
         assert self.gather is not None, "a sharded group needs the gather of dptrain.distributed.shards"
-        master, state = self.gather(g)
-        return (g.params if master is None else master), state
+        full_master, full_state = self.gather(g, with_master=master, with_state=state)
+        return (g.params if master and full_master is None else full_master), full_state
 
     def master_state(self) -> dict[str, torch.Tensor]:
         """Every parameter's fp32 value by name: the masters of the trainable ones, and the frozen ones'.
         Collective when the masters are sharded (every solver gathers them)."""
         out: dict[str, torch.Tensor] = {n: t.clone() for n, t in self.frozen.items()}
         for g in self.groups:
-            out.update(g.master_state(self._full(g)[0]))
+            out.update(g.master_state(self._full(g, master=True, state=False)[0]))
         return out
 
     def load_master_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -457,7 +469,7 @@ class FlatParams:
         sharded)."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for g in self.groups:
-            for k, per_param in g.state_dict(self._full(g)[1]).items():
+            for k, per_param in g.state_dict(self._full(g, master=False, state=True)[1]).items():
                 out.setdefault(k, {}).update(per_param)
         return out
 

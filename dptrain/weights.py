@@ -153,7 +153,10 @@ def export_snapshot(snapshot: str, out: str) -> dict[str, Any]:
     if dst.exists() and dst.resolve() == src.resolve():
         raise ConfigError(f"export {snapshot!r} {out!r} would overwrite the snapshot itself; choose another OUT path")
     name = state["config"]["model"]["name"]
-    tensors = {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
+    # contiguous copies: a sharded run's snapshot holds views of one gathered buffer per group (NHWC
+    # weights strided), which the file would carry with its padding, each loaded tensor keeping it alive
+    tensors = {k: v.to(torch.float32 if v.is_floating_point() else v.dtype).clone(memory_format=torch.contiguous_format)
+               for k, v in state["model"].items()}
     try:
         save_atomically(to_torchvision(name, tensors), dst)
     except (OSError, RuntimeError) as e:  # RuntimeError: torch's zip writer on a full disk

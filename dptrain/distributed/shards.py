@@ -94,18 +94,22 @@ class Shards:
 
     # ------------------------------------------------------------------ collectives
 
-    def gather_group(self, g: FlatGroup) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    def gather_group(self, g: FlatGroup, *, with_master: bool = True, with_state: bool = True
+                     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """Group ``g``'s whole masters (None for fp32 weights: the weights are the masters, and whole
-        once :meth:`wait_weights` returned) and state, from every solver's parts (collective)."""
+        once :meth:`wait_weights` returned) and state, from every solver's parts (collective); the
+        masters alone or the state alone when the other is not asked for. A snapshot takes them one
+        after the other and keeps views of what was gathered, so beside this solver's slices it holds
+        the unsharded state once, no more."""
         assert self.plan is not None and g.parts is not None, "gather_group needs a sharded group"
         self.wait_weights()
         gi = self.flat.groups.index(g)
         buckets = [b for b in self.plan.buckets if b.group == gi]
-        own = g.master is not g.params
+        own = with_master and g.master is not g.params
         master = torch.zeros(g.numel, dtype=torch.float32, device=g.device) if own else None
-        state = {k: torch.zeros(g.numel, dtype=v.dtype, device=g.device) for k, v in g.state.items()}
+        state = {k: torch.zeros(g.numel, dtype=v.dtype, device=g.device) for k, v in g.state.items()} if with_state else {}
         for b, p in zip(buckets, g.parts, strict=True):
-            pairs = [(state[k], v) for k, v in g.state.items()]
+            pairs = [(state[k], v) for k, v in g.state.items() if k in state]
             if master is not None:
                 pairs.append((master, g.master))
             for full, shard in pairs:

@@ -73,9 +73,10 @@ def capture(parts: StateParts, *, iteration: int, data: dict[str, int], display:
     ``model`` holds every floating buffer and parameter in fp32, the parameters from their
     masters; ``display`` is the running display state, gathered per rank by the caller.
     """
-    model_state = {k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone()
-                   for k, v in parts.model.state_dict().items()}
-    model_state.update(parts.flat.master_state())
+    masters = parts.flat.master_state()  # first: a sharded run gathers them, so no other copy is held meanwhile
+    model_state = {k: masters[k] if k in masters else v.detach().float().clone() if v.is_floating_point()
+                   else v.detach().clone() for k, v in parts.model.state_dict().items()}  # in the model's order
+    model_state.update(masters)
     rng = {"torch": torch.get_rng_state()}
     if parts.comm.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(parts.comm.device)

@@ -122,39 +122,48 @@ def _overflow_rank(rank, world, out):
 SNAP = ["solver.type=adamw", "solver.base_lr=0.001", "solver.snapshot=3", "solver.max_iter=3"]
 
 
-def _write_rank(rank, world, out):
-    t = _trainer([*SNAP, "reducer.shard=optimizer"], out, world)
+def _write_rank(rank, world, out, shard="optimizer"):
+    t = _trainer([*SNAP, f"reducer.shard={shard}"], out, world)
     t.fit()
+    if shard == "optimizer":  # the snapshot's whole state is views of what was gathered, not a second copy
+        storages = {v.untyped_storage().data_ptr() for per in t.flat.state_dict().values() for v in per.values()}
+        assert len(storages) == len(t.flat.groups) * len(t.flat.groups[0].state), storages
     t.close()
 
 
 def _resume_rank(rank, world, out, shard):
-    t = _trainer([*SNAP, f"reducer.shard={shard}", "solver.max_iter=5"], f"{out}/resumed{world}{shard}", world)
-    t.resume(Path(out) / "snapshot_iter_3.pt")
-    loaded = (t.flat.master_state(), t.flat.state_dict())
-    t.train_step()
-    t.weights_whole()
-    finite = all(bool(torch.isfinite(v).all()) for v in t.flat.master_state().values())
-    t.close()
-    if rank == 0:
-        torch.save({"loaded": loaded, "finite": finite}, Path(out) / f"loaded{world}{shard}.pt")
+    for source in ("sharded", "unsharded"):
+        t = _trainer([*SNAP, f"reducer.shard={shard}", "solver.max_iter=5"], f"{out}/resumed{world}{shard}{source}",
+                     world)
+        t.resume(Path(out) / source / "snapshot_iter_3.pt")
+        loaded = (t.flat.master_state(), t.flat.state_dict())
+        t.train_step()
+        t.weights_whole()
+        finite = all(bool(torch.isfinite(v).all()) for v in t.flat.master_state().values())
+        t.close()
+        if rank == 0:
+            torch.save({"loaded": loaded, "finite": finite}, Path(out) / f"loaded{world}{shard}{source}.pt")
 
 
 def test_a_sharded_snapshot_is_whole_and_resumes_at_any_world_size_sharded_or_not(tmp_path):
-    run_ranks(2, _write_rank, str(tmp_path))
-    snap = load_snapshot(tmp_path / "snapshot_iter_3.pt")
-    masters, state = snap["model"], snap["optimizer"]["state"]
-    assert set(state) == {"exp_avg", "exp_avg_sq"}
+    """Written by 2 sharded solvers, resumed by 3 sharded and by 1 unsharded; and the other way round,
+    written by 1 unsharded solver, resumed by 3 sharded."""
+    run_ranks(2, _write_rank, str(tmp_path / "sharded"))
+    _write_rank(0, 1, str(tmp_path / "unsharded"), "none")
     run_ranks(3, _resume_rank, str(tmp_path), "optimizer")
-    _resume_rank(0, 1, str(tmp_path), "none")  # one solver, unsharded
-    for world, shard in ((3, "optimizer"), (1, "none")):
-        got = torch.load(tmp_path / f"loaded{world}{shard}.pt")
-        loaded_masters, loaded_state = got["loaded"]
-        for k, v in loaded_masters.items():
-            assert torch.equal(v, masters[k].float()), (world, shard, k)
-        for name, per in loaded_state.items():
-            assert all(torch.equal(per[k], state[name][k]) for k in per), (world, shard, name)
-        assert got["finite"]
+    _resume_rank(0, 1, str(tmp_path), "none")
+    for source in ("sharded", "unsharded"):
+        snap = load_snapshot(tmp_path / source / "snapshot_iter_3.pt")
+        masters, state = snap["model"], snap["optimizer"]["state"]
+        assert set(state) == {"exp_avg", "exp_avg_sq"}
+        for world, shard in ((3, "optimizer"), (1, "none")):
+            got = torch.load(tmp_path / f"loaded{world}{shard}{source}.pt")
+            loaded_masters, loaded_state = got["loaded"]
+            for k, v in loaded_masters.items():
+                assert torch.equal(v, masters[k].float()), (source, world, shard, k)
+            for name, per in loaded_state.items():
+                assert all(torch.equal(per[k], state[name][k]) for k in per), (source, world, shard, name)
+            assert got["finite"]
 
 
 # ---------------------------------------------------------------- a rank dies in a gather
