@@ -67,6 +67,12 @@ class ModelConfig:
     channels_last: bool | Literal["auto"] = "auto"
     """Store activations NHWC. "auto": wherever it was measured faster (``dptrain.memory_format``: CUDA
     with fp16/bf16 storage; CPU with bf16 where the CPU runs it natively); true/false force it."""
+    attention: Literal["auto", "torch", "math", "flash", "efficient", "cudnn"] = "auto"
+    """The kernel of the model's ``F.scaled_dot_product_attention`` calls (``dptrain.train.attention``).
+    "auto": for a model given by import path, running eagerly on the CPU, the fastest of torch's kernels
+    for the calls' shapes, measured at start-up on rank 0 and kept by a resume; torch's own dispatch
+    elsewhere. "torch": torch's dispatch (its fixed priority: flash, efficient, math). A kernel's name
+    forces it (torch errors where it cannot take the inputs)."""
     compile: CompileSetting = "auto"
     """Compile the model's forward and backward with torch.compile, in segments that keep the
     allreduce overlapped with backward (``dptrain.train.compiled``). Fuses the memory-bound

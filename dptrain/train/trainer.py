@@ -22,6 +22,7 @@ from dptrain.distributed.reducer import Reducer
 from dptrain.distributed.straggler import StepClock, StragglerMonitor
 from dptrain.distributed.unused import UnusedParams
 from dptrain.inductor import point_caches
+from dptrain.models import is_import_path
 from dptrain.observe.metrics import MetricsWriter, TensorBoardWriter
 from dptrain.observe.trace import NullTracer, PhaseTimer, Tracer
 from dptrain.optimizer import MasterOptimizer
@@ -29,6 +30,7 @@ from dptrain.overflow import OverflowLocator, first_nonfinite_layer
 from dptrain.param_groups import resolve_multipliers
 from dptrain.precision import DTYPES, LossScaler, warn_if_slow_on_cpu
 from dptrain.snapshots import RunDir, Snapshots, StateParts
+from dptrain.train import attention
 from dptrain.train.compiled import compile_for_training, eager
 from dptrain.train.display import DisplayWindow
 from dptrain.train.health import HealthWatch, check_loss_scale_floor
@@ -117,6 +119,9 @@ class Trainer:
             storage=cfg.precision.storage, bucket_mb=cfg.reducer.bucket_mb, forward=self._forward,
             batch_shape=(b, c, h, w), dtype=self.dtype, channels_last=channels_last, flat=self.flat, comm=comm)
         """The compiled model's segments (None: the model runs eagerly), ``dptrain.train.compiled``."""
+        self.attention = self._attention_kernel()
+        """The kernel of the model's SDPA calls (``model.attention``, ``dptrain.train.attention``)."""
+        self.snapshots.config["model"]["attention"] = self.attention  # a resume keeps the measured choice
         self._gather_in_forward = (self.shards is not None and cfg.reducer.gather_wait == "forward"
                                    and self.compiled is None and self.world_size > 1)
         """Sharded weights waited for module by module in forward (``reducer.gather_wait``)."""
@@ -142,10 +147,10 @@ class Trainer:
         checks it: if the model cannot take the data's sample shape, or its logits are not
         [batch, num_classes], a ConfigError says so (``assemble.input_error``; diagnosed only then)."""
         if self._input_ok:
-            with self._autocast():
+            with self._autocast(), attention.context(self.attention):
                 return self.model(x)
         try:
-            with self._autocast():
+            with self._autocast(), attention.context(self.attention):
                 out = self.model(x)
         except (RuntimeError, ValueError, AssertionError) as e:
             if (why := input_error(self.cfg, self.source.sample_shape, e)) is None:
@@ -154,6 +159,25 @@ class Trainer:
         check_logits(split_output(out)[0], len(x), self.cfg.model.num_classes, self.cfg.model.name)
         self._input_ok = True
         return out
+
+    def _attention_kernel(self) -> str:
+        """``model.attention`` resolved: "auto" measured on rank 0 and agreed (``dptrain.train.attention``)."""
+        setting = self.cfg.model.attention
+        if setting != "auto":
+            return setting
+        if not is_import_path(self.cfg.model.name) or self.compiled is not None or self.device.type != "cpu":
+            return attention.TORCH
+        kernel, times = attention.TORCH, {}
+        if self.rank == 0:
+            h, w, c = self.source.sample_shape
+            sample = torch.zeros((attention.RECORD_BATCH, c, h, w), dtype=self.dtype, device=self.device)
+            if self.setup.channels_last:
+                sample = sample.contiguous(memory_format=torch.channels_last)
+            kernel, times = attention.choose(self.model, sample, self.cfg.data.batch_size, self._autocast)
+            if times:
+                log.info("model.attention = \"auto\": %s for the model's attention (forward and backward per step: %s)",
+                         kernel, ", ".join(f"{k} {1000 * t:.1f} ms" for k, t in sorted(times.items(), key=lambda kv: kv[1])))
+        return self.comm.broadcast_object(kernel)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return split_output(self._forward(x))[0]
@@ -274,9 +298,21 @@ class Trainer:
         """Continue from snapshot ``path``: every rank checks first that all start at its iteration."""
         self.weights_whole()
         state = self.snapshots.resume(path, self._data_at)
+        self._keep_attention(state["config"].get("model", {}).get("attention"))
         self.iteration = int(state["iteration"])
         self._feeder = None
         self.window.load(state["display"], self.rank, self.iteration)
+
+    def _keep_attention(self, then: str | None) -> None:
+        """A resume runs the snapshot's attention kernel where this run measured its own ("auto",
+        eager): the same numerics as the interrupted run, whatever this start-up's timing said."""
+        if (self.cfg.model.attention != "auto" or self.compiled is not None or then is None or then == self.attention
+                or then not in (attention.TORCH, *attention.KERNELS)):
+            return
+        if self.rank == 0:
+            log.info("model.attention: %s, as the snapshot's run chose (this start measured %s)", then, self.attention)
+        self.attention = then
+        self.snapshots.config["model"]["attention"] = then
 
     # ------------------------------------------------------------------ loop
 
