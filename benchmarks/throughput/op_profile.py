@@ -56,7 +56,8 @@ def dptrain_step(args: argparse.Namespace, run_dir: str) -> tuple[Callable[[], N
         f"model.channels_last={str(args.layout == 'nhwc').lower()}", f"data.image_size={args.image_size}",
         f"data.batch_size={args.batch_size}", f"precision.storage={args.precision}", "data.source=synthetic",
         "solver.base_lr=0.01", "solver.lr_policy=fixed", "solver.warmup_iter=0", "solver.momentum=0.9",
-        "solver.weight_decay=0.0005", "solver.display=0", f"train.run_dir={json.dumps(run_dir)}"])
+        "solver.weight_decay=0.0005", "solver.display=0", f"train.run_dir={json.dumps(run_dir)}",
+        *[f"model.args.{k}={json.dumps(v)}" for k, v in args.model_args.items()], *args.set])
     t = Trainer(cfg, Communicator.from_env(Topology(), 60, torch.device("cpu")))
     return t.train_step, t.close
 
@@ -66,7 +67,7 @@ def peer_step(args: argparse.Namespace) -> Callable[[], None]:
     from benchmarks.throughput.peer import make_step
 
     return make_step(args.model, args.width, 10, args.precision, args.batch_size, args.image_size,
-                     args.layout == "nhwc", torch.device("cpu"))
+                     args.layout == "nhwc", torch.device("cpu"), model_args=args.model_args or None)
 
 
 def report(rounds: list[dict[str, dict[str, tuple[float, float]]]], top: int) -> str:
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="resnet18_cifar")
     ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--model-args", type=json.loads, default={}, help="model.args as JSON, for an import-path --model")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--layout", choices=("nhwc", "nchw"), default="nhwc")
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     ap.add_argument("--top", type=int, default=25, help="operators listed")
+    ap.add_argument("--set", action="append", default=[], help="a dptrain config override (repeatable)")
     args = ap.parse_args(argv)
     if min(args.rounds, args.steps) < 1 or args.warmup < 0:
         print("op_profile.py: error: --rounds and --steps must be >= 1 and --warmup >= 0", file=sys.stderr)

@@ -55,6 +55,8 @@ class Case:
     """The peer under torch.compile in this mode ("default", "reduce-overhead"); None: eager."""
     model_args: dict[str, Any] = field(default_factory=dict)
     """``model.args`` of an import-path ``model`` (the user's own), given to both sides."""
+    phase_steps: int = 3
+    """bench's --phase-steps: the steps its phase times (update_ms and the others) average over."""
 
 
 KEEP_MALLOC_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={hostmem.MMAP_THRESHOLD_BYTES}:"
@@ -171,7 +173,9 @@ CPU runs in tenths of a second."""
 
 def vit_cases(quick: bool) -> list[Case]:
     """The user's ViT (no BatchNorm: LayerNorm, attention, MLP) with 2 gloo solvers against DDP + autocast,
-    the peer NCHW and channels_last (only the patch embedding is a convolution), eager and compiled."""
+    the peer NCHW and channels_last (only the patch embedding is a convolution), eager and compiled, and
+    dptrain with torch's attention dispatch (``model.attention = "torch"``: what the rest gains without
+    the measured kernel choice)."""
     args = {**VIT_CPU_ARGS, **({"dim": 48, "depth": 2} if quick else {})}
     common = dict(model=VIT, width=64, num_classes=10, image_size=32, batch_size=32, model_args=args)
     cases = []
@@ -179,6 +183,8 @@ def vit_cases(quick: bool) -> list[Case]:
         cases += [Case(f"ViT 2 solvers {prec} vs {peer}", 2, precision=prec, channels_last=False, **common),
                   Case(f"ViT 2 solvers {prec} vs {peer} + channels_last", 2, precision=prec, channels_last=False,
                        peer_channels_last=True, **common)]
+    cases.append(Case("ViT 2 solvers bf16, model.attention=torch vs DDP + autocast bf16", 2, precision="bf16",
+                      channels_last=False, extra_sets=["model.attention=torch"], **common))  # without the kernel choice
     cases.append(Case("ViT 2 solvers bf16, model.compile=true vs DDP + autocast bf16 + torch.compile", 2,
                       precision="bf16", channels_last=False, peer_compile="default", extra_sets=COMPILE, **common))
     return cases
@@ -226,7 +232,7 @@ def shard_cases(quick: bool) -> list[Case]:
     gathers waited in forward and at the step; dptrain alone (the issue's goals compare dptrain with itself:
     throughput, the update's time per step, ``state_bytes_per_rank``)."""
     common = dict(model="resnet18_cifar", width=8 if quick else 32, num_classes=10, image_size=32, batch_size=32,
-                  precision="bf16", channels_last=None, peer=False)
+                  precision="bf16", channels_last=None, peer=False, phase_steps=12)
     adamw = ["solver.type=adamw", "solver.base_lr=0.001"]
     return [Case("ResNet-18 CIFAR 2 solvers bf16 AdamW, unsharded", 2, extra_sets=adamw, **common),
             Case("ResNet-18 CIFAR 2 solvers bf16 AdamW, sharded, gathers waited in forward", 2,
@@ -287,7 +293,7 @@ def dptrain_sets(c: Case) -> list[str]:
 def dptrain_cmd(c: Case, steps: int, warmup: int) -> list[str]:
     sets = dptrain_sets(c)
     return [*launcher(c.world_size), "-m", "dptrain", "bench", "--config", str(BASE_CONFIG), "--synthetic",
-            f"--steps={steps}", f"--warmup={warmup}", "--phase-steps=3", *[f"--set={s}" for s in sets]]
+            f"--steps={steps}", f"--warmup={warmup}", f"--phase-steps={c.phase_steps}", *[f"--set={s}" for s in sets]]
 
 
 def peer_cmd(c: Case, steps: int, warmup: int) -> list[str]:
@@ -347,20 +353,28 @@ def progress_line(case: str, side: str, rec: dict | None, error: str | None = No
     return json.dumps({**out, "error": error} if error else out)
 
 
+def _median_of(records: list[dict], key: str) -> float | None:
+    """The median of a field over the records that have it (None: none has)."""
+    xs = [r[key] for r in records if r.get(key) is not None]
+    return statistics.median(xs) if xs else None
+
+
 def render(rows: list[dict], machine: str, date: str, raw: list[dict]) -> str:
     out = [f"# dptrain vs peers: throughput ({date})", "", f"Machine: {machine}", "",
            "Median images/s over the repeats; both sides measured alternately in the same run, same model, "
            "batch, data (synthetic, on the device) and process count; the cases run round-robin, every other "
            "round in reverse order (and the peer first), so no run always follows the same one.", "",
-           "| case | world | dptrain img/s | peer | peer img/s | ratio | dptrain exposed comm ms |",
-           "|---|---|---|---|---|---|---|"]
+           "| case | world | dptrain img/s | peer | peer img/s | ratio | dptrain exposed comm ms | dptrain update ms "
+           "| dptrain state MB per rank |",
+           "|---|---|---|---|---|---|---|---|---|"]
     def num(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
 
     for r in rows:  # "-": no such side, or every run of it failed
         ratio = f"{r['dptrain_ips'] / r['peer_ips']:.3f}x" if r["peer_ips"] and r["dptrain_ips"] else "-"
         out.append(f"| {r['case']} | {r['world_size']} | {num(r['dptrain_ips'])} | {r['peer_name'] or '-'} | "
-                   f"{num(r['peer_ips'])} | {ratio} | {num(r['exposed_comm_ms'])} |")
+                   f"{num(r['peer_ips'])} | {ratio} | {num(r['exposed_comm_ms'])} | {num(r.get('update_ms'))} | "
+                   f"{num(r.get('state_mb'))} |")
     out += ["", "Raw JSON lines:", "", "```"] + [json.dumps(x) for x in raw] + ["```", ""]
     return "\n".join(out)
 
@@ -447,7 +461,9 @@ def main() -> int:
                      "dptrain_ips": statistics.median(r["images_per_s"] for r in ours) if ours else None,
                      "peer_ips": statistics.median(r["images_per_s"] for r in theirs) if theirs else None,
                      "peer_name": theirs[-1].get("peer") if theirs else None,
-                     "exposed_comm_ms": statistics.median(r["exposed_comm_ms"] for r in ours) if ours else None})
+                     "exposed_comm_ms": statistics.median(r["exposed_comm_ms"] for r in ours) if ours else None,
+                     "update_ms": _median_of(ours, "update_ms"),
+                     "state_mb": (_median_of(ours, "state_bytes_per_rank") or 0) / 1e6 or None})
     ours = next((r for r in raw if r["side"] == "dptrain"), None)  # bench's record names the machine
     device = ours["device"] if ours else "unknown device"
     machine = f"{device}; {platform.platform()}; torch {ours['versions']['torch'] if ours else '?'}"
