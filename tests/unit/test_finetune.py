@@ -323,3 +323,34 @@ def _lmdb_without_a_test_set(path: Path) -> str:
     write_lmdb(path, iter(zip([f"{i:08d}".encode() for i in range(8)], values, strict=True)), 8)
     return str(path)
 
+
+
+# ----------------------------------------------------------------------------- a user's model
+
+VIT = ['model.name="examples.vit:VisionTransformer"', "model.args.dim=32", "model.args.depth=2", "model.args.heads=2",
+       'model.freeze=["patch_embed.*"]', "model.attention=math"]
+
+
+def test_a_user_model_goes_through_test_export_and_weights_with_its_frozen_layer(cfg, tmp_path, capsys):
+    """The example ViT by import path, its patch embedding frozen: `dptrain test` scores the snapshot,
+    `export` writes the model's own names (loaded strictly by the user's class, the frozen values
+    exact), and `train --weights` starts a new run from it with those values."""
+    from examples.vit import VisionTransformer
+
+    assert main(["train", "--config", cfg, *_sets(tmp_path / "a", *VIT, "solver.max_iter=4", "solver.snapshot=4")]) == 0
+    capsys.readouterr()
+    snap = tmp_path / "a" / "snapshot_iter_4.pt"
+    state = load_snapshot(snap)["model"]
+    assert main(["test", "--config", cfg, "--weights", str(snap), *_sets(tmp_path / "a", *VIT)]) == 0
+    scored = _one_json_line(capsys)
+    assert scored["test_samples"] == 297 and 0.0 <= scored["test_top1"] <= 1.0
+    assert main(["export", str(snap), str(tmp_path / "vit.pt")]) == 0
+    assert _one_json_line(capsys)["names"] == "the model's own"
+    model = VisionTransformer(num_classes=10, dim=32, depth=2, heads=2)
+    model.load_state_dict(torch.load(tmp_path / "vit.pt", weights_only=True), strict=True)
+    assert all(torch.equal(v, state[k].float()) for k, v in model.state_dict().items())
+    assert main(["train", "--config", cfg, "--weights", str(snap),
+                 *_sets(tmp_path / "b", *VIT, "solver.max_iter=1", "solver.snapshot=1")]) == 0
+    after = load_snapshot(tmp_path / "b" / "snapshot_iter_1.pt")["model"]
+    assert torch.equal(after["patch_embed.weight"], state["patch_embed.weight"])  # frozen: carried, kept exactly
+    assert not torch.equal(after["head.weight"], state["head.weight"])  # trained on from the snapshot's
