@@ -340,7 +340,7 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
 
 
 PROGRESS_KEYS = ("compiled", "cuda_graphs", "compile_s", "startup_s", "peak_mem_bytes", "state_bytes_per_rank",
-                 "update_ms")
+                 "update_ms", "gather_ms")
 """Fields of a run's record repeated in its progress line, beside images/s: what
 benchmarks/gpu/session_summary.py reads from a stage log (whether dptrain really ran compiled, and
 each side's peak memory), even when the stage is cut off before the results file is written."""

@@ -87,6 +87,7 @@ TENSORBOARD_TAGS = {
     "skipped_steps": "train/skipped_steps", "test_top1": "test/top1", "test_top5": "test/top5",
     "straggler_gap_ms": "ranks/straggler_gap_ms", "data_wait_ms": "phases/data_wait_ms", "forward_ms": "phases/forward_ms",
     "backward_ms": "phases/backward_ms", "exposed_comm_ms": "phases/exposed_comm_ms", "update_ms": "phases/update_ms",
+    "gather_ms": "phases/gather_ms",
 }
 """metrics.jsonl keys written as TensorBoard scalars, and their tags."""
 

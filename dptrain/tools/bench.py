@@ -40,7 +40,8 @@ from dptrain.train import Trainer
 
 log = logging.getLogger(__name__)
 
-PHASES = ("data_wait", "forward", "backward", "exposed_comm", "update")
+PHASES = ("data_wait", "forward", "backward", "exposed_comm", "update", "gather")
+"""The timed phases of a step; "gather" launches the updated weights' all-gathers (``reducer.shard``; 0 unsharded)."""
 
 
 def versions() -> dict[str, str | None]:

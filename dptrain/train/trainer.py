@@ -237,7 +237,8 @@ class Trainer:
         with self.phases("update"):
             self.weights_whole()  # a gather in flight (a module forward skipped) must not race the update
             self.lr = self.optimizer.step(self.iteration)
-            if self.shards is not None:
+        if self.shards is not None:
+            with self.phases("gather"):  # communication, timed apart from the update it follows
                 self.shards.gather_weights()  # waited for before the next forward reads them
         self.iteration += 1
         self.control.submit(self.iteration, reduce=False)  # summed by the reducer's collective

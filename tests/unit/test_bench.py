@@ -13,7 +13,7 @@ from dptrain.kernels import native
 SCHEMA = {
     "images_per_s": float, "images_per_s_per_solver": float, "step_ms_median": float, "step_ms_p90": float,
     "data_wait_ms": float, "forward_ms": float, "backward_ms": float, "exposed_comm_ms": float,
-    "update_ms": float, "peak_mem_bytes": int, "bytes_per_param": dict, "versions": dict, "device": str,
+    "update_ms": float, "gather_ms": float, "peak_mem_bytes": int, "bytes_per_param": dict, "versions": dict, "device": str,
     "world_size": int, "batch_size": int, "global_batch": int, "iter_size": int, "model": str,
     "precision": str, "config_hash": str, "git_commit": str, "steps": int, "warmup": int, "startup_s": float,
     "compiled": bool,
