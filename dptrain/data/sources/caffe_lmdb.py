@@ -29,7 +29,7 @@ import lmdb
 import numpy as np
 
 from dptrain.config import DataConfig
-from dptrain.data.sources.records import RecordSource
+from dptrain.data.sources.records import RecordHandle, RecordSource
 from dptrain.data.transforms.render import DEFAULT_RENDER, RenderOptions
 from dptrain.errors import DataError
 
@@ -84,7 +84,7 @@ def _open_env(path: str, rank: int) -> lmdb.Environment:
         return env
 
 
-class _Handle:
+class _Handle(RecordHandle):
     """One thread's read transaction and cursor.
 
     After any lmdb error the transaction is aborted and a new one begun before the next read:
@@ -113,13 +113,6 @@ class _Handle:
         if isinstance(e, DAMAGED_ERRORS):
             return damaged(e)
         return DataError(f"LMDB read failed ({e})")
-
-    def get(self, index: int) -> tuple[bytes, bytes]:
-        """(key, value) of record ``index``; DataError if it cannot be read."""
-        keys, values, errors = self.get_many([index])
-        if errors:
-            raise errors[0]
-        return keys[0], values[0]
 
     def get_many(self, indices: list[int]) -> tuple[list[bytes], list[bytes], dict[int, DataError]]:
         """(keys, values, errors) of records ``indices``: a record that cannot be read has key

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from dptrain.config import DataConfig
-from dptrain.data.sources.records import RecordSource
+from dptrain.data.sources.records import RecordHandle, RecordSource
 from dptrain.data.transforms.render import DEFAULT_RENDER, RenderOptions
 from dptrain.errors import ConfigError, DataError, InputError
 
@@ -116,17 +116,11 @@ class FileReader:
         return _FileHandle(self)
 
 
-class _FileHandle:
+class _FileHandle(RecordHandle):
     """One reader thread's access to the files (the OS reads them; Python's file read releases the GIL)."""
 
     def __init__(self, reader: FileReader) -> None:
         self.path, self.kind, self._r = reader.path, reader.kind, reader
-
-    def get(self, index: int) -> tuple[bytes, bytes]:
-        keys, values, errors = self.get_many([index])
-        if errors:
-            raise errors[0]
-        return keys[0], values[0]
 
     def get_many(self, indices: list[int]) -> tuple[list[bytes], list[bytes], dict[int, DataError]]:
         """(keys, values, errors) of records ``indices``, as ``LmdbReader``'s handle gives them: the key is

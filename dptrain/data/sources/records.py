@@ -61,6 +61,23 @@ def default_threads(cfg: DataConfig, cores: int, *, training_on_cuda: bool = Fal
     return readers, cfg.transformer_threads or renderers
 
 
+class RecordHandle:
+    """One reader thread's access to a source's records: ``get_many`` is the source's own (one loop over
+    a chunk's records), ``get`` the one-record case of it."""
+
+    def get_many(self, indices: list[int]) -> tuple[list[bytes], list[bytes], dict[int, DataError]]:
+        """(keys, values, errors) of records ``indices``; a record that cannot be read has value b"" and
+        its DataError under its place in the list."""
+        raise NotImplementedError
+
+    def get(self, index: int) -> tuple[bytes, bytes]:
+        """(key, value) of record ``index``; DataError if it cannot be read."""
+        keys, values, errors = self.get_many([index])
+        if errors:
+            raise errors[0]
+        return keys[0], values[0]
+
+
 class RecordSource:
     """DataSource over readable records: a training set and an optional test set, each a
     :class:`~dptrain.data.loader.stream.RecordReader` (an LMDB of Caffe Datums, image files), read and
