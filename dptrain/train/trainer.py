@@ -114,13 +114,15 @@ class Trainer:
         self.clock = StepClock(self.device)
         self.stragglers = StragglerMonitor(comm, cfg.train.straggler_warn, comm.allgather_object(socket.gethostname()))
         (h, w, c), b = self.source.sample_shape, cfg.data.batch_size
+        self.attention = attention.TORCH
+        """The kernel of the model's SDPA calls (``model.attention``, ``dptrain.train.attention``): torch's
+        own dispatch while compiling (a compiled model keeps it), then the resolved setting."""
         self.compiled = compile_for_training(
             self.model, cfg.model.compile if compile_model else False, graphs=cfg.model.compile_graphs,
             storage=cfg.precision.storage, bucket_mb=cfg.reducer.bucket_mb, forward=self._forward,
             batch_shape=(b, c, h, w), dtype=self.dtype, channels_last=channels_last, flat=self.flat, comm=comm)
         """The compiled model's segments (None: the model runs eagerly), ``dptrain.train.compiled``."""
         self.attention = self._attention_kernel()
-        """The kernel of the model's SDPA calls (``model.attention``, ``dptrain.train.attention``)."""
         self.snapshots.config["model"]["attention"] = self.attention  # a resume keeps the measured choice
         self._gather_in_forward = (self.shards is not None and cfg.reducer.gather_wait == "forward"
                                    and self.compiled is None and self.world_size > 1)
