@@ -28,9 +28,10 @@ def _train_the_example(tmp_path, *sets: str) -> dict:
 
 
 def test_the_example_vision_transformer_learns_the_digits_with_two_solvers(tmp_path):
-    """Half the recipe's iterations (the whole recipe is make test-slow's): far above chance (10 %)."""
-    final = _train_the_example(tmp_path, "solver.max_iter=200")
-    assert final["test_top1"] >= 0.7, final
+    """A quarter of the recipe's iterations (the whole recipe is make test-slow's): far above chance
+    (10 %; 53.5 % measured)."""
+    final = _train_the_example(tmp_path, "solver.max_iter=100")
+    assert final["test_top1"] >= 0.4, final
 
 
 @pytest.mark.slow
