@@ -1,7 +1,7 @@
 """Digits top-1 with 2 gloo solvers for each precision mode and for sharded masters, against the
-recipe each is a variant of.
+recipe each is a variant of, and for a user's model in each storage dtype.
 
-Two comparisons, each between runs of the same recipe that differ in one setting:
+Three groups of runs of one recipe that differ in one setting:
 
 - **O1 beside O2** (``precision.mode``): LeNet with ``launch/configs/digits.toml`` (SGD) in fp16 and
   bf16, storage mode (16-bit weights, fp32 masters) against autocast mode (fp32 weights under
@@ -10,16 +10,19 @@ Two comparisons, each between runs of the same recipe that differ in one setting
   unsharded against ``reducer.shard = "optimizer"``, in fp32 and in bf16. The bars: final top-1 within
   0.5 point; the weights after 50 iterations within 1e-5 relative of unsharded (a reduce-scatter may
   sum in another order than the allreduce), and identical on both ranks.
+- **A user's model** (``precision.storage``): the example vision transformer by import path with
+  ``examples/vit_digits.toml`` (AdamW, cosine) in fp32, bf16 and fp16. The bar: 95 % top-1 in each.
 
 Every run trains 400 iterations of 32 images per solver (global batch 64) with the recipe's schedule,
 in two processes of one thread each that share the 2 cores, and tests on the whole test set once at
 the end. The relative difference is the fp32 masters'; "identical on both ranks" compares the masters and
 the model's weights and buffers bit for bit, after the gathers.
 
-    python -m benchmarks.solvers.digits_modes            # about 10 minutes on 2 cores
-    python -m benchmarks.solvers.digits_modes --only shard
+    python -m benchmarks.solvers.digits_modes            # about 14 minutes on 2 cores
+    python -m benchmarks.solvers.digits_modes --only vit
 
-Writes ``benchmarks/results/modes_digits_cpu2_<yyyymmdd>.md`` with one JSON line per run.
+Writes ``benchmarks/results/modes_digits_cpu2_<yyyymmdd>.md`` (``modes_digits_<groups>_cpu2_...`` for
+some of the groups) with one JSON line per run.
 """
 from __future__ import annotations
 
@@ -46,11 +49,12 @@ REPO = Path(__file__).resolve().parents[2]
 CHECK_ITER = 50
 """The iteration whose weights the shard comparison checks."""
 
-MODES = {f"{dtype} {mode}": ("digits.toml", [f"precision.storage={dtype}", f"precision.mode={mode}"])
+MODES = {f"{dtype} {mode}": ("launch/configs/digits.toml", [f"precision.storage={dtype}", f"precision.mode={mode}"])
          for dtype in ("fp16", "bf16") for mode in ("storage", "autocast")}
-SHARDS = {f"{dtype} shard={shard}": ("digits_adamw.toml", [f"precision.storage={dtype}", f"reducer.shard={shard}"])
+SHARDS = {f"{dtype} shard={shard}": ("launch/configs/digits_adamw.toml", [f"precision.storage={dtype}", f"reducer.shard={shard}"])
           for dtype in ("fp32", "bf16") for shard in ("none", "optimizer")}
-GROUPS = {"modes": MODES, "shard": SHARDS}
+VIT = {f"vit {dtype}": ("examples/vit_digits.toml", [f"precision.storage={dtype}"]) for dtype in ("fp32", "bf16", "fp16")}
+GROUPS = {"modes": MODES, "shard": SHARDS, "vit": VIT}
 
 
 def _weights(t: Trainer) -> dict[str, dict[str, torch.Tensor]]:
@@ -69,7 +73,7 @@ def _worker(rank: int, world: int, init: str, out: str, runs: dict[str, tuple[st
                             timeout=timedelta(seconds=300))
     try:
         for n, (name, (recipe, sets)) in enumerate(runs.items()):
-            cfg = load_config(REPO / "launch" / "configs" / recipe,
+            cfg = load_config(REPO / recipe,
                               [*sets, "train.device=cpu", "solver.display=0", "solver.test_interval=0",
                                f"train.run_dir={json.dumps(f'{out}/run{n}')}"])
             t = Trainer(cfg, Communicator.from_initialized(torch.device("cpu")))
@@ -81,8 +85,9 @@ def _worker(rank: int, world: int, init: str, out: str, runs: dict[str, tuple[st
             top1 = t.test()["test_top1"]
             t.close()
             if rank == 0:
-                rec = {"run": name, "recipe": f"launch/configs/{recipe}", "sets": sets, "test_top1": top1,
-                       "max_iter": cfg.solver.max_iter, "seconds": round(time.perf_counter() - t0, 1)}
+                rec = {"run": name, "recipe": recipe, "sets": sets, "test_top1": top1,
+                       "max_iter": cfg.solver.max_iter, "seconds": round(time.perf_counter() - t0, 1),
+                       "attention": t.attention}
                 with open(Path(out) / "runs.jsonl", "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 print(json.dumps(rec), flush=True)
@@ -133,10 +138,19 @@ def main(argv: list[str] | None = None) -> int:
             ok &= abs(100 * (b - a)) <= 0.5 and rel <= 1e-5 and same
             rows.append(f"| {dtype} | {a:.4f} | {b:.4f} | {100 * (b - a):+.2f} | {rel:.2e}; {worst:.2e} | {same} |")
         rows.append("")
+    if "vit" in args.only:
+        rows += ["## A user's model: `examples/vit_digits.toml` (`examples.vit:VisionTransformer`, AdamW)", "",
+                 "| storage | top-1 | model.attention chosen |", "|---|---|---|"]
+        for dtype in ("fp32", "bf16", "fp16"):
+            r = recs[f"vit {dtype}"]
+            ok &= r["test_top1"] >= 0.95
+            rows.append(f"| {dtype} | {r['test_top1']:.4f} | {r['attention']} |")
+        rows.append("")
     today = datetime.date.today().strftime("%Y%m%d")
-    out = Path(args.out) / f"modes_digits_cpu2_{today}.md"
-    text = [f"# Digits top-1, 2 gloo solvers: precision modes and sharded masters ({today})", "",
-            f"`python -m benchmarks.solvers.digits_modes --only {' '.join(args.only)}`: LeNet, 400 iterations of "
+    groups = "" if set(args.only) == set(GROUPS) else "_".join(sorted(args.only)) + "_"
+    out = Path(args.out) / f"modes_digits_{groups}cpu2_{today}.md"
+    text = [f"# Digits top-1, 2 gloo solvers: precision modes, sharded masters and a user's model ({today})", "",
+            f"`python -m benchmarks.solvers.digits_modes --only {' '.join(args.only)}`: 400 iterations of "
             "32 images per solver, the recipe's schedule, one test over the whole test set at the end.", "",
             f"Device: {device_name(torch.device('cpu'))}; git {git_commit()}; versions {json.dumps(versions())}", "",
             *rows, "Raw records:", "", "```", *(json.dumps(r) for r in recs.values()), "```", ""]
