@@ -42,3 +42,9 @@ def start_ranks(world_size, fn, *args, timeout_s=10):
     for p in procs:
         p.start()
     return procs, tmp
+
+
+def inf_in_one_gradient(param: torch.Tensor):
+    """Put an inf into element [0, 0] of ``param``'s gradient in each backward; returns the hook's handle."""
+    return param.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])),
+                                                     torch.tensor(float("inf"), dtype=g.dtype)))

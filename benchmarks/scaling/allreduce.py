@@ -41,15 +41,21 @@ def tree_allreduce(nbytes: float, n: int, alpha_us: float, busbw_gbs: float) -> 
     return Cost(2 * math.ceil(math.log2(n)) * alpha_us / 1e3, 2 * nbytes / (busbw_gbs * GB) * 1e3, "tree")
 
 
+def _gpus_per_node(m: Machine, nodes: int, gpus_per_node: int | None) -> int:
+    """The GPUs per node a collective runs on (``m``'s unless given); more than one node needs ``m``'s
+    network entry."""
+    if nodes > 1 and m.network is None:
+        raise ValueError(f"machine {m.name!r} has no network entry; it can only be modelled as one node")
+    return gpus_per_node or m.gpus_per_node
+
+
 def allreduce_cost(nbytes: float, m: Machine, nodes: int, algorithm: Algorithm = "best",
                    gpus_per_node: int | None = None) -> Cost:
     """Allreduce time of ``nbytes`` on ``nodes`` x ``gpus_per_node`` GPUs of machine ``m``."""
-    g = gpus_per_node or m.gpus_per_node
+    g = _gpus_per_node(m, nodes, gpus_per_node)
     n, nv, launch = nodes * g, m.nvlink, m.launch_us / 1e3
     if n <= 1:
         return Cost(0.0, 0.0, "none")
-    if nodes > 1 and m.network is None:
-        raise ValueError(f"machine {m.name!r} has no network entry; it can only be modelled as one node")
     cands: dict[str, Cost] = {}
     if nodes == 1:
         r, t = ring_allreduce(nbytes, n, nv.alpha_us, nv.busbw_gbs), tree_allreduce(nbytes, n, nv.alpha_us, nv.busbw_gbs)
@@ -105,12 +111,10 @@ def scatter_gather_cost(nbytes: float, m: Machine, nodes: int, algorithm: Algori
     bus bandwidth, half the NVLS allreduce (which is a reduce-scatter and an all-gather through the
     switch). ``algorithm``: "ring" or "nvls" where it applies, else the fastest of these (an allreduce
     algorithm with no reduce-scatter, tree or hierarchical, leaves NCCL the ring)."""
-    g = gpus_per_node or m.gpus_per_node
+    g = _gpus_per_node(m, nodes, gpus_per_node)
     n, nv, launch = nodes * g, m.nvlink, m.launch_us / 1e3
     if n <= 1:
         return Cost(0.0, 0.0, "none")
-    if nodes > 1 and m.network is None:
-        raise ValueError(f"machine {m.name!r} has no network entry; it can only be modelled as one node")
     if nodes == 1:
         r = ring_scatter_gather(nbytes, n, nv.alpha_us, nv.busbw_gbs)
         cands = {"ring": Cost(launch + r.latency_ms, r.transfer_ms, "ring")}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from dist_harness import inf_in_one_gradient, run_ranks
 from dptrain.config import load_config
 from dptrain.distributed.comm import Communicator
 from dptrain.flat import ALIGN_ELEMS
@@ -102,9 +102,7 @@ def _overflow_rank(rank, world, out):
     t.weights_whole()
     before = t.flat.master_state()
     if rank == 1:  # only rank 1 sees an inf, in one gradient element, in rank 0's slice or its own
-        w = t.model.classifier[3].weight
-        handle = w.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])),
-                                                       torch.tensor(float("inf"), dtype=g.dtype)))
+        handle = inf_in_one_gradient(t.model.classifier[3].weight)
     t.train_step()
     if rank == 1:
         handle.remove()
