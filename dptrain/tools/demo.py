@@ -55,7 +55,7 @@ def _start_demo_run(run_dir: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the digits recipe under torchrun with ``nproc`` solvers; print wall time and top-1."""
+    """Run the digits recipe under torchrun with ``nproc`` solvers; log wall time and top-1."""
     import torch
 
     from dptrain.observe.metrics import read_metrics
@@ -91,6 +91,6 @@ def main(args: argparse.Namespace) -> int:
         return rc
     tests = [r for r in read_metrics(run_dir / "metrics.jsonl") if "test_top1" in r]
     top1 = tests[-1]["test_top1"]
-    print(f"demo: {nproc} solver(s), data {cfg.data.source}, {wall_s:.1f} s wall, final test top-1 "
-          f"{100 * top1:.2f}% on {tests[-1]['test_samples']} held-out digits")
+    log.info("demo: %d solver(s), data %s, %.1f s wall, final test top-1 %.2f%% on %d held-out digits",
+             nproc, cfg.data.source, wall_s, 100 * top1, tests[-1]["test_samples"])
     return 0

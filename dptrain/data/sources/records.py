@@ -9,6 +9,7 @@ over this rank's sample order. Samples are HWC **RGB** uint8, so ``data.mean_val
 """
 from __future__ import annotations
 
+import abc
 import logging
 import math
 
@@ -61,14 +62,14 @@ def default_threads(cfg: DataConfig, cores: int, *, training_on_cuda: bool = Fal
     return readers, cfg.transformer_threads or renderers
 
 
-class RecordHandle:
+class RecordHandle(abc.ABC):
     """One reader thread's access to a source's records: ``get_many`` is the source's own (one loop over
     a chunk's records), ``get`` the one-record case of it."""
 
+    @abc.abstractmethod
     def get_many(self, indices: list[int]) -> tuple[list[bytes], list[bytes], dict[int, DataError]]:
         """(keys, values, errors) of records ``indices``; a record that cannot be read has value b"" and
         its DataError under its place in the list."""
-        raise NotImplementedError
 
     def get(self, index: int) -> tuple[bytes, bytes]:
         """(key, value) of record ``index``; DataError if it cannot be read."""
