@@ -434,23 +434,25 @@ class Communicator:
         """Start a SUM reduce-scatter of ``input`` into ``output`` (this rank's 1/world_size of it; may be
         the matching slice of ``input`` itself: in place) and return its handle. Streams as
         :meth:`allreduce_async`."""
-        if not self.distributed:
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
-            return _DoneWork()
-        seq = self.flight.enter("reduce_scatter_async", tag=tag, nbytes=input.numel() * input.element_size())
-        work = _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, async_op=True)
-        return _TorchWork(work, self.timeout_s, self.watcher if input.is_cuda else None, self.flight, seq)
+        return self._tensor_collective("reduce_scatter_async", tag, input.numel() * input.element_size(),
+                                       _REDUCE_SCATTER, output, input, op=dist.ReduceOp.SUM)
 
     def all_gather_async(self, output: torch.Tensor, input: torch.Tensor, tag: int = -1) -> Work:
         """Start an all-gather of every rank's ``input`` into ``output`` (rank r's at r/world_size of it;
         ``input`` may be that slice of ``output`` itself: in place) and return its handle."""
+        return self._tensor_collective("all_gather_async", tag, output.numel() * output.element_size(),
+                                       _ALL_GATHER, output, input)
+
+    def _tensor_collective(self, name: str, tag: int, nbytes: int, collective: Callable[..., Any],
+                           output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Work:
+        """Start ``collective(output, input)`` async, recorded in the flight record as ``name``; one solver: the
+        input copied to the output (nothing to do in place)."""
         if not self.distributed:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _DoneWork()
-        seq = self.flight.enter("all_gather_async", tag=tag, nbytes=output.numel() * output.element_size())
-        work = _ALL_GATHER(output, input, async_op=True)
+        seq = self.flight.enter(name, tag=tag, nbytes=nbytes)
+        work = collective(output, input, async_op=True, **kwargs)
         return _TorchWork(work, self.timeout_s, self.watcher if input.is_cuda else None, self.flight, seq)
 
     def watcher(self) -> CompletionWatcher:

@@ -316,9 +316,8 @@ class Reducer:
         try:
             if self.shards is not None:  # in place: this solver's slice of the bucket takes the sum
                 sent = wire if wire is not None else view
-                size = sent.numel() // self.world_size
-                mine = sent[self.comm.rank * size : (self.comm.rank + 1) * size]
-                work = self.comm.reduce_scatter_async(mine, sent, tag=b.index)
+                lo, hi = self.shards.owned(b)
+                work = self.comm.reduce_scatter_async(sent[lo - b.start : hi - b.start], sent, tag=b.index)
             else:
                 work = self._collective.allreduce_async(wire if wire is not None else view, tag=b.index)
         except Exception as e:  # backend error at enqueue: a peer already gone

@@ -47,6 +47,8 @@ class Shards:
         self.flat, self.comm = flat, comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.plan: BucketPlan | None = None
+        self._bucket_of: dict[str, int] = {}
+        """Parameter name -> index of its bucket in :attr:`plan`."""
         self._gathers: dict[int, Work] = {}
         """Bucket index -> its weights' all-gather in flight."""
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -76,7 +78,7 @@ class Shards:
         padded = _replace_ranges(plan, self.flat)
         for gi, g in enumerate(self.flat.groups):
             g.shard([self.owned(b) for b in padded.buckets if b.group == gi])
-        self.plan = padded
+        self.plan, self._bucket_of = padded, padded.bucket_of()
         return padded
 
     def unshard(self) -> None:
@@ -90,7 +92,7 @@ class Shards:
         for g in self.flat.groups:  # the spare elements belong to the old buckets
             if any(s.pad for s in g.segments):
                 g.relayout([s.name for s in g.segments], {})
-        self.plan = None
+        self.plan, self._bucket_of = None, {}
 
     # ------------------------------------------------------------------ collectives
 
@@ -151,17 +153,11 @@ class Shards:
 
     def _waiter(self, names: list[str]):
         def hook(module: torch.nn.Module, args: tuple) -> None:
-            if self._gathers and self.plan is not None:
-                of = self._bucket_of()
+            if self._gathers:
+                of = self._bucket_of
                 self.wait_weights(sorted({of[n] for n in names if n in of}))
 
         return hook
-
-    def _bucket_of(self) -> dict[str, int]:
-        assert self.plan is not None, "a sharded run always has a plan"
-        if getattr(self, "_of_plan", None) is not self.plan:
-            self._of, self._of_plan = self.plan.bucket_of(), self.plan
-        return self._of
 
     def close(self) -> None:
         """Remove the forward hooks (the model stays usable without the shards)."""
