@@ -197,7 +197,8 @@ AUTOCAST = ["precision.mode=autocast"]
 def autocast_cases(quick: bool) -> list[Case]:
     """O1 beside O2 on 2 gloo solvers, bf16, against DDP + autocast bf16 (the same numerics as O1):
     ResNet-18 CIFAR width 32 and the ViT of the vit suite; dptrain in autocast mode with bf16 and with
-    fp32 on the wire (``reducer.dtype``), and in storage mode."""
+    fp32 on the wire (``reducer.dtype``), and in storage mode; and autocast mode compiled
+    (``model.compile``) against the peer under torch.compile."""
     resnet = dict(model="resnet18_cifar", width=8 if quick else 32, num_classes=10, image_size=32, batch_size=32,
                   channels_last=None)
     vit = dict(model=VIT, width=64, num_classes=10, image_size=32, batch_size=32, channels_last=False,
@@ -210,7 +211,9 @@ def autocast_cases(quick: bool) -> list[Case]:
                        extra_sets=AUTOCAST, **extra, **common),
                   Case(f"{name} 2 solvers, autocast bf16 (fp32 on the wire) {peer}", 2, precision="bf16",
                        extra_sets=[*AUTOCAST, "reducer.dtype=fp32"], **extra, **common),
-                  Case(f"{name} 2 solvers, storage bf16 {peer}", 2, precision="bf16", **extra, **common)]
+                  Case(f"{name} 2 solvers, storage bf16 {peer}", 2, precision="bf16", **extra, **common),
+                  Case(f"{name} 2 solvers, autocast bf16, model.compile=true {peer} + torch.compile", 2,
+                       precision="bf16", extra_sets=[*AUTOCAST, *COMPILE], peer_compile="default", **extra, **common)]
     return cases
 
 
