@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> dict:
         raise InputError(f"make-lmdb takes SOURCE OUT (or --digits OUT), got {args.paths}")
     source, out = Path(args.paths[0]), args.paths[1]
     if source.is_dir():
-        items, classes = list_image_folder(source)
+        items, classes = list_image_folder(source, "make-lmdb SOURCE")
         root = source
     else:
         items, classes = read_list_file(source), []

@@ -137,3 +137,49 @@ def test_bad_data_is_one_line_and_exit_2_with_nothing_written(folder, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dptrain: error: "), err
     assert not (tmp_path / "run").exists()
+
+
+def test_images_below_a_class_folder_are_found_at_any_depth_under_its_label(tmp_path):
+    from dptrain.data.sources.files import list_image_folder
+
+    for rel in ("cat/a.jpg", "cat/sub/b.jpg", "cat/sub/deeper/c.png", "cat/.hidden/d.jpg", "dog/only/e.jpg"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(_jpeg(0))
+    (tmp_path / "cat" / "sub" / "loop").symlink_to(tmp_path / "cat")  # a link cycle: each folder read once
+    items, classes = list_image_folder(tmp_path)
+    assert classes == ["cat", "dog"]
+    assert items == [("cat/a.jpg", 0), ("cat/sub/b.jpg", 0), ("cat/sub/deeper/c.png", 0), ("dog/only/e.jpg", 1)]
+
+
+def test_a_dangling_class_link_a_file_for_a_folder_and_an_unreadable_file_are_named(tmp_path, folder):
+    from dptrain.data.sources.files import list_image_folder
+
+    root = tmp_path / "linked"
+    root.mkdir()
+    for c in ("ant", "cat"):
+        (root / c).mkdir()
+        (root / c / "1.jpg").write_bytes(_jpeg(0))
+    (root / "bee").symlink_to(tmp_path / "nowhere")  # would drop a label and shift cat's
+    with pytest.raises(InputError, match=r"data.path '.*linked': class entry 'bee' is a link to nothing"):
+        list_image_folder(root)
+    jpeg = folder / "train" / "cat" / "00.jpg"
+    with pytest.raises(InputError, match=r"data.test_path '.*00.jpg' is a file, not a folder; give a folder"):
+        open_records(DataConfig(source="folder", path=str(folder / "train"), test_path=str(jpeg)), num_classes=3,
+                     seed=1)
+    (root / "bee").unlink()
+    (root / "ant" / "0.jpg").symlink_to(tmp_path / "gone.jpg")  # listed, then unreadable at the probe: named
+    cfg = DataConfig(source="folder", path=str(root), batch_size=3, crop_size=16, shuffle="none")
+    with pytest.raises(DataError, match=r"file 'ant/0.jpg': cannot read the image file"):
+        open_records(cfg, num_classes=2, seed=1)
+
+
+def test_a_shard_with_no_good_record_says_why(tmp_path):
+    for c in ("cat", "dog"):
+        (tmp_path / c).mkdir()
+        for i in range(2):
+            (tmp_path / c / f"{i}.jpg").write_bytes(_jpeg(i, size=(8, 8)))
+    src = open_records(DataConfig(source="folder", path=str(tmp_path), batch_size=2, crop_size=16, shuffle="none",
+                                  max_bad_records=10), num_classes=2, seed=1)
+    with pytest.raises(DataError, match=r"all 4 records of this solver's shard are bad; the first, 'cat/0.jpg': "
+                                        r"image is 8x8 \(HxW\), smaller than data.crop_size 16"):
+        collect(src.train_batches(SampleOrder(0, 1, 2, seed=1, shuffle=False), 0), 1)

@@ -53,7 +53,7 @@ def db_keys_and_values(path) -> list[tuple[bytes, bytes]]:
     reader = LmdbReader(str(path))  # the process's one Environment for this path (py-lmdb allows one)
     handle = reader.handle()
     try:
-        return [handle.get(i) for i in range(len(reader))]
+        return [handle.get(i)[:2] for i in range(len(reader))]
     finally:
         handle.close()
 

@@ -42,11 +42,10 @@ def parse_value(key: bytes, value: bytes, *, pos: int, epoch: int, index: int, n
 def parse_record(handle: RecordHandle, *, pos: int, epoch: int, index: int,
                  num_classes: int, rank: int) -> ParsedRecord:
     """Read and parse record ``index``; a bad record comes back with ``error`` set."""
-    try:
-        key, value = handle.get(index)
-    except DataError as e:
-        key = f"#{index}".encode()
-        return ParsedRecord(pos, epoch, index, key, None, e.located(path=handle.path, key=key, rank=rank, kind=handle.kind))
+    key, value, error = handle.get(index)
+    if error is not None:
+        return ParsedRecord(pos, epoch, index, key, None,
+                            error.located(path=handle.path, key=key, rank=rank, kind=handle.kind))
     return parse_value(key, value, pos=pos, epoch=epoch, index=index, num_classes=num_classes, path=handle.path,
                        kind=handle.kind,
                        rank=rank)
@@ -69,6 +68,7 @@ def _fill_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, par
     bad = 0
     if parts.drop_bad and (rec.error is not None or rec.datum is None):  # the test's bad records: drop, never substitute
         return _drop_row(rec, dst, window, parts)
+    first: DataError | None = None
     for attempt in range(parts.sequence.span):
         if attempt:
             rec = subs.read(rec.pos, attempt)
@@ -82,9 +82,11 @@ def _fill_row(rec: ParsedRecord, dst: np.ndarray, window: np.ndarray | None, par
                 if parts.drop_bad:
                     return _drop_row(rec, dst, window, parts)
         assert rec.error is not None, "a record without a datum must carry its error"
+        first = first or rec.error
         bad += 1
         parts.budget.spend(rec.index, rec.error, rec.pos, attempt)
-    raise DataError(f"all {parts.sequence.span} records of this solver's shard are bad",
+    why = f"; the first, {first.key!r}: {first.reason}" if first is not None else ""
+    raise DataError(f"all {parts.sequence.span} records of this solver's shard are bad{why}",
                     path=parts.reader.path, rank=parts.rank, kind=parts.reader.kind)
 
 

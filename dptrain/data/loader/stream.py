@@ -46,7 +46,7 @@ class RecordHandle(Protocol):
     kind: str
     """What ``path`` is, for error lines: "LMDB", "image folder", "list file"."""
 
-    def get(self, index: int) -> tuple[bytes, bytes]: ...
+    def get(self, index: int) -> tuple[bytes, bytes, DataError | None]: ...
     def get_many(self, indices: list[int]) -> tuple[list[bytes], list[bytes], dict[int, DataError]]: ...
     def close(self) -> None: ...
 
@@ -183,9 +183,8 @@ class BadRecordBudget:
                                            f"data.max_bad_records = {self.limit}", path=fail_error.path,
                                            key=fail_error.key, rank=fail_error.rank, kind=fail_error.kind)
                 self._failure = (fail_pos, fail_error)
-        if first and self.limit:
-            log.warning("rank %d: skipping bad record (%d met, %d allowed), %s: %s", self.rank, count, self.limit,
-                        self._fate, error)
+        if first and count <= self.limit:  # past the limit the stream stops, naming its record in stream order
+            log.warning("skipping bad record (%d met, %d allowed), %s: %s", count, self.limit, self._fate, error)
 
     def failure_before(self, end: int) -> DataError | None:
         """The error that stops the stream at a position below ``end``, if any."""

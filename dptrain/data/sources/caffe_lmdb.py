@@ -115,8 +115,8 @@ class _Handle(RecordHandle):
         return DataError(f"LMDB read failed ({e})")
 
     def get_many(self, indices: list[int]) -> tuple[list[bytes], list[bytes], dict[int, DataError]]:
-        """(keys, values, errors) of records ``indices``: a record that cannot be read has key
-        ``#index``, value b"" and its DataError under its place in the list. One loop for the
+        """(keys, values, errors) of records ``indices``: a record that cannot be read has its key (``#index``
+        where the key itself cannot be read), value b"" and its DataError under its place in the list. One loop for the
         whole list, with as few Python calls per record as the lookup allows (the reader's share
         of the per-image Python work)."""
         r = self._reader
@@ -124,6 +124,7 @@ class _Handle(RecordHandle):
         values: list[bytes] = []
         errors: dict[int, DataError] = {}
         for i in indices:
+            failed_key = b"#%d" % i
             try:
                 if r.key_blob is None:
                     prefix = b"%08d_" % i
@@ -136,7 +137,7 @@ class _Handle(RecordHandle):
                     error = DataError(f"no record with key prefix {prefix.decode()!r}; the DB's keys are not a "
                                       f"dense %08d_ sequence (re-create it with dptrain make-lmdb)")
                 else:
-                    key = r.key(i)
+                    key = failed_key = r.key(i)
                     value = self._txn.get(key)
                     if value is not None:
                         keys.append(key)
@@ -146,7 +147,7 @@ class _Handle(RecordHandle):
             except lmdb.Error as e:
                 error = self._failed(e)
             errors[len(values)] = error
-            keys.append(f"#{i}".encode())
+            keys.append(failed_key)
             values.append(b"")
         return keys, values, errors
 

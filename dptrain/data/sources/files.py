@@ -28,27 +28,55 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tif
 """File names an image folder's class subfolders are searched for (case-insensitive)."""
 
 
-def list_image_folder(root: str | Path) -> tuple[list[tuple[str, int]], list[str]]:
-    """([(relative path, label)], class names) for ``root/<class>/<image>``, all sorted by name.
+def list_image_folder(root: str | Path, key: str = "data.path") -> tuple[list[tuple[str, int]], list[str]]:
+    """([(relative path, label)], class names) for ``root/<class>/.../<image>``, all sorted by name.
 
-    Hidden entries (``.ipynb_checkpoints``, ``._x.jpg``) are skipped; a class folder without
-    images is an error, since it would still take a label and shift every class after it.
+    As torchvision's ImageFolder: a class folder's images are found at any depth below it (symbolic
+    links followed, each folder once), under the class folder's label. Hidden entries
+    (``.ipynb_checkpoints``, ``._x.jpg``) are skipped. A class folder without images, or a class entry
+    that cannot be opened (a dangling link), is an error, since it would still take a label or drop
+    one and shift every class after it. ``key``: the config key that gave ``root``, for the errors.
     """
     root = Path(root)
     if not root.is_dir():
-        raise InputError(f"image folder {str(root)!r} does not exist")
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise InputError(f"{key} {str(root)!r} {what}; give a folder of class subfolders "
+                         f"({key}/<class>/<image>), as torchvision's ImageFolder reads")
+    entries = sorted(d for d in root.iterdir() if not d.name.startswith("."))
+    broken = [d.name for d in entries if d.is_symlink() and not d.exists()]
+    if broken:
+        raise InputError(f"{key} {str(root)!r}: class entry {broken[0]!r} is a link to nothing "
+                         f"({os.readlink(root / broken[0])!r}); fix or remove it (labels follow the sorted class "
+                         f"folders)")
+    classes = [d.name for d in entries if d.is_dir()]
     items = []
     for label, c in enumerate(classes):
-        files = [f for f in sorted((root / c).iterdir())
-                 if f.suffix.lower() in IMAGE_SUFFIXES and not f.name.startswith(".")]
+        files = _images_below(root / c)
         if not files:
-            raise InputError(f"class folder {str(root / c)!r} has no images ({', '.join(IMAGE_SUFFIXES)}); "
-                             f"remove it or add its images (labels follow the sorted class folders)")
-        items += [(f"{c}/{f.name}", label) for f in files]
+            raise InputError(f"class folder {str(root / c)!r} has no images ({', '.join(IMAGE_SUFFIXES)}) at any "
+                             f"depth; remove it or add its images (labels follow the sorted class folders)")
+        items += [(f"{c}/{f}", label) for f in files]
     if not items:
-        raise InputError(f"image folder {str(root)!r} has no images in class subfolders ({', '.join(IMAGE_SUFFIXES)})")
+        raise InputError(f"{key} {str(root)!r} has no images in class subfolders ({', '.join(IMAGE_SUFFIXES)})")
     return items, classes
+
+
+def _images_below(folder: Path) -> list[str]:
+    """The image files at any depth below ``folder``, as sorted '/'-joined paths relative to it; hidden
+    entries skipped, links followed, a folder reached twice (a link cycle) read once."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        rel = Path(dirpath).relative_to(folder)
+        out += [(rel / f).as_posix() for f in filenames
+                if not f.startswith(".") and Path(f).suffix.lower() in IMAGE_SUFFIXES]
+    return sorted(out)
 
 
 def read_list_file(path: str | Path) -> list[tuple[str, int]]:
@@ -149,7 +177,7 @@ class FolderSource(RecordSource):
 
     def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0, cores: int = 1,
                  render: RenderOptions = DEFAULT_RENDER, pin_memory: bool = False) -> None:
-        items, classes = list_image_folder(cfg.path)
+        items, classes = list_image_folder(cfg.path, "data.path")
         if len(classes) > num_classes:
             raise ConfigError(f"data.path {cfg.path!r} has {len(classes)} class folders ({classes[0]!r} ... "
                               f"{classes[-1]!r}) but model.num_classes = {num_classes}; set model.num_classes = "
@@ -158,7 +186,7 @@ class FolderSource(RecordSource):
         """The class names, in label order (the sorted folder names)."""
         test = None
         if cfg.test_path:
-            test_items, test_classes = list_image_folder(cfg.test_path)
+            test_items, test_classes = list_image_folder(cfg.test_path, "data.test_path")
             label_of = {c: i for i, c in enumerate(classes)}
             unknown = [c for c in test_classes if c not in label_of]
             if unknown:

@@ -71,12 +71,11 @@ class RecordHandle(abc.ABC):
         """(keys, values, errors) of records ``indices``; a record that cannot be read has value b"" and
         its DataError under its place in the list."""
 
-    def get(self, index: int) -> tuple[bytes, bytes]:
-        """(key, value) of record ``index``; DataError if it cannot be read."""
+    def get(self, index: int) -> tuple[bytes, bytes, DataError | None]:
+        """(key, value, error) of record ``index``: the key even when it cannot be read (its file's path,
+        or ``#index`` where the source cannot name it), the DataError then set and the value b""."""
         keys, values, errors = self.get_many([index])
-        if errors:
-            raise errors[0]
-        return keys[0], values[0]
+        return keys[0], values[0], errors.get(0)
 
 
 class RecordSource:
@@ -135,9 +134,10 @@ class RecordSource:
         handle = self._train.handle()
         try:
             for index in picks:
-                key = f"#{index}".encode()
+                key, value, error = handle.get(index)
                 try:
-                    key, value = handle.get(index)
+                    if error is not None:
+                        raise error
                     found.append(probe_channels_and_size(parse_datum(value)))
                 except DataError as e:
                     located = e.located(path=self._train.path, key=key, rank=rank, kind=self._train.kind)
