@@ -3,6 +3,7 @@ model with its flat buffers, initialised identically on every rank."""
 from __future__ import annotations
 
 import fnmatch
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from dptrain.memory_format import cpu_nhwc_hazards, resolve_channels_last
 from dptrain.models import build_model, check_input
 from dptrain.optimizer import rule_for
 from dptrain.precision import DTYPES, apply_precision
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,26 @@ def _freeze(model: nn.Module, patterns: list[str]) -> None:
             model.get_parameter(n).requires_grad_(False)
 
 
+def _check_parameter_dtypes(model: nn.Module, weights: str) -> None:
+    """Refuse complex parameters (their cast to real would silently drop the imaginary part); say once
+    which floating parameters were created in a dtype other than fp32, since dptrain trains them as
+    fp32 masters with ``weights``-dtype copies."""
+    other: dict[torch.dtype, list[str]] = {}
+    for n, p in model.named_parameters():
+        if p.is_complex():
+            raise ConfigError(f"model parameter {n!r} is {str(p.dtype).removeprefix('torch.')}; dptrain trains real "
+                              f"floating-point parameters (a cast would drop the imaginary part): hold the real and "
+                              f"imaginary parts as two real parameters, or keep the tensor as a buffer")
+        if p.is_floating_point() and p.dtype != torch.float32:
+            other.setdefault(p.dtype, []).append(n)
+    for dtype, names in other.items():
+        level = logging.INFO if dtype == DTYPES[weights] else logging.WARNING
+        log.log(level, "model parameters created in %s (%s%s) are trained as fp32 masters and held in %s "
+                "(precision.storage, precision.mode); a forward that relies on their own dtype will fail: cast "
+                "inputs to the parameter's dtype inside forward", str(dtype).removeprefix("torch."),
+                ", ".join(names[:3]), ", ..." if len(names) > 3 else "", weights)
+
+
 def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.device,
                            in_channels: int = 3) -> tuple[nn.Module, FlatParams, bool]:
     """The model in its storage dtype with flat buffers, initialised identically on every rank, and
@@ -95,6 +118,7 @@ def build_model_and_params(cfg: TrainConfig, comm: Communicator, device: torch.d
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
     model = build_model(m.name, num_classes=m.num_classes, width=m.width, in_channels=in_channels, args=m.args)
+    _check_parameter_dtypes(model, cfg.precision.weights)
     hazards = cpu_nhwc_hazards(model) if device.type == "cpu" else None
     channels_last = resolve_channels_last(m.channels_last, cfg.precision.storage, device, hazards)
     if channels_last:

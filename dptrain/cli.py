@@ -61,7 +61,9 @@ def error_line(e: UserError) -> str:
     rank, world = _rank_and_world()
     if isinstance(e, RankFailure):
         return f"dptrain: error (rank {rank}): another rank failed or hung first: {first_line(e)}"
-    return f"dptrain: error{f' (rank {rank})' if world > 1 else ''}: {e}"
+    if world == 1:
+        return f"dptrain: error: {e}"
+    return f"dptrain: error (rank {rank}): {str(e).removeprefix(f'rank {rank}: ')}"  # the rank named once
 
 
 def build_parser() -> argparse.ArgumentParser:

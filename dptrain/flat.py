@@ -331,6 +331,9 @@ class FlatParams:
     def __init__(self, model: nn.Module, *, state_names: tuple[str, ...] = ("momentum",),
                  state_dtype: torch.dtype = torch.float32) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named and not any(True for _ in model.parameters()):
+            raise ConfigError("the model has no parameters at all (no nn.Parameter is registered on it or its "
+                              "submodules); dptrain trains a model's parameters: register the weights as nn.Parameter")
         if not named:
             raise ConfigError("the model has no trainable parameters (every one is frozen: requires_grad=False or "
                               "model.freeze); unfreeze some")

@@ -168,6 +168,68 @@ class FixedSize(nn.Module):
         return self.head(self.conv(x).flatten(1))
 
 
+class MetaHostile(FixedSize):
+    """FixedSize whose ``__init__`` reads a tensor's value (as timm's drop-path schedules do), so it cannot
+    be built on the meta device."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__(num_classes)
+        self.rate = float(torch.linspace(0, 0.1, 3)[1])
+
+
+def raises_value(num_classes: int) -> nn.Module:
+    """A factory that refuses its own configuration (timm's "Unknown model" is a RuntimeError)."""
+    raise ValueError("depth must be even")
+
+
+def buggy_factory(num_classes: int) -> nn.Module:
+    """A factory with a bug of its own that raises TypeError (not a refused keyword)."""
+    depth = None
+    return nn.Linear(depth + 1, num_classes)
+
+
+class EvalWide(nn.Module):
+    """Right logits in training, an ImageNet head's 1000 in evaluation mode."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.body, self.head, self.wide = _trunk(), nn.Linear(8 * 16, num_classes), nn.Linear(8 * 16, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return self.head(h) if self.training else self.wide(h)
+
+
+class NoParams(nn.Module):
+    """No parameters at all."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3))[:, :1].expand(-1, self.num_classes)
+
+
+class ComplexParam(Frozen):
+    """A model with a complex parameter."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__(num_classes)
+        self.z = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+
+
+class Fp64Head(nn.Module):
+    """A head created in fp64 (the model casts its features to the head's dtype)."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.body, self.head = _trunk(), nn.Linear(8 * 16, num_classes).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).to(self.head.weight.dtype)).float()
+
+
 class TvEncoderBlock(nn.Module):
     """torchvision's ViT block: pre-norm attention (nn.MultiheadAttention) and an MLP that is a Sequential."""
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from dptrain.distributed.flight import FlightRecorder, progress_store
 from dptrain.distributed.rendezvous import port_in_use, port_in_use_error
-from dptrain.errors import PeerStartupError, RankFailure, SetupError, StartupStopped, first_line
+from dptrain.errors import ConfigError, PeerStartupError, RankFailure, SetupError, StartupStopped, first_line
 from dptrain.inductor import point_caches
 from dptrain.observe.trace import now_us
 from dptrain.topology import Topology
@@ -379,9 +379,11 @@ class Communicator:
         mine = {str(dt): [t.numel() for t in ts] for dt, ts in by_dtype.items()}
         for r, theirs in enumerate(self.allgather_object(mine)):
             if theirs != mine:  # unequal messages would fail or hang inside the broadcast
-                raise RuntimeError(
+                raise ConfigError(
                     f"rank {self.rank}: model tensors differ from rank {r}'s "
-                    f"({_count(mine)} here, {_count(theirs)} there); check that every rank builds the same model"
+                    f"({_count(mine)} here, {_count(theirs)} there); check that every rank builds the same model "
+                    f"(model.name and model.args; a model whose shapes depend on the rank or on its environment "
+                    f"cannot be trained data-parallel)"
                 )
         with torch.no_grad():
             for tensors in by_dtype.values():

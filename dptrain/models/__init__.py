@@ -20,6 +20,7 @@ import importlib
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -66,9 +67,21 @@ def import_path_of(fn: Callable[..., Any]) -> str:
 
 def register(fn: Callable[..., nn.Module]) -> str:
     """Make ``fn`` buildable by its import path in this process (``dptrain.fit(model=fn)``); the path."""
+    if isinstance(fn, nn.Module):
+        raise ConfigError(f"model= got a built {type(fn).__name__} instance; pass the class or a factory "
+                          f"(model={type(fn).__name__}) and its arguments as model.args: dptrain builds the model "
+                          f"in every solver and records its import path for --resume, test and export")
     if not callable(fn):
         raise ConfigError(f"model= must be a callable that returns an nn.Module (a class or a factory), got "
                           f"{type(fn).__name__}")
+    if isinstance(fn, functools.partial):
+        raise ConfigError(f"model= got a functools.partial of {getattr(fn.func, '__qualname__', fn.func)!r}; pass "
+                          f"the callable itself and its arguments as model.args (overrides=[\"model.args.KEY=VALUE\"])")
+    qualname = getattr(fn, "__qualname__", None)
+    if qualname is None or "<lambda>" in qualname or "<locals>" in qualname:
+        raise ConfigError(f"model= got {qualname or type(fn).__name__!r}, which has no import path; define the class "
+                          f"or factory at module level: the run records its import path for --resume, test and "
+                          f"export")
     name = import_path_of(fn)
     _REGISTERED[name] = fn
     return name
@@ -125,6 +138,23 @@ def _call_kwargs(fn: Callable[..., nn.Module], name: str, args: dict[str, Any], 
     return kwargs
 
 
+_REFUSED_ARGS = ("unexpected keyword argument", "got multiple values for", "missing 1 required",
+                 "required keyword-only", "required positional")
+"""TypeError texts of a call whose keywords do not fit (a keyword the callable passes on and its
+callee refuses: timm's ``create_model``), as against a TypeError raised by a bug inside it."""
+
+
+def _build_error(name: str, args: dict[str, Any], e: Exception) -> str:
+    """One line for an exception the user's callable raised while building the model: what, and where."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, TypeError) and any(t in text for t in _REFUSED_ARGS):
+        return f"model.args {args} were refused by {name}: {text}; check model.args against its signature"
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if len(frames) > 1 else ""
+    return (f"model.name {name!r} raised {type(e).__name__} while building the model{where}: {text}; "
+            f"check model.name and model.args {args}")
+
+
 def build_model(name: str, *, num_classes: int, width: int = 64, in_channels: int = 3,
                 args: dict[str, Any] | None = None, channels_last: bool = False) -> nn.Module:
     """Instantiate ``model.name``: a zoo entry, or the user's callable with ``args`` (module docstring)."""
@@ -133,8 +163,8 @@ def build_model(name: str, *, num_classes: int, width: int = 64, in_channels: in
         kwargs = _call_kwargs(fn, name, args or {}, num_classes)
         try:
             model = fn(**kwargs)
-        except TypeError as e:  # a keyword the callable passes on and its callee refuses (timm's create_model)
-            raise ConfigError(f"model.args {args or {}} were refused by {name}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - whatever the user's callable raises is theirs to fix
+            raise ConfigError(_build_error(name, args or {}, e)) from e
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model.name {name!r} returned a {type(model).__name__}, not an nn.Module; point it at "
                               f"a class or a function that builds the model")
@@ -151,19 +181,24 @@ def build_model(name: str, *, num_classes: int, width: int = 64, in_channels: in
 def check_input(name: str, *, num_classes: int, width: int, sample_shape: tuple[int, int, int],
                 args: dict[str, Any] | None = None) -> str | None:
     """Why ``model.name`` cannot take [H, W, C] samples (torch's first error line), or None (it can,
-    or the model cannot be built on the meta device to find out).
+    or the model cannot be built to find out).
 
-    The model is built and run on the meta device: shapes only, no memory and no compute.
+    The model is built and run on the meta device: shapes only, no memory and no compute. A model
+    that cannot be built there (its ``__init__`` reads a tensor's value: ``float()``, ``.item()``,
+    ``.tolist()``) is built on the CPU and run on one sample of zeros instead.
     """
     h, w, c = sample_shape
-    with torch.device("meta"):
-        try:
-            model = build_model(name, num_classes=num_classes, width=width, in_channels=c, args=args)
-        except Exception:  # noqa: BLE001 - a user model that cannot be built on the meta device: no verdict
+    for device in ("meta", "cpu"):
+        with torch.device(device):
+            try:
+                model = build_model(name, num_classes=num_classes, width=width, in_channels=c, args=args)
+            except Exception:  # noqa: BLE001 - a user model that cannot be built here: try the next device
+                continue
+            try:
+                with torch.no_grad():
+                    model.eval()(torch.zeros((1, c, h, w)))
+            except (RuntimeError, ValueError, AssertionError) as e:
+                text = str(e).strip()
+                return text.splitlines()[0] if text else type(e).__name__
             return None
-        try:
-            model.eval()(torch.empty((1, c, h, w)))
-        except (RuntimeError, ValueError, AssertionError) as e:
-            text = str(e).strip()
-            return text.splitlines()[0] if text else type(e).__name__
     return None

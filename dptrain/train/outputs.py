@@ -44,11 +44,14 @@ def split_output(out: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return logits, [t for t in rest if torch.is_tensor(t) and t.shape == logits.shape]
 
 
-def check_logits(logits: torch.Tensor, batch: int, num_classes: int, name: str) -> None:
-    """The first batch's logits must be [batch, num_classes]: a model built for another class count, or
-    one returning features, is named in one line instead of failing inside the loss."""
+def check_logits(logits: torch.Tensor, batch: int, num_classes: int, name: str, training: bool = True) -> None:
+    """The first batch's logits must be [batch, num_classes], in training and in evaluation mode: a model
+    built for another class count, or one returning features, is named in one line instead of failing
+    inside the loss or being scored on the wrong output."""
     if logits.dim() != 2 or logits.shape[0] != batch or logits.shape[1] != num_classes:
-        raise ConfigError(f"model.name {name!r} returned logits of shape {list(logits.shape)} for a batch of {batch}; "
+        mode = "" if training else " in evaluation mode (model.eval(), the test phase)"
+        raise ConfigError(f"model.name {name!r} returned logits of shape {list(logits.shape)} for a batch of {batch}"
+                          f"{mode}; "
                           f"dptrain needs [{batch}, {num_classes}] (model.num_classes = {num_classes}): set "
                           f"model.num_classes, or pass the class count in model.args")
 

@@ -61,7 +61,8 @@ class Trainer:
                                    rank=self.rank, cores=comm.topology.cores_per_process)
         self.model, self.flat, channels_last = build_model_and_params(cfg, comm, self.device,
                                                                       in_channels=self.source.sample_shape[2])
-        self._input_ok = False
+        self._checked_modes: set[bool] = set()
+        """The model modes (``model.training``) whose first forward was checked (``_forward``)."""
         ls_mode = cfg.precision.resolved_loss_scale_mode()
         self.scaler = LossScaler(cfg.precision.loss_scale, ls_mode, self.device)
         self.control = ControlChannel(comm, self.device)
@@ -146,9 +147,10 @@ class Trainer:
 
     def _forward(self, x: torch.Tensor) -> Any:
         """The model's output (a tensor, tuple, list or dict: ``dptrain.train.outputs``). The first call
-        checks it: if the model cannot take the data's sample shape, or its logits are not
-        [batch, num_classes], a ConfigError says so (``assemble.input_error``; diagnosed only then)."""
-        if self._input_ok:
+        in each mode (training, evaluation: a model may return other outputs in eval mode) checks it:
+        if the model cannot take the data's sample shape, or its logits are not [batch, num_classes],
+        a ConfigError says so (``assemble.input_error``; diagnosed only then)."""
+        if self.model.training in self._checked_modes:
             with self._autocast(), attention.context(self.attention):
                 return self.model(x)
         try:
@@ -158,8 +160,9 @@ class Trainer:
             if (why := input_error(self.cfg, self.source.sample_shape, e)) is None:
                 raise
             raise why from e
-        check_logits(split_output(out)[0], len(x), self.cfg.model.num_classes, self.cfg.model.name)
-        self._input_ok = True
+        check_logits(split_output(out)[0], len(x), self.cfg.model.num_classes, self.cfg.model.name,
+                     self.model.training)
+        self._checked_modes.add(self.model.training)
         return out
 
     def _attention_kernel(self) -> str:

@@ -53,7 +53,7 @@ def test_a_bad_record_on_one_rank_ends_the_job_with_one_line_per_rank_and_exit_2
                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "dptrain: error (rank 0): rank 0: LMDB" in proc.stderr and "key '00000001_r1'" in proc.stderr
+    assert "dptrain: error (rank 0): LMDB" in proc.stderr and "key '00000001_r1'" in proc.stderr
     rank1 = [ln for ln in proc.stderr.splitlines() if ln.startswith("dptrain: error (rank 1)")]
     assert all("another rank failed or hung first" in ln for ln in rank1)  # when it speaks before torchrun stops it
     assert "dptrain: 2 solver process(es) failed" in proc.stderr

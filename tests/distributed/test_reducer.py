@@ -15,7 +15,7 @@ from dist_harness import run_ranks, start_ranks
 from dptrain.config import ReducerConfig
 from dptrain.distributed.comm import Communicator
 from dptrain.distributed.reducer import Reducer
-from dptrain.errors import RankFailure
+from dptrain.errors import ConfigError, RankFailure
 from dptrain.flat import FlatParams
 from dptrain.observe.trace import NullTracer, Tracer
 
@@ -287,7 +287,7 @@ def _comm_rank(rank: int, world: int) -> None:
     assert comm.broadcast_object(f"from {rank}", src=1) == "from 1"
     comm.barrier()
     different = nn.Linear(4, 3 if rank else 2)
-    with pytest.raises(RuntimeError, match=r"model tensors differ from rank \d.*check that every rank builds"):
+    with pytest.raises(ConfigError, match=r"model tensors differ from rank \d.*check that every rank builds"):
         comm.broadcast_module(different)
     _mismatch_rank(rank, world)
 

@@ -207,7 +207,7 @@ def test_a_run_dir_in_use_refuses_every_rank_at_once_under_plain_torchrun(tmp_pa
     # waits in the process group, and none needs torchrun's SIGKILL.
     terminated = len(re.findall(r"Sending process \d+ closing signal SIGTERM", text))
     refused = [r for r in range(1, nproc)
-               if f"dptrain: error (rank {r}): rank {r}: rank 0 cannot start (train.run_dir" in text]
+               if f"dptrain: error (rank {r}): rank 0 cannot start (train.run_dir" in text]
     assert len(refused) + terminated >= nproc - 1, text[-3000:]
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)  # torchrun's failure table: the ranks that failed
     assert codes and all(c == "2" for c in codes), text[-3000:]

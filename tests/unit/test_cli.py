@@ -257,6 +257,17 @@ def test_rank_failure_exits_1_naming_the_rank(cfg, monkeypatch, capsys):
                    "bucket 0 failed"]
 
 
+def test_a_user_error_names_its_rank_once(monkeypatch):
+    from dptrain.cli import error_line
+    from dptrain.errors import DataError
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    e = DataError("undecodable image", path="/d", key="cat/1.jpg", rank=1, kind="image folder")
+    assert error_line(e) == "dptrain: error (rank 1): image folder '/d' file 'cat/1.jpg': undecodable image"
+    assert error_line(DataError("x", rank=0)) == "dptrain: error (rank 1): rank 0: data: x"  # another rank's: kept
+
+
 def test_subprocess_internal_error_prints_a_traceback(tmp_path):
     """Through the real entry point: a RuntimeError from inside training is not turned into exit 2."""
     script = ("import sys, dptrain.cli as cli, dptrain.run as run\n"

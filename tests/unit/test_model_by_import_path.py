@@ -63,6 +63,12 @@ def test_timm_names_go_through_create_model(monkeypatch):
     ("byo_models:not_a_module", [], "returned a str, not an nn.Module"),
     ("byo_models:wide_output", [], "returned logits of shape [16, 1000] for a batch of 16; dptrain needs [16, 10]"),
     ("byo_models:FixedSize", ["data.source=synthetic", "data.image_size=8"], "cannot take the data's 8x8 samples"),
+    ("byo_models:MetaHostile", ["data.source=synthetic", "data.image_size=8"], "cannot take the data's 8x8 samples"),
+    ("byo_models:raises_value", [], "model.name 'byo_models:raises_value' raised ValueError while building the model "
+                                    "at "),
+    ("byo_models:buggy_factory", [], "raised TypeError while building the model at "),
+    ("byo_models:NoParams", [], "the model has no parameters at all"),
+    ("byo_models:ComplexParam", [], "model parameter 'z' is complex64; dptrain trains real"),
 ])
 def test_a_bad_model_is_one_line_and_exit_2_with_nothing_written(tmp_path, capsys, model, sets, expect):
     assert _train(tmp_path, model, *sets) == 2
@@ -90,6 +96,47 @@ def test_resuming_another_model_is_refused(tmp_path, capsys):
                  "--set", "solver.max_iter=4", "--set", 'model.name="byo_models:Shared"']) == 2
     assert "was written with model.name = 'byo_models:Frozen', this run has 'byo_models:Shared'" in \
         capsys.readouterr().err
+
+
+def test_a_callable_that_raises_is_one_line_with_where_it_raised(monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("timm")
+
+    def create_model(name, **kw):
+        raise RuntimeError(f"Unknown model ({name})")
+
+    fake.create_model = create_model
+    monkeypatch.setitem(sys.modules, "timm", fake)
+    with pytest.raises(ConfigError, match=r"model.name 'timm:convnext_tinyy' raised RuntimeError while building the "
+                                          r"model at .*test_model_by_import_path.py:\d+: Unknown model \(convnext_tinyy\)"):
+        build_model("timm:convnext_tinyy", num_classes=5)
+    fake.create_model = lambda name, **kw: byo_models.Frozen(**kw)  # a keyword passed on and refused by the callee
+    with pytest.raises(ConfigError, match=r"model.args \{'depth': 3\} were refused by timm:x: .*unexpected keyword"):
+        build_model("timm:x", num_classes=5, args={"depth": 3})
+
+
+def test_eval_mode_logits_are_checked_at_the_first_test(tmp_path, capsys):
+    assert _train(tmp_path, "byo_models:EvalWide", "solver.test_interval=2") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "returned logits of shape [100, 1000] for a batch of 100 in evaluation mode" in err[0], err
+
+
+def test_parameters_created_in_another_dtype_are_trained_and_said_once(tmp_path, caplog):
+    assert _train(tmp_path, "byo_models:Fp64Head") == 0
+    said = [r.getMessage() for r in caplog.records if "created in float64" in r.getMessage()]
+    assert len(said) == 1 and "(head.weight, head.bias) are trained as fp32 masters" in said[0], said
+
+
+@pytest.mark.parametrize("given, expect", [
+    (byo_models.Frozen(10), "model= got a built Frozen instance; pass the class or a factory"),
+    (__import__("functools").partial(byo_models.Frozen), "model= got a functools.partial of 'Frozen'"),
+    (lambda num_classes: byo_models.Frozen(num_classes), "which has no import path; define the class"),
+])
+def test_fit_refuses_what_has_no_import_path_in_one_line(given, expect):
+    with pytest.raises(ConfigError, match=expect):
+        dptrain.fit(None, model=given, overrides=DIGITS)
 
 
 def test_fit_trains_a_callable_from_python(tmp_path):
