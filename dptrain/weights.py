@@ -28,7 +28,15 @@ from torch import nn
 from dptrain.errors import ConfigError, SnapshotError, first_line
 from dptrain.flat import FlatParams
 from dptrain.models import is_import_path
-from dptrain.snapshots import check_snapshot, folder_given, free_space, load_snapshot, load_tensors, save_atomically
+from dptrain.snapshots import (
+    check_snapshot,
+    folder_given,
+    free_space,
+    is_snapshot_file,
+    load_snapshot,
+    load_tensors,
+    save_atomically,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +91,39 @@ def read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str]:
     if isinstance(obj, dict) and "iteration" in obj and "model" in obj:
         state = check_snapshot(obj, p)
         return state["model"], f"the model of dptrain snapshot iteration {state['iteration']}"
-    if isinstance(obj, dict) and obj and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
-        return dict(obj), "a state_dict"
+    if _is_state_dict(obj):
+        return _unprefixed(dict(obj)), "a state_dict"
+    for entry in WRAPPED_STATE_DICTS:  # torchvision's reference scripts: {"model": sd, "optimizer": ...}
+        if isinstance(obj, dict) and _is_state_dict(obj.get(entry)):
+            return _unprefixed(dict(obj[entry])), f"the state_dict under {entry!r}"
     held = f"a dict with keys {list(obj)[:_LISTED]}" if isinstance(obj, dict) else f"a {type(obj).__name__}"
     raise SnapshotError(f"weights file {str(p)!r} holds {held}, neither a dptrain snapshot nor a state_dict (names to "
-                        f"tensors); save one with torch.save(model.state_dict(), PATH)")
+                        f"tensors), nor a checkpoint holding one under {' / '.join(WRAPPED_STATE_DICTS)}; save one "
+                        f"with torch.save(model.state_dict(), PATH)")
+
+
+WRAPPED_STATE_DICTS = ("model", "state_dict", "model_state_dict", "model_state")
+"""Entries a training script's checkpoint keeps its model's state_dict under (torchvision's references:
+"model"; Lightning and others: "state_dict"; the PyTorch tutorials: "model_state_dict")."""
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+"""Name prefixes that wrappers add to every name of a state_dict: DDP / DataParallel's ``module``, a
+torch.compile'd module's ``_orig_mod``."""
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                      for k, v in obj.items())
+
+
+def _unprefixed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` without a wrapper's prefix that every name carries (``module.``, ``_orig_mod.``; nested too)."""
+    while True:
+        prefix = next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in weights)), None)
+        if prefix is None:
+            return weights
+        log.info("weights: the prefix %r every name carries (a wrapper's: DDP, torch.compile) is dropped", prefix)
+        weights = {k.removeprefix(prefix): v for k, v in weights.items()}
 
 
 def _listed(names: list[str]) -> str:
@@ -152,6 +188,9 @@ def export_snapshot(snapshot: str, out: str) -> dict[str, Any]:
     state = load_snapshot(src)
     if dst.exists() and dst.resolve() == src.resolve():
         raise ConfigError(f"export {snapshot!r} {out!r} would overwrite the snapshot itself; choose another OUT path")
+    if dst.is_file() and is_snapshot_file(dst):
+        raise ConfigError(f"export OUT {out!r} is a dptrain snapshot; exporting over it would lose it (and "
+                          f"--resume auto would fall back past it): choose another OUT path")
     name = state["config"]["model"]["name"]
     # contiguous copies: a sharded run's snapshot holds views of one gathered buffer per group (NHWC
     # weights strided), which the file would carry with its padding, each loaded tensor keeping it alive

@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,17 @@ LOCK_HOLDER_READS, LOCK_HOLDER_WAIT_S = 20, 0.05
 """How long a refused run waits for the holder to name itself in the lock file (1 s at most)."""
 _NAME = re.compile(r"^snapshot_iter_(\d+)\.pt$")
 _REQUIRED = ("format", "iteration", "model", "optimizer", "rng", "config")
+
+
+def is_snapshot_file(p: Path) -> bool:
+    """Whether ``p`` is named as a snapshot or holds one (a dict with every entry a snapshot has)."""
+    if _NAME.match(p.name):
+        return True
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - anything torch cannot load this way is no snapshot
+        return False
+    return isinstance(obj, dict) and all(k in obj for k in _REQUIRED)
 
 
 def snapshot_path(run_dir: str | Path, iteration: int) -> Path:
@@ -217,8 +229,11 @@ def load_tensors(p: Path, noun: str, *, foreign: str, torn: str) -> Any:
     """``torch.load(p, weights_only=True)`` to the CPU: tensors and plain containers, never code.
 
     An unusable file is a :class:`SnapshotError` naming it as ``noun``, ending with the
-    advice ``foreign`` (it holds code or other classes) or ``torn`` (it cannot be read).
+    advice ``foreign`` (it holds code or other classes) or ``torn`` (it cannot be read). torch's zip
+    reader does not check the members' CRC-32s, so a flipped bit in the tensor data would load as a
+    wrong weight: they are checked first (one read of the file, at checksum speed).
     """
+    _check_crcs(p, noun, torn)
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # torch's own text advises weights_only=False: never quoted
@@ -230,6 +245,19 @@ def load_tensors(p: Path, noun: str, *, foreign: str, torn: str) -> Any:
                             f"{torn}") from e
     except Exception as e:  # torch raises many types for a torn or foreign file
         raise SnapshotError(f"{noun} {str(p)!r} cannot be read ({type(e).__name__}: {first_line(e)}); {torn}") from e
+
+
+def _check_crcs(p: Path, noun: str, torn: str) -> None:
+    """SnapshotError naming the first member of zip file ``p`` whose bytes do not match their CRC-32
+    (nothing for a file that is no zip: torch.load then says what it is)."""
+    try:
+        with zipfile.ZipFile(p) as z:
+            bad = z.testzip()
+    except Exception:  # noqa: BLE001 - not a readable zip: torch.load names what it is
+        return
+    if bad is not None:
+        raise SnapshotError(f"{noun} {str(p)!r} is damaged: its member {bad!r} does not match its CRC-32 (a flipped "
+                            f"bit on disk or in a copy); {torn}")
 
 
 def check_snapshot(state: dict[str, Any], p: Path) -> dict[str, Any]:

@@ -183,3 +183,18 @@ def test_a_shard_with_no_good_record_says_why(tmp_path):
     with pytest.raises(DataError, match=r"all 4 records of this solver's shard are bad; the first, 'cat/0.jpg': "
                                         r"image is 8x8 \(HxW\), smaller than data.crop_size 16"):
         collect(src.train_batches(SampleOrder(0, 1, 2, seed=1, shuffle=False), 0), 1)
+
+
+def test_a_list_names_an_image_labelled_twice_a_missing_file_where_it_looked_and_takes_a_bom(folder, tmp_path):
+    (tmp_path / "l.txt").write_text("cat/00.jpg 0\ndog/00.jpg 1\ncat/00.jpg 0\ncat/00.jpg 2\n")
+    with pytest.raises(ConfigError, match=r"l.txt:4: 'cat/00.jpg' is labelled 2 here and 0 at line 1"):
+        open_records(DataConfig(source="list", path=str(tmp_path / "l.txt"), root=str(folder / "train")),
+                     num_classes=3, seed=1)
+    (tmp_path / "bom.txt").write_bytes("\ufeffcat/00.jpg 0\ndog/00.jpg 1\n".encode())
+    from dptrain.data.sources.files import read_list_file
+
+    assert read_list_file(tmp_path / "bom.txt")[0] == ("cat/00.jpg", 0)
+    (tmp_path / "gone.txt").write_text("nope/00.jpg 0\ncat/00.jpg 0\n")
+    with pytest.raises(DataError, match=r"file 'nope/00.jpg': cannot read the image file '.*train/nope/00.jpg' \(No "):
+        open_records(DataConfig(source="list", path=str(tmp_path / "gone.txt"), root=str(folder / "train"),
+                                crop_size=16), num_classes=3, seed=1)

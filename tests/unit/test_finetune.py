@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -111,12 +112,32 @@ def test_weights_errors_are_one_line(pretrained, cfg, tmp_path, capsys):
 def test_mismatched_names_are_listed_and_counted(pretrained, tmp_path):
     model = build_model("lenet", num_classes=10)
     flat = FlatParams(model, state_dtype=torch.float32)
-    ddp = {f"module.{k}": v for k, v in load_snapshot(pretrained)["model"].items()}  # as DDP's state_dict names them
-    torch.save(ddp, tmp_path / "ddp.pt")
+    renamed = {f"net.{k}": v for k, v in load_snapshot(pretrained)["model"].items()}  # another model's names
+    renamed["fc.weight"] = torch.zeros(2)
+    torch.save(renamed, tmp_path / "renamed.pt")
     with pytest.raises(SnapshotError) as e:
-        load_weights(model, flat, tmp_path / "ddp.pt", model_name="lenet")
+        load_weights(model, flat, tmp_path / "renamed.pt", model_name="lenet")
     assert ("(a state_dict) does not fit this model: 8 missing (features.0.weight, features.0.bias, features.2.weight, "
-            "features.2.bias, classifier.1.weight and 3 more); 8 unexpected (module.features.0.weight, ") in str(e.value)
+            "features.2.bias, classifier.1.weight and 3 more); 9 unexpected (net.features.0.weight, ") in str(e.value)
+
+
+def test_wrapper_prefixes_and_training_checkpoints_load_as_their_state_dict(pretrained, tmp_path):
+    """DDP's ``module.`` and torch.compile's ``_orig_mod.`` on every name, and a training script's
+    checkpoint with the state_dict under "model" (torchvision's references) or "state_dict"."""
+    want = load_snapshot(pretrained)["model"]
+    saved = {
+        "ddp.pt": {f"module.{k}": v for k, v in want.items()},
+        "compiled_ddp.pt": {f"module._orig_mod.{k}": v for k, v in want.items()},
+        "reference.pt": {"model": {f"module.{k}": v for k, v in want.items()}, "optimizer": {}, "epoch": 3},
+        "lightning.pt": {"state_dict": dict(want), "epoch": 3},
+    }
+    for name, obj in saved.items():
+        torch.save(obj, tmp_path / name)
+        model = build_model("lenet", num_classes=10)
+        flat = FlatParams(model, state_dtype=torch.float32)
+        load_weights(model, flat, tmp_path / name, model_name="lenet")
+        got = model.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in got if not k.endswith("num_batches_tracked")), name
 
 
 def test_a_missing_weights_file_is_reported_before_anything_is_built(cfg, tmp_path, capsys, monkeypatch):
@@ -144,8 +165,8 @@ def test_weights_files_that_hold_code_or_no_state_dict_are_refused(tmp_path):
     with pytest.raises(SnapshotError, match=r"evil\.pt' holds a posix\.system, .* does not run code from a file; save "
                                             r"the weights with torch\.save\(model\.state_dict\(\), PATH\)"):
         load_weights(model, flat, tmp_path / "evil.pt", model_name="lenet")
-    torch.save({"state_dict": model.state_dict(), "epoch": 3}, tmp_path / "wrapped.pt")
-    with pytest.raises(SnapshotError, match=r"wrapped\.pt' holds a dict with keys \['state_dict', 'epoch'\], neither "
+    torch.save({"weights": model.state_dict(), "epoch": 3}, tmp_path / "wrapped.pt")
+    with pytest.raises(SnapshotError, match=r"wrapped\.pt' holds a dict with keys \['weights', 'epoch'\], neither "
                                             r"a dptrain snapshot nor a state_dict"):
         load_weights(model, flat, tmp_path / "wrapped.pt", model_name="lenet")
     torch.save(list(model.state_dict().values()), tmp_path / "list.pt")
@@ -271,6 +292,21 @@ def test_export_and_test_errors_are_one_line(pretrained, cfg, tmp_path, capsys):
     assert "junk.pt' cannot be read" in _one_error_line(capsys)
     assert main(["export", str(pretrained), str(pretrained)]) == 2
     assert "would overwrite the snapshot itself; choose another OUT path" in _one_error_line(capsys)
+    import shutil
+
+    other = tmp_path / "kept.pt"  # another snapshot, whatever its name: exporting over it would lose it
+    shutil.copy(pretrained, other)
+    assert main(["export", str(pretrained), str(other)]) == 2
+    assert "kept.pt' is a dptrain snapshot; exporting over it would lose it" in _one_error_line(capsys)
+    rot = bytearray(other.read_bytes())  # bit rot in the tensor data: torch's reader does not see it
+    with zipfile.ZipFile(other) as z:
+        member = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 64)
+    h = member.header_offset  # the local header's name and extra lengths (torch pads the extra to align data)
+    start = h + 30 + int.from_bytes(rot[h + 26:h + 28], "little") + int.from_bytes(rot[h + 28:h + 30], "little")
+    rot[start + 8] ^= 0x10
+    other.write_bytes(bytes(rot))
+    assert main(["export", str(other), str(tmp_path / "out.pt")]) == 2
+    assert f"kept.pt' is damaged: its member {member.filename!r} does not match its CRC-32" in _one_error_line(capsys)
     (tmp_path / "afile").write_text("x")
     assert main(["export", str(pretrained), str(tmp_path / "afile" / "out.pt")]) == 2
     assert "cannot write '" in (line := _one_error_line(capsys)) and "choose another OUT path" in line

@@ -91,7 +91,7 @@ def read_list_lines(path: str | Path) -> list[tuple[str, int, int]]:
         what = "is not a regular file" if p.exists() else "does not exist"
         raise InputError(f"list file {str(p)!r} {what}; give an image folder or a file of 'path label' lines")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is no part of the first path
     except UnicodeDecodeError as e:
         raise InputError(f"list file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); give an image "
                          f"folder or a list of 'path label' lines") from e
@@ -162,7 +162,8 @@ class _FileHandle(RecordHandle):
                 with open(r._files[i], "rb") as f:
                     values.append(datum_of(f.read(), r._tails[i]))
             except OSError as e:
-                errors[len(values)] = DataError(f"cannot read the image file ({e.strerror or e})")
+                where = "" if os.fsencode(r._files[i]) == r._keys[i] else f" {str(r._files[i])!r}"
+                errors[len(values)] = DataError(f"cannot read the image file{where} ({e.strerror or e})")
                 values.append(b"")
         return keys, values, errors
 
@@ -216,5 +217,11 @@ class ListSource(RecordSource):
         if bad is not None:
             raise ConfigError(f"{path}:{bad[2]}: label {bad[1]} of {bad[0]!r} is outside [0, {num_classes}); fix "
                               f"the list or set model.num_classes")
+        first: dict[str, tuple[int, int]] = {}
+        for p, label, n in lines:
+            seen = first.setdefault(p, (label, n))
+            if seen[0] != label:
+                raise ConfigError(f"{path}:{n}: {p!r} is labelled {label} here and {seen[0]} at line {seen[1]}; an "
+                                  f"image takes one label: fix the list")
         base = Path(root) if root else Path(path).parent
         return FileReader([(p, label) for p, label, _ in lines], base, path=path, kind=self.kind)
