@@ -84,18 +84,20 @@ def check_weights_path(path: str) -> Path:
     return p
 
 
-def read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """The tensors in weights file ``p`` by name, and what the file is (for the log)."""
+def read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str, list[str] | None]:
+    """The tensors in weights file ``p`` by name, what the file is (for the log), and the image-folder
+    classes a dptrain snapshot was trained on (None: not a snapshot, or not trained on a folder)."""
     obj = load_tensors(p, "weights file", foreign="save the weights with torch.save(model.state_dict(), PATH)",
                        torn="it is torn or not a torch.save file")
     if isinstance(obj, dict) and "iteration" in obj and "model" in obj:
         state = check_snapshot(obj, p)
-        return state["model"], f"the model of dptrain snapshot iteration {state['iteration']}"
+        return (state["model"], f"the model of dptrain snapshot iteration {state['iteration']}",
+                state.get("data", {}).get("classes"))
     if _is_state_dict(obj):
-        return _unprefixed(dict(obj)), "a state_dict"
+        return _unprefixed(dict(obj)), "a state_dict", None
     for entry in WRAPPED_STATE_DICTS:  # torchvision's reference scripts: {"model": sd, "optimizer": ...}
         if isinstance(obj, dict) and _is_state_dict(obj.get(entry)):
-            return _unprefixed(dict(obj[entry])), f"the state_dict under {entry!r}"
+            return _unprefixed(dict(obj[entry])), f"the state_dict under {entry!r}", None
     held = f"a dict with keys {list(obj)[:_LISTED]}" if isinstance(obj, dict) else f"a {type(obj).__name__}"
     raise SnapshotError(f"weights file {str(p)!r} holds {held}, neither a dptrain snapshot nor a state_dict (names to "
                         f"tensors), nor a checkpoint holding one under {' / '.join(WRAPPED_STATE_DICTS)}; save one "
@@ -164,11 +166,12 @@ def fit_weights(model: nn.Module, weights: dict[str, torch.Tensor], skip: tuple[
 
 
 def load_weights(model: nn.Module, flat: FlatParams, p: Path, *, model_name: str,
-                 skip: tuple[str, ...] = ()) -> None:
+                 skip: tuple[str, ...] = ()) -> list[str] | None:
     """Set ``model``'s weights from file ``p``: parameters into the fp32 masters (the storage
     copies are derived from them), buffers into the model. Nothing else changes: the
-    iteration, the optimizer state and the RNG stay as they are (fresh, for a new run)."""
-    weights, kind = read_weights(p)
+    iteration, the optimizer state and the RNG stay as they are (fresh, for a new run).
+    Returns the image-folder classes a dptrain snapshot was trained on (see :func:`read_weights`)."""
+    weights, kind, classes = read_weights(p)
     what = f"--weights {str(p)!r} ({kind})"
     chosen = fit_weights(model, from_torchvision(model_name, weights), skip, what)
     params = {n for n, _ in model.named_parameters()}
@@ -179,6 +182,7 @@ def load_weights(model: nn.Module, flat: FlatParams, p: Path, *, model_name: str
     kept = [n for n in model.state_dict() if n not in chosen and not n.endswith(".num_batches_tracked")]
     log.info("weights from %s: %d tensor(s) loaded%s", what, len(chosen),
              f"; initial values kept for {_listed(kept)}" if kept else "")
+    return classes
 
 
 def export_snapshot(snapshot: str, out: str) -> dict[str, Any]:

@@ -14,7 +14,11 @@ run wrote past the snapshot.
 """
 from __future__ import annotations
 
+import glob
+import itertools
 import logging
+import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +33,7 @@ from dptrain.flat import FlatParams
 from dptrain.observe.metrics import MetricsWriter
 from dptrain.snapshots.files import (
     SNAPSHOT_FORMAT,
+    list_snapshots,
     load_snapshot,
     mark_diverging,
     prune_snapshots,
@@ -66,7 +71,7 @@ class StateParts:
     comm: Communicator
 
 
-def capture(parts: StateParts, *, iteration: int, data: dict[str, int], display: dict[str, Any],
+def capture(parts: StateParts, *, iteration: int, data: dict[str, Any], display: dict[str, Any],
             config: dict[str, Any]) -> dict[str, Any]:
     """The snapshot content at ``iteration``; collective (every rank's RNG state is gathered).
 
@@ -91,6 +96,22 @@ def capture(parts: StateParts, *, iteration: int, data: dict[str, int], display:
         "display": display,
         "config": config,
     }
+
+
+def check_same_classes(then: list[str] | None, now: list[str] | None, what: str) -> None:
+    """Refuse weights trained on an image folder whose class folders were others than the data's now:
+    labels follow the sorted class names, so a class added, removed or renamed shifts the labels after
+    it, and training or scoring would go on with every such label silently wrong. ``None``: a source
+    without class names (an LMDB, a list file) or a snapshot written before they were recorded."""
+    if then is None or now is None or list(then) == list(now):
+        return
+    gone, new = [c for c in then if c not in now], [c for c in now if c not in then]
+    diff = "; ".join(x for x in (f"gone: {gone[:5]}" if gone else "", f"new: {new[:5]}" if new else "") if x) or \
+        "the same names in another order"
+    raise SnapshotError(f"{what} was trained on {len(then)} image-folder classes and data.path has {len(now)} "
+                        f"({diff}); labels follow the sorted class folders, so they would not match: restore the "
+                        f"class folders, or start a new run from its weights with --weights PATH --weights-skip for "
+                        f"the classifier")
 
 
 def restore(parts: StateParts, state: dict[str, Any]) -> None:
@@ -157,7 +178,7 @@ class Snapshots:
         self.keep = int(config.get("solver", {}).get("snapshot_keep", 0))
         """``solver.snapshot_keep``, read from the run's config (the dict that goes into each snapshot)."""
 
-    def save(self, iteration: int, data: dict[str, int], display: Display) -> Path | None:
+    def save(self, iteration: int, data: dict[str, Any], display: Display) -> Path | None:
         """Write snapshot_iter_<iteration>.pt (rank 0, which gets the path); collective.
         ``data`` is the data position and setup (see :meth:`resume`)."""
         path = snapshot_path(self.run_dir, iteration)
@@ -191,7 +212,7 @@ class Snapshots:
         if deleted := prune_snapshots(self.run_dir, iteration, self.keep):
             log.info("deleted %s (solver.snapshot_keep = %d)", ", ".join(p.name for p in deleted), self.keep)
 
-    def resume(self, path: Path, data_at: Callable[[int], dict[str, int]]) -> dict[str, Any]:
+    def resume(self, path: Path, data_at: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
         """Load snapshot ``path`` into the parts once every rank starts at its iteration; returns
         the snapshot (its ``iteration``, ``data`` and ``display`` are the caller's to apply).
         ``data_at(iteration)`` is this run's data setup there, compared with the snapshot's."""
@@ -199,14 +220,47 @@ class Snapshots:
         _check_same_model(state["config"], self.config, path)
         iteration = int(state["iteration"])
         check_same_start(self.comm, iteration)
+        now = data_at(iteration)
+        check_same_classes(state["data"].get("classes"), now.get("classes"), f"snapshot {str(path)!r}")
         restore(self.parts, state)
         self.saved_at = iteration
-        self._warn_if_data_setup_changed(state["data"], data_at(iteration))
+        self._warn_if_data_setup_changed(state["data"], now)
         self._warn_if_data_changed(state["config"].get("data", {}), self.config.get("data", {}))
+        if self.comm.rank == 0:
+            self._set_aside_other_branches(path, iteration)
         dropped = self.metrics.drop_after(iteration)  # lines a crashed run wrote past its last snapshot
         log.info("resumed from %s at iteration %d%s", path, iteration,
                  f"; dropped {dropped} metrics.jsonl line(s) past it" if dropped else "")
         return state
+
+    def _set_aside_other_branches(self, path: Path, iteration: int) -> None:
+        """Move the run_dir's snapshots that the resumed run does not continue into a ``superseded_<time>``
+        folder beside them, with a copy of metrics.jsonl: those past ``iteration`` when ``path`` is one of
+        this run_dir's own (a resume from an earlier snapshot starts another branch), and every one when
+        ``path`` lies elsewhere (another run's). Left in place, the new branch would overwrite them as it
+        passes their iterations, and ``--resume auto`` would later pick the newest of the old branch."""
+        own = path.parent.resolve() == self.run_dir.resolve()
+        others = [p for i, p in list_snapshots(self.run_dir) if (i > iteration if own else p.resolve() != path.resolve())]
+        if not others:
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = next(a for n in itertools.count(1)
+                     if not (a := self.run_dir / f"superseded_{stamp}{f'_{n}' if n > 1 else ''}").exists())
+        try:
+            aside.mkdir()
+            for p in others:
+                for f in self.run_dir.glob(glob.escape(p.name) + "*"):  # the snapshot and its markers
+                    f.rename(aside / f.name)
+            metrics = self.run_dir / "metrics.jsonl"
+            if metrics.is_file():
+                shutil.copy2(metrics, aside / metrics.name)
+        except OSError as e:
+            raise SnapshotError(f"cannot move the snapshots the resumed run does not continue into {str(aside)!r} "
+                                f"({e.strerror or e}); move {others[0].name} and the like out of train.run_dir "
+                                f"{str(self.run_dir)!r} by hand, or choose another train.run_dir") from e
+        log.warning("resuming from %s: moved %d snapshot(s) of another branch (%s) and a copy of metrics.jsonl into %s, so "
+                    "the new branch neither overwrites them nor is passed over by --resume auto", path, len(others),
+                    ", ".join(p.name for p in others[:3]) + (" ..." if len(others) > 3 else ""), aside)
 
     def start_over(self) -> None:
         """``--resume auto`` found no snapshot: start at 0, dropping what a crashed run logged."""
@@ -230,10 +284,10 @@ class Snapshots:
                         "samples; to start a new run from the snapshot's weights instead, use --weights PATH",
                         ", ".join(changed))
 
-    def _warn_if_data_setup_changed(self, then: dict[str, int], now: dict[str, int]) -> None:
+    def _warn_if_data_setup_changed(self, then: dict[str, Any], now: dict[str, Any]) -> None:
         """Resuming with another batch size, world size, iter_size or seed is allowed, but the run
         no longer continues the interrupted one sample for sample: say so."""
-        changed = [f"{k} {then[k]} -> {v}" for k, v in now.items() if k in then and then[k] != v]
+        changed = [f"{k} {then[k]} -> {v}" for k, v in now.items() if k in then and then[k] != v and k != "classes"]
         if changed and self.comm.rank == 0:
             log.warning("resuming with another data setup than the snapshot's (%s): training goes on, but the sample "
                         "order (and, for more ranks, the RNG streams) differ from an uninterrupted run",

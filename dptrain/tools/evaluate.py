@@ -16,6 +16,7 @@ from typing import Any
 from dptrain.config import TrainConfig, add_config_arguments, load_config
 from dptrain.errors import ConfigError, RankFailure
 from dptrain.run import open_communicator, stop_with_the_launcher
+from dptrain.snapshots import check_same_classes
 from dptrain.topology import Topology
 from dptrain.train import Trainer
 from dptrain.weights import check_weights_path, load_weights
@@ -36,7 +37,8 @@ def run_scoring(cfg: TrainConfig, weights: str) -> dict[str, Any] | None:
             if trainer.source.num_test == 0:
                 raise ConfigError("dptrain test needs a test set, and this config has none: set data.test_path to "
                                   "a test LMDB")
-            load_weights(trainer.model, trainer.flat, path, model_name=cfg.model.name)
+            trained_on = load_weights(trainer.model, trainer.flat, path, model_name=cfg.model.name)
+            check_same_classes(trained_on, getattr(trainer.source, "classes", None), f"--weights {str(path)!r}")
             log.info("test phase over %d samples on %d solver(s)", trainer.source.num_test, comm.world_size)
             result = trainer.test()
         finally:

@@ -285,10 +285,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ snapshots
 
-    def _data_at(self, iteration: int) -> dict[str, int]:
-        """The data position and setup a snapshot records (and a resume compares)."""
-        return {"micro_step": iteration * self.setup.iter_size, "world_size": self.world_size,
-                "batch_size": self.setup.batch_size, "seed": self.cfg.train.seed}
+    def _data_at(self, iteration: int) -> dict[str, Any]:
+        """The data position and setup a snapshot records (and a resume compares); an image folder's
+        class names too, which its labels follow."""
+        data: dict[str, Any] = {"micro_step": iteration * self.setup.iter_size, "world_size": self.world_size,
+                                "batch_size": self.setup.batch_size, "seed": self.cfg.train.seed}
+        classes = getattr(self.source, "classes", None)
+        if classes is not None:
+            data["classes"] = list(classes)
+        return data
 
     def save(self) -> Path | None:
         """Write snapshot_iter_<iteration>.pt (rank 0 gets its path); see ``dptrain.snapshots``."""

@@ -209,6 +209,64 @@ def test_resuming_on_other_data_warns_with_both_values_and_goes_on(tmp_path, emp
     assert "resuming on other data" not in caplog.text
 
 
+def test_a_resume_from_an_earlier_or_another_runs_snapshot_sets_the_other_branch_aside(tmp_path, empty_cfg, caplog):
+    """Resuming snapshot 2 of a run that reached 4 starts another branch: snapshot 4 moves into a
+    superseded_ folder with a copy of metrics.jsonl, instead of being overwritten when the branch passes
+    iteration 4 or picked over it by --resume auto; resuming another run's snapshot sets all aside."""
+    import logging
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", empty_cfg, *_args(run, "solver.max_iter=4", "solver.snapshot=2")]) == 0
+    first4 = (run / "snapshot_iter_4.pt").read_bytes()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--config", empty_cfg, "--resume", str(run / "snapshot_iter_2.pt"),
+                     *_args(run, "solver.max_iter=3", "solver.snapshot=2", "solver.base_lr=0.001")]) == 0
+    aside, = run.glob("superseded_*")
+    assert (aside / "snapshot_iter_4.pt").read_bytes() == first4 and (aside / "metrics.jsonl").is_file()
+    assert [i for i, _ in list_snapshots(run)] == [3, 2] and "moved 1 snapshot(s) of another branch" in caplog.text
+    assert resolve_resume("auto", run) == run / "snapshot_iter_3.pt"
+    other = tmp_path / "other"
+    assert main(["train", "--config", empty_cfg, "--resume", str(run / "snapshot_iter_2.pt"),
+                 *_args(other, "solver.max_iter=3")]) == 0  # an empty run_dir: nothing to set aside
+    assert not list(other.glob("superseded_*"))
+    assert main(["train", "--config", empty_cfg, "--resume", str(other / "snapshot_iter_3.pt"),
+                 *_args(run, "solver.max_iter=4")]) == 0
+    assert len(list(run.glob("superseded_*"))) == 2 and [i for i, _ in list_snapshots(run)] == [4]
+
+
+def test_a_snapshot_of_other_image_folder_classes_is_refused_by_resume_and_test(tmp_path, empty_cfg, capsys):
+    """Labels follow the sorted class folders: a class removed from data.path would shift them."""
+    import io
+
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for k, c in enumerate(("cat", "dog", "emu")):
+            (tmp_path / split / c).mkdir(parents=True)
+            for i in range(4):
+                buf = io.BytesIO()
+                Image.new("RGB", (32, 32), (40 * k, 10 * i, 90)).save(buf, "PNG")
+                (tmp_path / split / c / f"{i}.png").write_bytes(buf.getvalue())
+    run = tmp_path / "run"
+    folder = [f"data.source={json.dumps('folder')}", f"data.path={json.dumps(str(tmp_path / 'train'))}",
+              f"data.test_path={json.dumps(str(tmp_path / 'val'))}", "model.num_classes=3", "data.batch_size=4",
+              "solver.test_iter=1", "solver.base_lr=0.001"]
+    assert main(["train", "--config", empty_cfg, *_args(run, "solver.max_iter=2", *folder)]) == 0
+    capsys.readouterr()
+    import shutil
+
+    shutil.rmtree(tmp_path / "train" / "cat")
+    shutil.rmtree(tmp_path / "val" / "cat")
+    snap = str(run / "snapshot_iter_2.pt")
+    assert main(["train", "--config", empty_cfg, "--resume", snap, *_args(run, "solver.max_iter=3", *folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "snapshot_iter_2.pt' was trained on 3 image-folder classes and data.path has 2 (gone: " \
+        "['cat']); labels follow the sorted class folders" in err[0], err
+    assert main(["test", "--config", empty_cfg, "--weights", snap, *_args(run, *folder)]) == 2
+    assert "was trained on 3 image-folder classes and data.path has 2" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------- divergence
 
 
