@@ -656,7 +656,10 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set expects section.key=value, got {item!r}")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as e:
+        if raw.strip()[:1] in ("[", "{", '"', "'"):  # meant as an array, table or quoted string: not a bare word
+            raise ConfigError(f"--set {item!r}: the value is not valid TOML ({str(e).splitlines()[0]}); close the "
+                              f"brackets or quotes, e.g. {dotted.strip()}=[8, 16]") from e
         value = raw  # a bare word is a string
     return parts, value
 
@@ -684,7 +687,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found; pass an existing TOML file to --config")
+            what = "is a folder, not a TOML file" if p.is_dir() else "not found"
+            raise ConfigError(f"config file {str(p)!r} {what}; pass an existing TOML file to --config")
         try:
             table = tomllib.loads(p.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:

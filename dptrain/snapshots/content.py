@@ -114,7 +114,7 @@ def check_same_classes(then: list[str] | None, now: list[str] | None, what: str)
                         f"the classifier")
 
 
-def restore(parts: StateParts, state: dict[str, Any]) -> None:
+def restore(parts: StateParts, state: dict[str, Any], what: str = "the snapshot") -> None:
     """Load a snapshot into the parts: buffers, masters (weights re-derived), optimizer and
     scaler state, the reducer's layout, and this rank's RNG (rank 0's for a rank the
     snapshot did not have). The data position and display state are the caller's."""
@@ -123,14 +123,16 @@ def restore(parts: StateParts, state: dict[str, Any]) -> None:
     buffers = {k: v for k, v in state["model"].items() if k not in params}
     missing = parts.model.load_state_dict(buffers, strict=False)
     if missing.unexpected_keys:
-        raise SnapshotError(f"snapshot has keys this model lacks: {missing.unexpected_keys[:5]}; "
+        raise SnapshotError(f"{what} has keys this model lacks: {missing.unexpected_keys[:5]}; "
                             "was it written for another model.name?")
     for name, p in parts.model.named_parameters():
         saved = state["model"].get(name)
         if saved is None or saved.shape != p.shape:
             got = "missing" if saved is None else f"{list(saved.shape)}"
-            raise SnapshotError(f"snapshot's {name!r} is {got} but this model's is {list(p.shape)}; was it written "
-                                f"with another model.num_classes / model.width / input channels?")
+            raise SnapshotError(f"{what}: {name!r} is {got} there but {list(p.shape)} in this model; --resume continues "
+                                f"the same model, so check model.num_classes, model.args (model.width for a zoo "
+                                f"model) and the input channels; or start a new run from its weights with "
+                                f"--weights PATH --weights-skip {name!r}")
     parts.reducer.load_state_dict(state["reducer"])  # may re-lay out the flat buffers: first
     parts.flat.load_master_state(state["model"])
     parts.optimizer.load_state_dict(state["optimizer"])
@@ -222,7 +224,7 @@ class Snapshots:
         check_same_start(self.comm, iteration)
         now = data_at(iteration)
         check_same_classes(state["data"].get("classes"), now.get("classes"), f"snapshot {str(path)!r}")
-        restore(self.parts, state)
+        restore(self.parts, state, f"snapshot {str(path)!r}")
         self.saved_at = iteration
         self._warn_if_data_setup_changed(state["data"], now)
         self._warn_if_data_changed(state["config"].get("data", {}), self.config.get("data", {}))

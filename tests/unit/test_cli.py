@@ -153,7 +153,8 @@ def test_run_dir_on_a_file_and_resume_into_another_model_are_one_line_errors(cfg
     snap = str(tmp_path / "run" / "snapshot_iter_2.pt")
     assert main(["train", "--config", good, "--set=model.num_classes=12", "--resume", snap]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "snapshot's 'classifier.3.weight' is [10, 500] but this model's is [12, 500]" in err[0]
+    assert len(err) == 1 and "snapshot_iter_2.pt': 'classifier.3.weight' is [10, 500] there but [12, 500] in this model" \
+        in err[0] and "--weights PATH --weights-skip 'classifier.3.weight'" in err[0], err
     (tmp_path / "junk.pt").write_bytes(bytes(range(256)) * 20)
     assert main(["train", "--config", good, "--resume", str(tmp_path / "junk.pt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

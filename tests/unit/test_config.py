@@ -89,6 +89,11 @@ def test_overrides_take_precedence_and_are_checked(tmp_path):
         load_config(p, ["solver.max_iter=0"])
     with pytest.raises(ConfigError, match="--set expects section.key=value"):
         load_config(p, ["solver"])
+    with pytest.raises(ConfigError, match=r"--set 'data.resize=\[40, 40': the value is not valid TOML"):
+        load_config(p, ["data.resize=[40, 40"])  # not silently the string "[40, 40"
+    assert load_config(p, ["model.name=lenet"]).model.name == "lenet"  # a bare word is a string
+    with pytest.raises(ConfigError, match=r"config file '.*' is a folder, not a TOML file"):
+        load_config(tmp_path, [])
 
 
 def test_configs_are_frozen():
