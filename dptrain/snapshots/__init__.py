@@ -23,7 +23,8 @@ from dptrain.snapshots.files import (
 )
 from dptrain.snapshots.rundir import RunDir
 
-__all__ = ["SNAPSHOT_FORMAT", "RunDir", "Snapshots", "StateParts", "capture", "check_same_classes", "check_same_start", "check_snapshot",
-           "folder_given", "free_space", "good_snapshots", "is_diverging", "is_snapshot_file", "list_snapshots", "load_snapshot",
-           "load_tensors", "mark_diverging", "prune_snapshots", "remove_stale_temporaries", "resolve_resume", "restore",
-           "save_atomically", "save_snapshot", "snapshot_path"]
+__all__ = ["SNAPSHOT_FORMAT", "RunDir", "Snapshots", "StateParts", "capture", "check_same_classes",
+           "check_same_start", "check_snapshot", "folder_given", "free_space", "good_snapshots", "is_diverging",
+           "is_snapshot_file", "list_snapshots", "load_snapshot", "load_tensors", "mark_diverging",
+           "prune_snapshots", "remove_stale_temporaries", "resolve_resume", "restore", "save_atomically",
+           "save_snapshot", "snapshot_path"]

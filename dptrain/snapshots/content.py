@@ -129,9 +129,9 @@ def restore(parts: StateParts, state: dict[str, Any], what: str = "the snapshot"
         saved = state["model"].get(name)
         if saved is None or saved.shape != p.shape:
             got = "missing" if saved is None else f"{list(saved.shape)}"
-            raise SnapshotError(f"{what}: {name!r} is {got} there but {list(p.shape)} in this model; --resume continues "
-                                f"the same model, so check model.num_classes, model.args (model.width for a zoo "
-                                f"model) and the input channels; or start a new run from its weights with "
+            raise SnapshotError(f"{what}: {name!r} is {got} there but {list(p.shape)} in this model; --resume "
+                                f"continues the same model, so check model.num_classes, model.args (model.width for "
+                                f"a zoo model) and the input channels; or start a new run from its weights with "
                                 f"--weights PATH --weights-skip {name!r}")
     parts.reducer.load_state_dict(state["reducer"])  # may re-lay out the flat buffers: first
     parts.flat.load_master_state(state["model"])
@@ -242,7 +242,8 @@ class Snapshots:
         ``path`` lies elsewhere (another run's). Left in place, the new branch would overwrite them as it
         passes their iterations, and ``--resume auto`` would later pick the newest of the old branch."""
         own = path.parent.resolve() == self.run_dir.resolve()
-        others = [p for i, p in list_snapshots(self.run_dir) if (i > iteration if own else p.resolve() != path.resolve())]
+        others = [p for i, p in list_snapshots(self.run_dir)
+                  if (i > iteration if own else p.resolve() != path.resolve())]
         if not others:
             return
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -260,9 +261,9 @@ class Snapshots:
             raise SnapshotError(f"cannot move the snapshots the resumed run does not continue into {str(aside)!r} "
                                 f"({e.strerror or e}); move {others[0].name} and the like out of train.run_dir "
                                 f"{str(self.run_dir)!r} by hand, or choose another train.run_dir") from e
-        log.warning("resuming from %s: moved %d snapshot(s) of another branch (%s) and a copy of metrics.jsonl into %s, so "
-                    "the new branch neither overwrites them nor is passed over by --resume auto", path, len(others),
-                    ", ".join(p.name for p in others[:3]) + (" ..." if len(others) > 3 else ""), aside)
+        log.warning("resuming from %s: moved %d snapshot(s) of another branch (%s) and a copy of metrics.jsonl "
+                    "into %s, so the new branch neither overwrites them nor is passed over by --resume auto", path,
+                    len(others), ", ".join(p.name for p in others[:3]) + (" ..." if len(others) > 3 else ""), aside)
 
     def start_over(self) -> None:
         """``--resume auto`` found no snapshot: start at 0, dropping what a crashed run logged."""
