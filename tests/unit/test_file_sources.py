@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -185,7 +187,8 @@ def test_a_shard_with_no_good_record_says_why(tmp_path):
         collect(src.train_batches(SampleOrder(0, 1, 2, seed=1, shuffle=False), 0), 1)
 
 
-def test_a_list_names_an_image_labelled_twice_a_missing_file_where_it_looked_and_takes_a_bom(folder, tmp_path):
+def test_a_list_names_an_image_labelled_twice_a_missing_file_where_it_looked_and_takes_a_bom(folder, tmp_path,
+                                                                                             caplog):
     (tmp_path / "l.txt").write_text("cat/00.jpg 0\ndog/00.jpg 1\ncat/00.jpg 0\ncat/00.jpg 2\n")
     with pytest.raises(ConfigError, match=r"l.txt:4: 'cat/00.jpg' is labelled 2 here and 0 at line 1"):
         open_records(DataConfig(source="list", path=str(tmp_path / "l.txt"), root=str(folder / "train")),
@@ -194,7 +197,13 @@ def test_a_list_names_an_image_labelled_twice_a_missing_file_where_it_looked_and
     from dptrain.data.sources.files import read_list_file
 
     assert read_list_file(tmp_path / "bom.txt")[0] == ("cat/00.jpg", 0)
-    (tmp_path / "gone.txt").write_text("nope/00.jpg 0\ncat/00.jpg 0\n")
-    with pytest.raises(DataError, match=r"file 'nope/00.jpg': cannot read the image file '.*train/nope/00.jpg' \(No "):
-        open_records(DataConfig(source="list", path=str(tmp_path / "gone.txt"), root=str(folder / "train"),
-                                crop_size=16), num_classes=3, seed=1)
+    (tmp_path / "gone.txt").write_text("nope/00.jpg 0\ncat/00.jpg 0\n")  # a wrong data.root is found at open
+    with pytest.raises(ConfigError, match=r"gone.txt: 2 of 2 files checked at open do not exist under data.root "
+                                          r"'.*images0' \(the first, line 1: '.*images0/nope/00.jpg'\); set data.root"):
+        open_records(DataConfig(source="list", path=str(tmp_path / "gone.txt"), root=str(folder)), num_classes=3,
+                     seed=1)
+    cfg = DataConfig(source="list", path=str(tmp_path / "gone.txt"), root=str(folder / "train"), crop_size=16,
+                     max_bad_records=1)  # one missing file allowed at open, then named by its path when read
+    with caplog.at_level(logging.WARNING):
+        open_records(cfg, num_classes=3, seed=1)
+    assert re.search(r"file 'nope/00.jpg': cannot read the image file '.*train/nope/00.jpg' \(No such file", caplog.text)

@@ -6,6 +6,7 @@ and the other channels pin down the crop window exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import logging
@@ -582,10 +583,12 @@ def test_shard_with_only_bad_records_fails_even_within_budget(tmp_path):
 
 def test_prefix_seek_reports_a_gap_in_the_key_sequence(tmp_path):
     keys = [b"00000000_a", b"00000001_b", b"00000001_c", b"00000003_d"]  # no 00000002_: first/last look dense
-    src = LmdbSource(make_cfg(write_db(tmp_path / "db", [raw_value(i) for i in range(4)], keys=keys),
-                               shuffle="none"), num_classes=NUM_CLASSES, seed=1)
+    cfg = make_cfg(write_db(tmp_path / "db", [raw_value(i) for i in range(4)], keys=keys), shuffle="none")
     with pytest.raises(DataError, match="key '#2': no record with key prefix '00000002_'"):
-        collect(src.train_batches(SampleOrder(0, 1, 4, seed=1, shuffle=False), 0), 1)
+        LmdbSource(cfg, num_classes=NUM_CLASSES, seed=1)  # a small DB is probed whole at open
+    src = LmdbSource(dataclasses.replace(cfg, max_bad_records=1), num_classes=NUM_CLASSES, seed=1)
+    (_, _, info), = collect(src.train_batches(SampleOrder(0, 1, 4, seed=1, shuffle=False), 0), 1)
+    assert info == {"bad_records": 1}
 
 
 def test_double_release_and_dead_renderers_raise(db29, monkeypatch):

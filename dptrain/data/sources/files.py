@@ -200,6 +200,12 @@ class FolderSource(RecordSource):
                          pin_memory=pin_memory)
 
 
+LIST_CHECKS = 256
+"""Files of a list checked to exist when it is opened, spread evenly over it: a wrong ``data.root`` is then
+found at start-up instead of at the first batch that reads past the records probed, at a bounded cost
+on a parallel file system (one stat each); every file is still checked when it is read."""
+
+
 class ListSource(RecordSource):
     """``data.source = "list"``: ``path label`` list files at ``data.path`` and ``data.test_path``."""
 
@@ -207,11 +213,12 @@ class ListSource(RecordSource):
 
     def __init__(self, cfg: DataConfig, *, num_classes: int, seed: int, rank: int = 0, cores: int = 1,
                  render: RenderOptions = DEFAULT_RENDER, pin_memory: bool = False) -> None:
-        readers = [self._reader(path, cfg.root, num_classes) if path else None for path in (cfg.path, cfg.test_path)]
+        readers = [self._reader(path, cfg.root, num_classes, cfg.max_bad_records) if path else None
+                   for path in (cfg.path, cfg.test_path)]
         super().__init__(cfg, readers[0], readers[1], num_classes=num_classes, seed=seed, rank=rank, cores=cores,
                          render=render, pin_memory=pin_memory)
 
-    def _reader(self, path: str, root: str, num_classes: int) -> FileReader:
+    def _reader(self, path: str, root: str, num_classes: int, max_bad: int) -> FileReader:
         lines = read_list_lines(path)
         bad = next(((p, label, n) for p, label, n in lines if label >= num_classes), None)
         if bad is not None:
@@ -224,4 +231,14 @@ class ListSource(RecordSource):
                 raise ConfigError(f"{path}:{n}: {p!r} is labelled {label} here and {seen[0]} at line {seen[1]}; an "
                                   f"image takes one label: fix the list")
         base = Path(root) if root else Path(path).parent
-        return FileReader([(p, label) for p, label, _ in lines], base, path=path, kind=self.kind)
+        reader = FileReader([(p, label) for p, label, _ in lines], base, path=path, kind=self.kind)
+        n, k = len(lines), min(len(lines), LIST_CHECKS)
+        picks = sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})
+        missing = [i for i in picks if not os.path.exists(reader._files[i])]
+        if len(missing) > max_bad:
+            i = missing[0]
+            under = "data.root" if root else "the list file's folder"
+            raise ConfigError(f"{path}: {len(missing)} of {len(picks)} files checked at open do not exist under "
+                              f"{under} {str(base)!r} (the first, line {lines[i][2]}: {str(reader._files[i])!r}); "
+                              f"set data.root to the folder the list's paths are relative to, or fix the list")
+        return reader

@@ -128,7 +128,8 @@ class RecordSource:
         again, once, when it reaches it).
         """
         n = self.num_train
-        picks = sorted({round(i * (n - 1) / max(1, PROBE_RECORDS - 1)) for i in range(min(n, PROBE_RECORDS))})
+        k = min(n, PROBE_RECORDS)
+        picks = sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})  # first and last included
         found: list[tuple[int, tuple[int, int]]] = []
         bad = 0
         handle = self._train.handle()
