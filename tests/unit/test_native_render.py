@@ -154,11 +154,11 @@ def _label_as(wire: int) -> bytes:
 
 @pytest.mark.parametrize("wire,found", [(2, "length-delimited"), (5, "32-bit")])
 def test_a_label_of_the_wrong_wire_type_is_a_bad_record_naming_its_key(lib, tmp_path, wire, found):
-    values = [_jpeg_record(i) for i in range(8)]
-    values[5] = _label_as(wire)
+    values = [_jpeg_record(i) for i in range(40)]
+    values[6] = _label_as(wire)  # not among the records probed at open: the renderer meets it
     src = LmdbSource(make_cfg(write_db(tmp_path / "db", values), crop_size=40, shuffle="none"),
                      num_classes=NUM_CLASSES, seed=0)
-    with pytest.raises(DataError, match=f"key '00000005_r5'.*field label \\(number 5\\) holds a {found}"):
+    with pytest.raises(DataError, match=f"key '00000006_r6'.*field label \\(number 5\\) holds a {found}"):
         collect(src.train_batches(SampleOrder(0, 1, 4, seed=0, shuffle=False), 0), 2)
     assert input_threads() == []
 
