@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from dptrain.config import DataConfig
-from dptrain.data.sources.records import RecordHandle, RecordSource
+from dptrain.data.sources.records import RecordHandle, RecordSource, spread
 from dptrain.data.transforms.render import DEFAULT_RENDER, RenderOptions
 from dptrain.errors import ConfigError, DataError, InputError
 
@@ -232,8 +232,7 @@ class ListSource(RecordSource):
                                   f"image takes one label: fix the list")
         base = Path(root) if root else Path(path).parent
         reader = FileReader([(p, label) for p, label, _ in lines], base, path=path, kind=self.kind)
-        n, k = len(lines), min(len(lines), LIST_CHECKS)
-        picks = sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})
+        picks = spread(len(lines), LIST_CHECKS)
         missing = [i for i in picks if not os.path.exists(reader._files[i])]
         if len(missing) > max_bad:
             i = missing[0]

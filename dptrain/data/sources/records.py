@@ -62,6 +62,12 @@ def default_threads(cfg: DataConfig, cores: int, *, training_on_cuda: bool = Fal
     return readers, cfg.transformer_threads or renderers
 
 
+def spread(n: int, k: int) -> list[int]:
+    """Up to ``k`` of the indices 0..n-1, spread evenly, the first and the last included."""
+    k = min(n, k)
+    return sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})
+
+
 class RecordHandle(abc.ABC):
     """One reader thread's access to a source's records: ``get_many`` is the source's own (one loop over
     a chunk's records), ``get`` the one-record case of it."""
@@ -127,25 +133,24 @@ class RecordSource:
         counts against ``data.max_bad_records`` like anywhere else (the stream counts it
         again, once, when it reaches it).
         """
-        n = self.num_train
-        k = min(n, PROBE_RECORDS)
-        picks = sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})  # first and last included
+        picks = spread(self.num_train, PROBE_RECORDS)
         found: list[tuple[int, tuple[int, int]]] = []
         bad = 0
         handle = self._train.handle()
         try:
             for index in picks:
                 key, value, error = handle.get(index)
-                try:
-                    if error is not None:
-                        raise error
-                    found.append(probe_channels_and_size(parse_datum(value)))
-                except DataError as e:
-                    located = e.located(path=self._train.path, key=key, rank=rank, kind=self._train.kind)
-                    bad += 1
-                    if bad > cfg.max_bad_records:
-                        raise located from e
-                    log.warning("%s (skipped: data.max_bad_records = %d)", located, cfg.max_bad_records)
+                if error is None:
+                    try:
+                        found.append(probe_channels_and_size(parse_datum(value)))
+                        continue
+                    except DataError as e:
+                        error = e
+                located = error.located(path=self._train.path, key=key, rank=rank, kind=self._train.kind)
+                bad += 1
+                if bad > cfg.max_bad_records:
+                    raise located from error
+                log.warning("%s (skipped: data.max_bad_records = %d)", located, cfg.max_bad_records)
         finally:
             handle.close()
         if not found:
